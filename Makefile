@@ -1,0 +1,24 @@
+# `make demo` and `make test` set up everything on a fresh machine.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Torch first, pinned: the CPU build on disk. An unpinned resolve pulls CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
