@@ -1,0 +1,55 @@
+"""``qkv.attention``: the one entry point, validated and dispatched to the best engine."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import engines
+from .engines import sdpa
+from .problem import build_problem
+from .reference import run as run_reference
+
+engines.register(engines.Engine("sdpa", sdpa.why_not, sdpa.run))
+engines.register(engines.Engine("reference", lambda p: None, run_reference))
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    score_mod=None,
+    similarity: str = "dot",
+    scale=None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    metric: Tensor | None = None,
+    backend: str = "auto",
+):
+    """Attention softmax(score(q, k)) v with masks, score modifiers and pluggable similarity.
+
+    Args:
+        q: (B, H, Nq, D) queries.
+        k: (B, Hkv, Nk, D) keys; H must be a multiple of Hkv (grouped / multi-query heads).
+        v: (B, Hkv, Nk, Dv) values.
+        mask: None, a bool tensor broadcastable to (B, H, Nq, Nk) (True = may attend), or a
+            qkv mask object (``qkv.causal()``, ``qkv.padding(...)``, ... combined with & and |).
+        score_mod: None, a callable ``score_mod(score, b, h, q_idx, kv_idx)``, a built-in
+            modifier (``qkv.alibi``, ``qkv.relative_bias``, ``qkv.softcap``) or a list of them.
+        similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis".
+        scale: multiplies the similarity; a float or a tensor of shape () or (H,). Default
+            1/√D, except cosine: √D.
+        dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in eval).
+        return_weights: also return the weights (B, H, Nq, Nk) that multiplied v.
+        metric: L of shape (D, D) or (H, D, D), for similarity="mahalanobis" (-‖L(q-k)‖²).
+        backend: "auto" (fastest engine that can run the request), or force one by name.
+
+    Returns:
+        out (B, H, Nq, Dv), or (out, weights). Rows with no allowed key give zeros.
+    """
+    problem = build_problem(
+        q, k, v, mask=mask, score_mod=score_mod, similarity=similarity, scale=scale,
+        metric=metric, dropout_p=dropout_p, return_weights=return_weights,
+    )
+    return engines.select(problem, backend).run(problem)

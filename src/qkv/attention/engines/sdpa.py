@@ -1,0 +1,49 @@
+"""torch's scaled_dot_product_attention, for the cases it computes exactly as qkv defines them:
+the plain dot product with no mask, or causal attention with Nq <= Nk."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import Problem
+
+# enable_gqa arrived in torch 2.5; older versions get the heads repeated.
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+def why_not(p: Problem) -> str | None:
+    if p.similarity.name != "dot":
+        return f"SDPA computes only the dot product, not similarity={p.similarity.name!r}"
+    if p.score_mod is not None:
+        return "SDPA has no score_mod"
+    if p.return_weights:
+        return "SDPA cannot return attention weights"
+    if p.metric is not None or not isinstance(p.scale, float):
+        return "SDPA needs a plain float scale"
+    if p.mask is not None and not p.is_causal_only:
+        return "SDPA runs only no mask or qkv.causal()"
+    if p.is_causal_only and p.nq > p.nk:
+        return "causal with Nq > Nk leaves rows with no key, which SDPA turns into NaN"
+    return None
+
+
+def run(p: Problem):
+    q, k, v = p.q, p.k, p.v
+    kwargs = {}
+    if p.kv_heads != p.heads:
+        if _HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            group = p.heads // p.kv_heads
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    attn_mask, is_causal = None, False
+    if p.is_causal_only:
+        if p.nq == p.nk:
+            is_causal = True
+        else:  # SDPA's is_causal is top-left aligned; qkv's causal is bottom-right.
+            attn_mask = torch.ones(p.nq, p.nk, dtype=torch.bool, device=q.device).tril(p.offset)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=p.dropout_p, is_causal=is_causal, scale=p.scale,
+        **kwargs,
+    )

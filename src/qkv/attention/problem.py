@@ -1,0 +1,171 @@
+"""One attention call, validated and normalized, as every engine receives it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .masks import CausalMask, Mask, as_mask
+from .scores import ScoreMod, as_score_mod
+from .similarity import Similarity, get_similarity
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Problem:
+    """q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), plus the variant.
+
+    ``scale`` is a float, or a tensor of shape () or (H,) (a learnable temperature)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Mask | None
+    score_mod: ScoreMod | None
+    similarity: Similarity
+    scale: float | Tensor
+    metric: Tensor | None
+    dropout_p: float
+    return_weights: bool
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def nk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def offset(self) -> int:
+        """Nk - Nq: query i sits at key position i + offset (bottom-right alignment)."""
+        return self.nk - self.nq
+
+    @property
+    def is_causal_only(self) -> bool:
+        return isinstance(self.mask, CausalMask)
+
+    def scale_tensor(self) -> float | Tensor:
+        """The scale, broadcastable to (B, H, Nq, Nk)."""
+        if isinstance(self.scale, Tensor) and self.scale.dim() == 1:
+            return self.scale.view(1, -1, 1, 1)
+        return self.scale
+
+    def grad_tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor besides q, k, v that a gradient may have to reach."""
+        extra: list[Tensor] = []
+        if self.metric is not None:
+            extra.append(self.metric)
+        if isinstance(self.scale, Tensor):
+            extra.append(self.scale)
+        if self.score_mod is not None:
+            extra.extend(self.score_mod.tensors())
+        return tuple(t for t in extra if t.is_floating_point())
+
+
+def _shape(t: Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t, layout in (
+        ("q", q, "(B, H, Nq, D)"),
+        ("k", k, "(B, Hkv, Nk, D)"),
+        ("v", v, "(B, Hkv, Nk, Dv)"),
+    ):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {layout}; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor {layout}; got shape {_shape(t)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float64, float32, bfloat16 or float16; got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k (B, Hkv, Nk, D) and v (B, Hkv, Nk, Dv) must agree on B, Hkv and Nk; got k "
+            f"{_shape(k)} and v {_shape(v)}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size B; got q {_shape(q)}, k {_shape(k)}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q and k must have the same head dim D; got q {_shape(q)} and k {_shape(k)}"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"the number of query heads H={q.shape[1]} must be a multiple of the number of "
+            f"key/value heads Hkv={k.shape[1]}"
+        )
+
+
+def _check_metric(metric, similarity: Similarity, q: Tensor):
+    if not similarity.needs_metric:
+        if metric is not None:
+            raise ValueError(f"metric is only used with similarity='mahalanobis', not {similarity.name!r}")
+        return None
+    d, h = q.shape[3], q.shape[1]
+    if metric is None:
+        raise ValueError(f"similarity='mahalanobis' needs metric=L of shape (D, D) or (H, D, D), D={d}")
+    if not isinstance(metric, Tensor) or not metric.is_floating_point():
+        raise TypeError("metric must be a floating-point tensor of shape (D, D) or (H, D, D)")
+    if metric.shape not in ((d, d), (h, d, d)):
+        raise ValueError(
+            f"metric must have shape (D, D)=({d}, {d}) or (H, D, D)=({h}, {d}, {d}); got "
+            f"{_shape(metric)}"
+        )
+    return metric
+
+
+def _check_scale(scale, similarity: Similarity, q: Tensor):
+    if scale is None:
+        return similarity.default_scale(q.shape[-1])
+    if isinstance(scale, Tensor):
+        if scale.dim() > 1 or (scale.dim() == 1 and scale.numel() != q.shape[1]):
+            raise ValueError(f"scale tensor must have shape () or (H,)=({q.shape[1]},); got {_shape(scale)}")
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number or a tensor of shape () or (H,); got {scale!r}")
+    return float(scale)
+
+
+def build_problem(
+    q, k, v, *, mask, score_mod, similarity, scale, metric, dropout_p, return_weights
+) -> Problem:
+    _check_qkv(q, k, v)
+    sim = get_similarity(similarity)
+    mask = as_mask(mask)
+    if mask is not None:
+        mask.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
+    return Problem(
+        q=q,
+        k=k,
+        v=v,
+        mask=mask,
+        score_mod=as_score_mod(score_mod),
+        similarity=sim,
+        scale=_check_scale(scale, sim, q),
+        metric=_check_metric(metric, sim, q),
+        dropout_p=float(dropout_p),
+        return_weights=bool(return_weights),
+    )

@@ -1,0 +1,72 @@
+"""The materialized reference: the source of truth every engine is checked against.
+
+It evaluates the single definitions of similarity, score modifier and mask on the full
+(B, H, Nq, Nk) score matrix, in float64 for float64 inputs and float32 otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import _index_grid
+from .problem import Problem
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax and sums run in float64 for float64 inputs and in float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last dim where -inf marks a forbidden key.
+
+    Returns (weights, lse). A row with no allowed key gets weights 0 (and zero gradients,
+    never NaN) and lse -inf."""
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    exp = torch.exp(scores - row_max)
+    denom = exp.sum(dim=-1, keepdim=True)
+    empty = denom == 0
+    weights = exp / torch.where(empty, torch.ones_like(denom), denom)
+    lse = (row_max + torch.log(denom)).squeeze(-1)
+    return weights, lse
+
+
+def expand_kv_heads(t: Tensor, heads: int) -> Tensor:
+    """(B, Hkv, N, D) -> (B, H, N, D): query head h reads key/value head h // (H / Hkv)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
+    """Masked, modified scores (B, H, Nq, Nk) in q's dtype; forbidden entries are -inf."""
+    scale = p.scale_tensor()
+    if isinstance(scale, Tensor):
+        scale = scale.to(q.dtype)
+    metric = None if p.metric is None else p.metric.to(q.dtype)
+    scores = p.similarity.scores(q, expand_kv_heads(k, p.heads), scale, metric)
+    b, h, qi, ki = _index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
+    if p.score_mod is not None:
+        scores = p.score_mod(scores, b, h, qi, ki, p.offset)
+    if p.mask is not None:
+        allowed = p.mask.materialize(p.batch, p.heads, p.nq, p.nk, q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def reference_attention(p: Problem) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns out (B, H, Nq, Dv) and weights (B, H, Nq, Nk) in q's dtype, and lse (B, H, Nq)
+    in the accumulation dtype."""
+    acc = accumulation_dtype(p.q.dtype)
+    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
+    weights, lse = masked_softmax(scores_of(p, q, k))
+    if p.dropout_p > 0:
+        weights = F.dropout(weights, p.dropout_p)
+    out = weights @ expand_kv_heads(v, p.heads)
+    return out.to(p.q.dtype), weights.to(p.q.dtype), lse
+
+
+def run(p: Problem):
+    out, weights, _ = reference_attention(p)
+    return (out, weights) if p.return_weights else out

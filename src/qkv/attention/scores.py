@@ -1,0 +1,230 @@
+"""Score modifiers: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied before softmax.
+
+Built-in modifiers also take ``offset = Nk - Nq`` so that a query's position is bottom-right
+aligned (``q_idx + offset``), which keeps ALiBi and relative bias right under a KV cache.
+User callables keep FlexAttention's five-argument signature and receive raw query indices.
+Each modifier is written once here; every engine evaluates the same function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class ScoreMod:
+    """Base class for score modifiers. ``tensors()`` lists the tensors it reads, so engines can
+    route gradients to learnable ones (relative-bias tables, ALiBi slopes)."""
+
+    def __call__(self, score: Tensor, b, h, q_idx, kv_idx, offset: int = 0) -> Tensor:
+        raise NotImplementedError
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return ()
+
+    def then(self, other) -> ScoreMod:
+        """Apply ``self`` and then ``other``."""
+        return ChainedScoreMod([self, as_score_mod(other)])
+
+
+class ChainedScoreMod(ScoreMod):
+    def __init__(self, mods: Sequence[ScoreMod]):
+        self.mods = []
+        for mod in mods:
+            self.mods.extend(mod.mods if isinstance(mod, ChainedScoreMod) else [mod])
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        for mod in self.mods:
+            score = mod(score, b, h, q_idx, kv_idx, offset)
+        return score
+
+    def tensors(self):
+        return tuple(t for mod in self.mods for t in mod.tensors())
+
+    def __repr__(self) -> str:
+        return " then ".join(repr(m) for m in self.mods)
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The ALiBi paper's geometric slopes: 2^(-8/n), 2^(-16/n), ... for n a power of two;
+    otherwise those of the nearest lower power of two, then every other slope of the next."""
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"alibi: num_heads must be a positive int; got {num_heads!r}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    lower = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(lower)
+    if lower < num_heads:
+        slopes += power_of_two(2 * lower)[0::2][: num_heads - lower]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class Alibi(ScoreMod):
+    """score - slope[h] * |position(q) - kv_idx| (equals the paper's bias under causal masking)."""
+
+    def __init__(self, slopes: Tensor):
+        if slopes.dim() != 1:
+            raise ValueError(f"alibi: slopes must be 1-D (H,); got shape {tuple(slopes.shape)}")
+        self.slopes = slopes
+
+    def tensors(self):
+        return (self.slopes,)
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        distance = (q_idx + offset - kv_idx).abs().to(score.dtype)
+        return score - self.slopes.to(score)[h] * distance
+
+    def __repr__(self) -> str:
+        return f"alibi({self.slopes.numel()} heads)"
+
+
+def relative_position_bucket(
+    relative_position: Tensor, num_buckets: int, max_distance: int, bidirectional: bool
+) -> Tensor:
+    """T5's bucketing of ``kv_idx - q_idx``: exact for small offsets, logarithmic up to
+    ``max_distance``, then clamped."""
+    bucket = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # The log of distance < max_exact is unused (is_small picks the exact bucket); clamp keeps it finite.
+    log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(
+        max_distance / max_exact
+    )
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+class RelativeBias(ScoreMod):
+    """T5 relative position bias: score + table[bucket(kv_idx - position(q)), h]."""
+
+    def __init__(self, table: Tensor, num_buckets: int, max_distance: int, bidirectional: bool):
+        if table.dim() != 2 or table.shape[0] != num_buckets:
+            raise ValueError(
+                f"relative_bias: table must have shape (num_buckets={num_buckets}, H); "
+                f"got {tuple(table.shape)}"
+            )
+        if num_buckets < 2 or max_distance <= num_buckets // (2 if bidirectional else 1) // 2:
+            raise ValueError(
+                "relative_bias: need num_buckets >= 2 and max_distance larger than the exact "
+                f"range; got num_buckets={num_buckets}, max_distance={max_distance}"
+            )
+        self.table = table
+        self.num_buckets, self.max_distance, self.bidirectional = (
+            num_buckets,
+            max_distance,
+            bidirectional,
+        )
+
+    def tensors(self):
+        return (self.table,)
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        relative = torch.as_tensor(kv_idx - (q_idx + offset))
+        bucket = relative_position_bucket(
+            relative, self.num_buckets, self.max_distance, self.bidirectional
+        )
+        return score + self.table.to(score)[bucket, h]
+
+    def __repr__(self) -> str:
+        return f"relative_bias({self.num_buckets} buckets, max_distance={self.max_distance})"
+
+
+class Softcap(ScoreMod):
+    """cap * tanh(score / cap): bounds logits smoothly (Gemma 2, Grok)."""
+
+    def __init__(self, cap: float):
+        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
+            raise ValueError(f"softcap: cap must be a positive number; got {cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def __repr__(self) -> str:
+        return f"softcap({self.cap:g})"
+
+
+class UserScoreMod(ScoreMod):
+    """A FlexAttention-style callable ``fn(score, b, h, q_idx, kv_idx)``."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        return self.fn(score, b, h, q_idx, kv_idx)
+
+    def tensors(self):
+        return captured_tensors(self.fn)
+
+    def __repr__(self) -> str:
+        return f"score_mod({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
+    """Tensors a callable reads through its closure, defaults, or (for a Module) parameters."""
+    found: list[Tensor] = []
+    if isinstance(fn, torch.nn.Module):
+        found.extend(fn.parameters())
+    inner = getattr(fn, "__func__", fn)
+    for cell in getattr(inner, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, ScoreMod):
+            found.extend(value.tensors())
+    found.extend(d for d in getattr(inner, "__defaults__", None) or () if isinstance(d, Tensor))
+    return tuple(found)
+
+
+def as_score_mod(score_mod) -> ScoreMod | None:
+    """None, a ScoreMod, a callable, or a sequence of them (applied in order) -> ScoreMod."""
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    if isinstance(score_mod, (list, tuple)):
+        if not score_mod:
+            return None
+        return ChainedScoreMod([as_score_mod(m) for m in score_mod])
+    if callable(score_mod):
+        return UserScoreMod(score_mod)
+    raise TypeError(
+        "score_mod must be None, a callable score_mod(score, b, h, q_idx, kv_idx), or a list of "
+        f"them; got {type(score_mod).__name__}"
+    )
+
+
+def alibi(num_heads: int | None = None, slopes: Tensor | None = None) -> ScoreMod:
+    """ALiBi linear distance penalty with the standard geometric slopes for ``num_heads``;
+    pass ``slopes`` (H,) instead, e.g. an ``nn.Parameter``, to learn them."""
+    if slopes is None:
+        if num_heads is None:
+            raise ValueError("alibi: pass num_heads or slopes")
+        slopes = alibi_slopes(num_heads)
+    return Alibi(slopes)
+
+
+def relative_bias(
+    table: Tensor, num_buckets: int = 32, max_distance: int = 128, bidirectional: bool = True
+) -> ScoreMod:
+    """T5 relative position bias from a learnable ``table`` of shape (num_buckets, H)."""
+    return RelativeBias(table, num_buckets, max_distance, bidirectional)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Soft logit capping: cap * tanh(score / cap)."""
+    return Softcap(cap)

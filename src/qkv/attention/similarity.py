@@ -1,0 +1,111 @@
+"""Similarities: how a query and a key are compared before the softmax.
+
+Each similarity is written once, as two parts that every engine shares:
+- ``features(q, k, metric)``: an O(N·D) map of q and k (identity, unit-normalize, or the
+  Mahalanobis transform q -> qLᵀ);
+- ``kernel``: one of three pairwise forms an engine must fuse on tiles:
+  ``"dot"`` (q·k), ``"neg_sqdist"`` (-‖q-k‖²) or ``"neg_l1"`` (-‖q-k‖₁).
+The score is ``scale * kernel(features(q), features(k))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def dot_scores(q: Tensor, k: Tensor) -> Tensor:
+    """(..., Nq, D), (..., Nk, D) -> (..., Nq, Nk): q·k."""
+    return q @ k.transpose(-1, -2)
+
+
+def neg_sqdist_scores(q: Tensor, k: Tensor) -> Tensor:
+    """-‖q-k‖² by the norm expansion ‖q‖² + ‖k‖² - 2q·k (the form fused engines use)."""
+    sq = (q * q).sum(-1, keepdim=True) + (k * k).sum(-1).unsqueeze(-2) - 2 * dot_scores(q, k)
+    return -sq.clamp(min=0)
+
+
+def neg_l1_scores(q: Tensor, k: Tensor) -> Tensor:
+    """-‖q-k‖₁, by broadcasting (no matrix-multiply form exists)."""
+    return -(q.unsqueeze(-2) - k.unsqueeze(-3)).abs().sum(-1)
+
+
+KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "dot": dot_scores,
+    "neg_sqdist": neg_sqdist_scores,
+    "neg_l1": neg_l1_scores,
+}
+
+
+def _identity(q: Tensor, k: Tensor, metric: Tensor | None) -> tuple[Tensor, Tensor]:
+    return q, k
+
+
+def _unit(q: Tensor, k: Tensor, metric: Tensor | None) -> tuple[Tensor, Tensor]:
+    return F.normalize(q, dim=-1, eps=1e-12), F.normalize(k, dim=-1, eps=1e-12)
+
+
+def _mahalanobis(q: Tensor, k: Tensor, metric: Tensor | None) -> tuple[Tensor, Tensor]:
+    """q -> q Lᵀ and k -> k Lᵀ, so that ‖L(q-k)‖² = ‖qLᵀ - kLᵀ‖². A per-head metric (H, D, D)
+    needs k per query head, so grouped k heads are expanded first."""
+    assert metric is not None
+    metric = metric.to(q.dtype)
+    if metric.dim() == 2:
+        return q @ metric.T, k @ metric.T
+    heads = q.shape[1]
+    k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    lt = metric.transpose(-1, -2).unsqueeze(0)  # (1, H, D, D)
+    return q @ lt, k @ lt
+
+
+def _inv_sqrt_d(d: int) -> float:
+    return 1.0 / math.sqrt(d)
+
+
+def _sqrt_d(d: int) -> float:
+    return math.sqrt(d)
+
+
+@dataclass(frozen=True)
+class Similarity:
+    """One similarity: a feature map, a pairwise kernel, a sign convention and a default scale."""
+
+    name: str
+    features: Callable[[Tensor, Tensor, Tensor | None], tuple[Tensor, Tensor]]
+    kernel: str
+    default_scale: Callable[[int], float]
+    needs_metric: bool = False
+
+    def scores(self, q: Tensor, k: Tensor, scale, metric: Tensor | None = None) -> Tensor:
+        """Scores (B, H, Nq, Nk) for q (B, H, Nq, D) and k (B, H, Nk, D) (heads already matched)."""
+        fq, fk = self.features(q, k, metric)
+        return scale * KERNELS[self.kernel](fq, fk)
+
+
+SIMILARITIES: dict[str, Similarity] = {
+    s.name: s
+    for s in (
+        Similarity("dot", _identity, "dot", _inv_sqrt_d),
+        # Unit vectors give scores in [-1, 1]; scale √D restores the spread that q·k/√D has for
+        # unit-variance q and k, so a model can swap dot for cosine without retuning.
+        Similarity("cosine", _unit, "dot", _sqrt_d),
+        Similarity("l2", _identity, "neg_sqdist", _inv_sqrt_d),
+        Similarity("l1", _identity, "neg_l1", _inv_sqrt_d),
+        Similarity("mahalanobis", _mahalanobis, "neg_sqdist", _inv_sqrt_d, needs_metric=True),
+    )
+}
+
+
+def get_similarity(name) -> Similarity:
+    if isinstance(name, Similarity):
+        return name
+    if name not in SIMILARITIES:
+        raise ValueError(
+            f"similarity must be one of {', '.join(repr(n) for n in SIMILARITIES)}; got {name!r}"
+        )
+    return SIMILARITIES[name]
