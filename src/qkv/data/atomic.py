@@ -1,0 +1,67 @@
+"""Atomic file writes: temp file in the same folder, fsync, rename, fsync the folder.
+
+A kill at any moment leaves either the old file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(temp_path)`` and move the finished file onto ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(temp)
+        with open(temp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename inside ``folder`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    def write(temp: str) -> None:
+        with open(temp, "wb") as f:
+            f.write(data)
+
+    return write_atomic(path, write)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_json_atomic(path: str | Path, obj) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def cache_dir() -> Path:
+    """The user cache folder for qkv: $QKV_CACHE, else $XDG_CACHE_HOME/qkv, else ~/.cache/qkv."""
+    if os.environ.get("QKV_CACHE"):
+        return Path(os.environ["QKV_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qkv"
