@@ -1,0 +1,267 @@
+"""Linear attention: softmax(QKᵀ) replaced by a kernel φ(Q)φ(K)ᵀ, so that attention costs
+O(N·M·Dv) instead of O(N²·D) (Katharopoulos et al. 2020; Performer, Choromanski et al. 2021).
+
+    out_i = φ(q_i)ᵀ S_i / (φ(q_i)ᵀ z_i + eps),   S_i = Σ_j φ(k_j) v_jᵀ,   z_i = Σ_j φ(k_j)
+
+where j runs over every key (non-causal) or over j <= i (causal). Three causal forms compute
+the same numbers:
+- quadratic: the (N, N) matrix φ(Q)φ(K)ᵀ, causally masked (the definition; O(N²));
+- chunkwise: exact inside chunks of ``chunk_size`` tokens, prefix sums of S and z across them;
+- recurrent: one token at a time from a carried ``LinearState`` (generation).
+
+Feature maps (φ applied per token, so every form sees the same features):
+- ``"elu"``: elu(x) + 1, M = D;
+- ``"favor"``: FAVOR+ positive orthogonal random features, M = projection rows, an unbiased
+  estimate of the softmax kernel exp(q·k/√D). Draw the projection with
+  ``draw_orthogonal_features``; redrawing it is the module's job.
+
+Linear attention never forms attention weights; ``quadratic_linear_attention`` materializes
+the normalized φ(Q)φ(K)ᵀ when one wants to look at them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .reference import expand_kv_heads
+
+FEATURE_MAPS = ("elu", "favor")
+
+
+@dataclass
+class LinearState:
+    """Running sums for causal linear attention: kv (B, H, M, Dv) = Σ φ(k)vᵀ and
+    normalizer (B, H, M) = Σ φ(k)."""
+
+    kv: Tensor
+    normalizer: Tensor
+
+
+def check_positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    return value
+
+
+def no_weights_error(kind: str, instead: str) -> ValueError:
+    return ValueError(
+        f"{kind} has no attention weights: it never forms a softmax over keys, so "
+        f"return_weights=True cannot be served. {instead}"
+    )
+
+
+_LINEAR_INSTEAD = (
+    "To inspect the token-to-token mixing, use "
+    "qkv.attention.linear.quadratic_linear_attention(..., return_weights=True), which "
+    "materializes the normalized φ(Q)φ(K)ᵀ matrix at O(N²) cost."
+)
+
+
+def draw_orthogonal_features(
+    num_features: int, head_dim: int, *, generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32, device=None,
+) -> Tensor:
+    """FAVOR+ projection (M, D): blocks of D orthogonal Gaussian directions, each row rescaled
+    to the norm of an independent Gaussian vector so that rows are marginally N(0, I)."""
+    check_positive_int(num_features, "num_features")
+    check_positive_int(head_dim, "head_dim")
+    blocks = []
+    for _ in range(math.ceil(num_features / head_dim)):
+        gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+        q, _ = torch.linalg.qr(gaussian)
+        blocks.append(q.T)
+    directions = torch.cat(blocks)[:num_features]
+    gaussian_rows = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
+    norms = gaussian_rows.norm(dim=1)
+    return (directions * norms[:, None]).to(dtype=dtype, device=device)
+
+
+def elu_features(x: Tensor) -> Tensor:
+    """(..., D) -> (..., D): elu(x) + 1 > 0."""
+    return F.elu(x) + 1
+
+
+def favor_features(x: Tensor, projection: Tensor, *, is_query: bool) -> Tensor:
+    """(..., D) -> (..., M): exp(w·x' - ‖x'‖²/2) / √M with x' = x / D^(1/4), so that
+    E[φ(q)·φ(k)] = exp(q·k / √D).
+
+    Queries are shifted by their own max over features: a per-query positive factor that
+    cancels between numerator and denominator, and keeps exp from overflowing. Keys are not
+    shifted, since a per-key factor would not cancel."""
+    x = x * x.shape[-1] ** -0.25
+    logits = x @ projection.to(x.dtype).T - (x * x).sum(-1, keepdim=True) / 2
+    if is_query:
+        logits = logits - logits.amax(-1, keepdim=True).detach()
+    return torch.exp(logits) / math.sqrt(projection.shape[0])
+
+
+def feature_map(x: Tensor, kind: str, projection: Tensor | None, *, is_query: bool) -> Tensor:
+    """Apply the named feature map to (..., D)."""
+    if kind == "elu":
+        return elu_features(x)
+    if kind == "favor":
+        if projection is None:
+            raise ValueError(
+                "feature_map='favor' needs projection=draw_orthogonal_features(M, D), an (M, D) "
+                "tensor of random features"
+            )
+        if projection.dim() != 2 or projection.shape[1] != x.shape[-1] or projection.shape[0] == 0:
+            raise ValueError(
+                f"projection must have shape (M, D) with M >= 1 and D={x.shape[-1]}; got "
+                f"{tuple(projection.shape)}"
+            )
+        return favor_features(x, projection, is_query=is_query)
+    raise ValueError(f"feature_map must be one of {FEATURE_MAPS}; got {kind!r}")
+
+
+def _features(q, k, v, kind, projection):
+    """Validated inputs -> φ(q) (B, H, N, M), φ(k) (B, H, Nk, M), v (B, H, Nk, Dv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (B, H, N, D)")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"expected q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"H={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
+    heads = q.shape[1]
+    phi_q = feature_map(q, kind, projection, is_query=True)
+    phi_k = expand_kv_heads(feature_map(k, kind, projection, is_query=False), heads)
+    return phi_q, phi_k, expand_kv_heads(v, heads)
+
+
+def _check_state(state, phi_q: Tensor, v: Tensor) -> LinearState:
+    b, h, _, m = phi_q.shape
+    if state is None:
+        return LinearState(phi_q.new_zeros(b, h, m, v.shape[-1]), phi_q.new_zeros(b, h, m))
+    if not isinstance(state, LinearState):
+        raise TypeError(f"state must be a LinearState or None; got {type(state).__name__}")
+    if state.kv.shape != (b, h, m, v.shape[-1]) or state.normalizer.shape != (b, h, m):
+        raise ValueError(
+            f"state does not fit: expected kv {(b, h, m, v.shape[-1])} and normalizer "
+            f"{(b, h, m)}; got {tuple(state.kv.shape)} and {tuple(state.normalizer.shape)}"
+        )
+    return state
+
+
+def quadratic_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
+    causal: bool = False, eps: float = 1e-6, return_weights: bool = False,
+):
+    """The definition, O(N²): A = φ(Q)φ(K)ᵀ (causally masked, bottom-right aligned), out =
+    A v / (A·1 + eps). Returns out (B, H, Nq, Dv), or (out, weights (B, H, Nq, Nk))."""
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    scores = phi_q @ phi_k.transpose(-1, -2)
+    if causal:
+        nq, nk = scores.shape[-2:]
+        scores = scores.masked_fill(
+            ~torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq), 0.0
+        )
+    weights = scores / (scores.sum(-1, keepdim=True) + eps)
+    out = weights @ v
+    return (out, weights) if return_weights else out
+
+
+def _chunked_causal(phi_q, phi_k, v, state: LinearState, chunk_size: int, eps: float):
+    """Causal linear attention, N = Nq = Nk, in chunks of C: exact (C, C) products inside a
+    chunk, exclusive prefix sums of per-chunk φ(k)vᵀ and Σφ(k) across chunks."""
+    b, h, n, m = phi_q.shape
+    c = chunk_size
+    chunks = math.ceil(n / c)
+    pad = chunks * c - n
+    # Zero features on padded keys add nothing; padded query rows are cut off at the end.
+    phi_q, phi_k, v = (
+        F.pad(t, (0, 0, 0, pad)).unflatten(2, (chunks, c)) for t in (phi_q, phi_k, v)
+    )
+    kv_chunk = phi_k.transpose(-1, -2) @ v  # (B, H, C#, M, Dv)
+    z_chunk = phi_k.sum(-2)  # (B, H, C#, M)
+    kv_before = state.kv.unsqueeze(2) + torch.cumsum(kv_chunk, 2) - kv_chunk
+    z_before = state.normalizer.unsqueeze(2) + torch.cumsum(z_chunk, 2) - z_chunk
+    intra = (phi_q @ phi_k.transpose(-1, -2)).tril()  # (B, H, C#, C, C)
+    num = phi_q @ kv_before + intra @ v
+    den = (phi_q @ z_before.unsqueeze(-1)).squeeze(-1) + intra.sum(-1)
+    out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :n]
+    final = LinearState(state.kv + kv_chunk.sum(2), state.normalizer + z_chunk.sum(2))
+    return out, final
+
+
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
+    causal: bool = False, chunk_size: int = 64, state: LinearState | None = None,
+    return_state: bool = False, eps: float = 1e-6, return_weights: bool = False,
+):
+    """Linear attention, O(N·M·Dv) time.
+
+    Args:
+        q: (B, H, N, D); k: (B, Hkv, Nk, D); v: (B, Hkv, Nk, Dv); H a multiple of Hkv.
+        feature_map: "elu" or "favor" (then ``projection`` (M, D) is required).
+        causal: if True, Nq must equal Nk and query i sees keys j <= i (plus ``state``,
+            the sums over every earlier token, for a sequence processed piece by piece).
+        chunk_size: tokens per chunk in the causal form (memory O(N/C · M · Dv)).
+        return_state: also return the ``LinearState`` after the last token (causal only).
+        eps: added to the normalizer φ(q)·z.
+
+    Returns:
+        out (B, H, N, Dv), or (out, state) when return_state.
+    """
+    if return_weights:
+        raise no_weights_error("linear attention", _LINEAR_INSTEAD)
+    check_positive_int(chunk_size, "chunk_size")
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    if not causal:
+        if state is not None or return_state:
+            raise ValueError("state and return_state apply to causal linear attention only")
+        kv = phi_k.transpose(-1, -2) @ v
+        num = phi_q @ kv
+        den = phi_q @ phi_k.sum(-2).unsqueeze(-1)
+        return num / (den + eps)
+    if phi_q.shape[2] != phi_k.shape[2]:
+        raise ValueError(
+            f"causal linear attention needs Nq == Nk (earlier tokens go in state); got "
+            f"Nq={phi_q.shape[2]}, Nk={phi_k.shape[2]}"
+        )
+    state = _check_state(state, phi_q, v)
+    out, final = _chunked_causal(phi_q, phi_k, v, state, chunk_size, eps)
+    return (out, final) if return_state else out
+
+
+def linear_attention_step(
+    q: Tensor, k: Tensor, v: Tensor, state: LinearState | None, *, feature_map: str = "elu",
+    projection: Tensor | None = None, eps: float = 1e-6,
+) -> tuple[Tensor, LinearState]:
+    """One generated token in O(M·Dv): q (B, H, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, Dv).
+    Adds the token to the state, then reads it. Returns out (B, H, 1, Dv) and the new state."""
+    if q.dim() != 4 or q.shape[2] != 1 or k.shape[2] != 1:
+        raise ValueError(
+            f"linear_attention_step takes one token (B, H, 1, D); got q {tuple(q.shape)}"
+        )
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    state = _check_state(state, phi_q, v)
+    kv = state.kv + phi_k.transpose(-1, -2) @ v
+    normalizer = state.normalizer + phi_k[:, :, 0]
+    out = (phi_q @ kv) / ((phi_q @ normalizer.unsqueeze(-1)) + eps)
+    return out, LinearState(kv, normalizer)
+
+
+def recurrent_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
+    state: LinearState | None = None, eps: float = 1e-6,
+) -> tuple[Tensor, LinearState]:
+    """Causal linear attention token by token (the generation path), O(N·M·Dv) with a Python
+    loop: (B, H, N, D) ... -> out (B, H, N, Dv) and the final state."""
+    outs = []
+    for i in range(q.shape[2]):
+        sl = slice(i, i + 1)
+        out, state = linear_attention_step(
+            q[:, :, sl], k[:, :, sl], v[:, :, sl], state, feature_map=feature_map,
+            projection=projection, eps=eps,
+        )
+        outs.append(out)
+    return torch.cat(outs, 2), state
