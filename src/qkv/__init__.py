@@ -18,6 +18,16 @@ from .attention import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mask", "ScoreMod", "alibi", "attention", "causal", "custom_mask", "graph", "padding",
-    "relative_bias", "segments", "sliding_window", "softcap",
+    "Mask",
+    "ScoreMod",
+    "alibi",
+    "attention",
+    "causal",
+    "custom_mask",
+    "graph",
+    "padding",
+    "relative_bias",
+    "segments",
+    "sliding_window",
+    "softcap",
 ]

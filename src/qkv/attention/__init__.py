@@ -17,7 +17,20 @@ from .scores import ScoreMod, alibi, relative_bias, softcap
 from .similarity import SIMILARITIES
 
 __all__ = [
-    "EMPTY", "FULL", "PARTIAL", "Mask", "SIMILARITIES", "ScoreMod", "alibi", "attention",
-    "causal", "custom_mask", "graph", "padding", "relative_bias", "segments", "sliding_window",
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Mask",
+    "SIMILARITIES",
+    "ScoreMod",
+    "alibi",
+    "attention",
+    "causal",
+    "custom_mask",
+    "graph",
+    "padding",
+    "relative_bias",
+    "segments",
+    "sliding_window",
     "softcap",
 ]

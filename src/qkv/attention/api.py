@@ -49,7 +49,15 @@ def attention(
         out (B, H, Nq, Dv), or (out, weights). Rows with no allowed key give zeros.
     """
     problem = build_problem(
-        q, k, v, mask=mask, score_mod=score_mod, similarity=similarity, scale=scale,
-        metric=metric, dropout_p=dropout_p, return_weights=return_weights,
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        similarity=similarity,
+        scale=scale,
+        metric=metric,
+        dropout_p=dropout_p,
+        return_weights=return_weights,
     )
     return engines.select(problem, backend).run(problem)

@@ -134,7 +134,9 @@ class CausalMask(Mask):
         return kv_idx <= q_idx + offset
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
-        return SlidingWindowMask(None, 0).tile_states(batch, heads, nq, nk, block_q, block_k, device)
+        return SlidingWindowMask(None, 0).tile_states(
+            batch, heads, nq, nk, block_q, block_k, device
+        )
 
     def __repr__(self) -> str:
         return "causal()"
@@ -196,7 +198,9 @@ class PaddingMask(Mask):
                 f"padding: lengths has {self.lengths.numel()} entries but the batch size is {batch}"
             )
         if (self.lengths > nk).any():
-            raise ValueError(f"padding: lengths must be <= Nk={nk}; got max {int(self.lengths.max())}")
+            raise ValueError(
+                f"padding: lengths must be <= Nk={nk}; got max {int(self.lengths.max())}"
+            )
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
         return kv_idx < self.lengths.to(kv_idx.device)[b]
@@ -238,7 +242,9 @@ class SegmentMask(Mask):
     def check(self, batch, heads, nq, nk):
         for name, ids, n in (("q_ids", self.q_ids, nq), ("kv_ids", self.kv_ids, nk)):
             if ids.shape[0] not in (1, batch):
-                raise ValueError(f"segments: {name} has batch {ids.shape[0]}; expected 1 or {batch}")
+                raise ValueError(
+                    f"segments: {name} has batch {ids.shape[0]}; expected 1 or {batch}"
+                )
             if ids.shape[1] != n:
                 hint = " (pass kv_ids when Nq != Nk)" if self.shared else ""
                 raise ValueError(f"segments: {name} has length {ids.shape[1]}; expected {n}{hint}")
@@ -284,7 +290,9 @@ class GraphMask(Mask):
         g = torch.as_tensor(edges_or_adjacency)
         if g.dtype == torch.bool:
             if g.dim() != 2:
-                raise ValueError(f"graph: adjacency must be 2-D (Nq, Nk); got shape {tuple(g.shape)}")
+                raise ValueError(
+                    f"graph: adjacency must be 2-D (Nq, Nk); got shape {tuple(g.shape)}"
+                )
             target, source = g.nonzero(as_tuple=True)
             self.shape: tuple[int, int] | None = (g.shape[0], g.shape[1])
         elif not g.dtype.is_floating_point and g.dim() == 2 and g.shape[0] == 2:
@@ -352,7 +360,9 @@ class TensorMask(Mask):
 
     def __init__(self, allowed: Tensor):
         if not isinstance(allowed, Tensor):
-            raise TypeError(f"mask must be a bool tensor or a qkv mask; got {type(allowed).__name__}")
+            raise TypeError(
+                f"mask must be a bool tensor or a qkv mask; got {type(allowed).__name__}"
+            )
         if allowed.dtype != torch.bool:
             raise TypeError(
                 f"mask must be a bool tensor (True = may attend); got dtype {allowed.dtype}. "
@@ -360,6 +370,7 @@ class TensorMask(Mask):
             )
         if allowed.dim() > 4:
             raise ValueError(f"mask must have at most 4 dims (B, H, Nq, Nk); got {allowed.dim()}")
+        self.given_shape = tuple(allowed.shape)
         self.allowed = _as_4d(allowed)
 
     def tensors(self):
@@ -369,8 +380,7 @@ class TensorMask(Mask):
         target = (batch, heads, nq, nk)
         if any(s not in (1, t) for s, t in zip(self.allowed.shape, target, strict=True)):
             raise ValueError(
-                f"mask of shape {tuple(self.allowed.shape)} does not broadcast to "
-                f"(B, H, Nq, Nk) = {target}"
+                f"mask of shape {self.given_shape} does not broadcast to (B, H, Nq, Nk) = {target}"
             )
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
@@ -418,7 +428,9 @@ class AndMask(Mask):
 
     def tile_states(self, *args, **kwargs):
         # EMPTY < PARTIAL < FULL: a tile is as open as its more closed side.
-        return torch.minimum(self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs))
+        return torch.minimum(
+            self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs)
+        )
 
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
@@ -431,7 +443,9 @@ class OrMask(AndMask):
         )
 
     def tile_states(self, *args, **kwargs):
-        return torch.maximum(self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs))
+        return torch.maximum(
+            self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs)
+        )
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"

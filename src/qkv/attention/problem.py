@@ -98,14 +98,18 @@ def _check_qkv(q, k, v) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}"
+        )
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
             f"k (B, Hkv, Nk, D) and v (B, Hkv, Nk, Dv) must agree on B, Hkv and Nk; got k "
             f"{_shape(k)} and v {_shape(v)}"
         )
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size B; got q {_shape(q)}, k {_shape(k)}")
+        raise ValueError(
+            f"q and k must have the same batch size B; got q {_shape(q)}, k {_shape(k)}"
+        )
     if q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q and k must have the same head dim D; got q {_shape(q)} and k {_shape(k)}"
@@ -120,11 +124,15 @@ def _check_qkv(q, k, v) -> None:
 def _check_metric(metric, similarity: Similarity, q: Tensor):
     if not similarity.needs_metric:
         if metric is not None:
-            raise ValueError(f"metric is only used with similarity='mahalanobis', not {similarity.name!r}")
+            raise ValueError(
+                f"metric is only used with similarity='mahalanobis', not {similarity.name!r}"
+            )
         return None
     d, h = q.shape[3], q.shape[1]
     if metric is None:
-        raise ValueError(f"similarity='mahalanobis' needs metric=L of shape (D, D) or (H, D, D), D={d}")
+        raise ValueError(
+            f"similarity='mahalanobis' needs metric=L of shape (D, D) or (H, D, D), D={d}"
+        )
     if not isinstance(metric, Tensor) or not metric.is_floating_point():
         raise TypeError("metric must be a floating-point tensor of shape (D, D) or (H, D, D)")
     if metric.shape not in ((d, d), (h, d, d)):
@@ -140,10 +148,14 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
         return similarity.default_scale(q.shape[-1])
     if isinstance(scale, Tensor):
         if scale.dim() > 1 or (scale.dim() == 1 and scale.numel() != q.shape[1]):
-            raise ValueError(f"scale tensor must have shape () or (H,)=({q.shape[1]},); got {_shape(scale)}")
+            raise ValueError(
+                f"scale tensor must have shape () or (H,)=({q.shape[1]},); got {_shape(scale)}"
+            )
         return scale
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite number or a tensor of shape () or (H,); got {scale!r}")
+        raise TypeError(
+            f"scale must be a finite number or a tensor of shape () or (H,); got {scale!r}"
+        )
     return float(scale)
 
 

@@ -98,7 +98,7 @@ def relative_position_bucket(
         distance = (-relative_position).clamp(min=0)
     max_exact = num_buckets // 2
     is_small = distance < max_exact
-    # The log of distance < max_exact is unused (is_small picks the exact bucket); clamp keeps it finite.
+    # Distances < max_exact take the exact bucket; the clamp only keeps their unused log finite.
     log_ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(
         max_distance / max_exact
     )

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

@@ -44,6 +44,12 @@ def run(p: Problem):
         else:  # SDPA's is_causal is top-left aligned; qkv's causal is bottom-right.
             attn_mask = torch.ones(p.nq, p.nk, dtype=torch.bool, device=q.device).tril(p.offset)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=p.dropout_p, is_causal=is_causal, scale=p.scale,
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=p.dropout_p,
+        is_causal=is_causal,
+        scale=p.scale,
         **kwargs,
     )

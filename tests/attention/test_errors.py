@@ -1,0 +1,112 @@
+"""Every documented bad input raises a clear error naming the argument."""
+
+import pytest
+import torch
+
+import qkv
+
+
+def qkv4(b=1, h=2, hkv=2, nq=4, nk=4, d=3, dv=3):
+    return torch.randn(b, h, nq, d), torch.randn(b, hkv, nk, d), torch.randn(b, hkv, nk, dv)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (
+            lambda: (torch.randn(2, 4, 3), *qkv4()[1:]),
+            ValueError,
+            r"q must be a 4-D tensor \(B, H, Nq, D\)",
+        ),
+        (lambda: (qkv4()[0], torch.randn(2, 4, 3), qkv4()[2]), ValueError, "k must be a 4-D"),
+        (lambda: (*qkv4()[:2], torch.randn(1, 2, 5, 3)), ValueError, "must agree on B, Hkv and Nk"),
+        (lambda: (qkv4(b=2)[0], *qkv4()[1:]), ValueError, "same batch size B"),
+        (lambda: (qkv4(d=5)[0], *qkv4()[1:]), ValueError, "same head dim D"),
+        (lambda: qkv4(h=3, hkv=2), ValueError, "H=3 must be a multiple of .* Hkv=2"),
+        (lambda: (qkv4()[0].int(), *qkv4()[1:]), TypeError, "q must be float64, float32"),
+        (lambda: (qkv4()[0].double(), *qkv4()[1:]), TypeError, "share a dtype"),
+    ],
+)
+def test_bad_tensors(make, error, match):
+    with pytest.raises(error, match=match):
+        qkv.attention(*make())
+
+
+def test_mask_that_does_not_broadcast():
+    with pytest.raises(
+        ValueError, match=r"mask of shape \(3, 4\) does not broadcast to \(B, H, Nq, Nk\)"
+    ):
+        qkv.attention(*qkv4(), mask=torch.ones(3, 4, dtype=torch.bool))
+
+
+def test_non_bool_mask():
+    with pytest.raises(TypeError, match="mask must be a bool tensor"):
+        qkv.attention(*qkv4(), mask=torch.ones(4, 4))
+    with pytest.raises(TypeError, match="mask must be None, a bool tensor or a qkv mask"):
+        qkv.attention(*qkv4(), mask="causal")
+
+
+def test_unknown_similarity_lists_valid_ones():
+    with pytest.raises(
+        ValueError, match="similarity must be one of 'dot', 'cosine', 'l2', 'l1', 'mahalanobis'"
+    ):
+        qkv.attention(*qkv4(), similarity="manhattan")
+
+
+def test_negative_window():
+    with pytest.raises(ValueError, match="sliding_window: left must be an int >= 0"):
+        qkv.sliding_window(-1)
+    with pytest.raises(ValueError, match="sliding_window: right must be an int >= 0"):
+        qkv.sliding_window(2, -3)
+
+
+def test_graph_edge_out_of_range():
+    with pytest.raises(ValueError, match="edge index out of range"):
+        qkv.attention(*qkv4(), mask=qkv.graph(torch.tensor([[0, 5], [1, 2]])))
+    with pytest.raises(ValueError, match="edge index out of range"):
+        qkv.graph(torch.tensor([[0, 5], [1, 2]]), num_nodes=4)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        qkv.graph(torch.tensor([[0, -1], [1, 2]]))
+    with pytest.raises(ValueError, match=r"integer \(2, E\) tensor"):
+        qkv.graph(torch.rand(3, 3))
+
+
+def test_metric_shape_and_presence():
+    q, k, v = qkv4(d=3)
+    with pytest.raises(
+        ValueError, match=r"metric must have shape \(D, D\)=\(3, 3\) or \(H, D, D\)"
+    ):
+        qkv.attention(q, k, v, similarity="mahalanobis", metric=torch.eye(4))
+    with pytest.raises(ValueError, match="needs metric=L"):
+        qkv.attention(q, k, v, similarity="mahalanobis")
+    with pytest.raises(ValueError, match="metric is only used with similarity='mahalanobis'"):
+        qkv.attention(q, k, v, metric=torch.eye(3))
+
+
+def test_other_arguments():
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        qkv.attention(*qkv4(), dropout_p=1.5)
+    with pytest.raises(TypeError, match="scale must be a finite number"):
+        qkv.attention(*qkv4(), scale=float("nan"))
+    with pytest.raises(TypeError, match="score_mod must be None, a callable"):
+        qkv.attention(*qkv4(), score_mod=3)
+    with pytest.raises(ValueError, match="padding: lengths has 2 entries but the batch size is 1"):
+        qkv.attention(*qkv4(), mask=qkv.padding([1, 2]))
+    with pytest.raises(ValueError, match=r"padding: lengths must be <= Nk=4"):
+        qkv.attention(*qkv4(), mask=qkv.padding([9]))
+    with pytest.raises(ValueError, match="segments: kv_ids has length 4; expected 5"):
+        qkv.attention(
+            *qkv4(nk=5),
+            mask=qkv.segments(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)),
+        )
+    with pytest.raises(ValueError, match="softcap: cap must be a positive number"):
+        qkv.softcap(0)
+
+
+def test_backend_errors():
+    with pytest.raises(
+        ValueError, match="backend='sdpa' cannot run this request: SDPA computes only the dot"
+    ):
+        qkv.attention(*qkv4(), similarity="l1", backend="sdpa")
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        qkv.attention(*qkv4(), backend="cuda-magic")
