@@ -1,5 +1,6 @@
 """qkv: the attention mechanism and the Transformer, exact and fast, on PyTorch."""
 
+from . import models, nn  # noqa: F401  (qkv.models, qkv.nn)
 from .attention import (
     Mask,
     ScoreMod,

@@ -1,0 +1,90 @@
+"""Pieces the four models share: config checks, initialization, positions and padding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.kinds import ATTENTION_KINDS
+from ..nn.positions import POSITION_KINDS
+
+
+def check_config(
+    name: str, *, d_model: int, n_head: int, n_kv_head: int | None = None,
+    positions: str | None = None, attention: str = "softmax",
+) -> None:
+    """Raise ValueError for head counts that cannot split d_model, or unknown choices."""
+    for field, value in (("d_model", d_model), ("n_head", n_head)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}: {field} must be a positive int; got {value!r}")
+    if d_model % n_head:
+        raise ValueError(f"{name}: d_model={d_model} must be divisible by n_head={n_head}")
+    if n_kv_head is not None and (n_kv_head <= 0 or n_head % n_kv_head):
+        raise ValueError(f"{name}: n_head={n_head} must be divisible by n_kv_head={n_kv_head}")
+    if positions is not None and positions not in POSITION_KINDS:
+        raise ValueError(f"{name}: positions must be one of {POSITION_KINDS}; got {positions!r}")
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(
+            f"{name}: attention must be one of {sorted(ATTENTION_KINDS)}; got {attention!r}"
+        )
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 / BERT initialization: N(0, std) weights for linear and embedding layers, zero
+    biases; norms keep their ones and zeros."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+def token_positions(offset: int, n: int, left_pad: Tensor | None, device) -> Tensor:
+    """Absolute positions of n new tokens after ``offset`` cached ones: (n,), or (B, n) when
+    rows are left-padded by ``left_pad`` (B,) tokens (a row's first real token is position 0)."""
+    positions = torch.arange(offset, offset + n, device=device)
+    if left_pad is None:
+        return positions
+    return (positions.unsqueeze(0) - left_pad.to(device).unsqueeze(1)).clamp(min=0)
+
+
+def check_ids(name: str, ids) -> None:
+    """Token ids must be an integer tensor (B, N)."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or (
+        ids.dtype == torch.bool
+    ):
+        got = f"shape {tuple(ids.shape)}, {ids.dtype}" if isinstance(ids, Tensor) else type(ids)
+        raise ValueError(f"{name} must be an integer tensor of token ids (B, N); got {got}")
+
+
+def check_lengths(name: str, lengths: Tensor | None, batch: int, n: int) -> Tensor | None:
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths)
+    if lengths.shape != (batch,) or lengths.dtype.is_floating_point:
+        raise ValueError(
+            f"{name} must be an integer tensor of shape (B,)=({batch},); got "
+            f"{tuple(lengths.shape)} {lengths.dtype}"
+        )
+    return lengths.long()
+
+
+def left_align(ids: Tensor, lengths: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-padded ids (B, N) with lengths (B,) -> left-padded ids and left_pad (B,), so that
+    every row's last real token sits in the last column."""
+    n = ids.shape[1]
+    left_pad = n - lengths.to(ids.device)
+    source = torch.arange(n, device=ids.device).unsqueeze(0) - left_pad.unsqueeze(1)
+    aligned = ids.gather(1, source.clamp(min=0))
+    return aligned.masked_fill(source < 0, pad_id), left_pad
+
+
+def place_after(ids: Tensor, lengths: Tensor, new: Tensor, pad_id: int) -> Tensor:
+    """Right-padded prompts ids (B, N) and continuations new (B, T) -> (B, N + T), each row
+    its prompt then its continuation, padded with pad_id."""
+    b, n = ids.shape
+    out = ids.new_full((b, n + new.shape[1]), pad_id)
+    keep = torch.arange(n, device=ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    out[:, :n] = ids.masked_fill(~keep, pad_id)
+    where = lengths.unsqueeze(1) + torch.arange(new.shape[1], device=ids.device)
+    return out.scatter(1, where, new)

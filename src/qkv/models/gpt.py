@@ -1,0 +1,188 @@
+"""GPT: a decoder-only causal language model (Radford et al. 2018/2019)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import causal, padding
+from ..nn.blocks import BlockConfig, TransformerBlock
+from ..nn.norms import make_norm
+from ..nn.positions import Positions
+from .common import (
+    check_config,
+    check_ids,
+    check_lengths,
+    init_weights,
+    left_align,
+    place_after,
+    token_positions,
+)
+from .generation import ModelCache, beam_search, check_sampling, sample
+
+
+@dataclass
+class GPTConfig:
+    """A GPT. ``block_size`` is the longest sequence (the learned position table's size and
+    the longest generation); d_ff defaults to 4 * d_model; ffn "gelu_tanh" is GPT-2's."""
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    d_model: int
+    n_kv_head: int | None = None
+    d_ff: int | None = None
+    dropout: float = 0.0
+    positions: str = "learned"
+    norm: str = "layernorm"
+    ffn: str = "gelu"
+    similarity: str = "dot"
+    attention: str = "softmax"
+    bias: bool = True
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        check_config(
+            "GPTConfig", d_model=self.d_model, n_head=self.n_head, n_kv_head=self.n_kv_head,
+            positions=self.positions, attention=self.attention,
+        )
+
+    def block(self) -> BlockConfig:
+        return BlockConfig(
+            d_model=self.d_model, n_head=self.n_head, d_ff=self.d_ff or 4 * self.d_model,
+            n_kv_head=self.n_kv_head, dropout=self.dropout, norm=self.norm,
+            norm_eps=self.norm_eps, norm_first=True, ffn=self.ffn, bias=self.bias,
+            similarity=self.similarity, attention=self.attention,
+        )
+
+
+class GPT(nn.Module):
+    """Token embedding, positions, pre-norm causal blocks, final norm, LM head (tied)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
+        self.positions = Positions(
+            c.positions, d_model=c.d_model, n_head=c.n_head, head_dim=c.d_model // c.n_head,
+            max_len=c.block_size, bidirectional=False, rope_base=c.rope_base,
+        )
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(c.block(), i, self.positions.rope) for i in range(c.n_layer)
+        )
+        self.norm = make_norm(c.norm, c.d_model, c.norm_eps, c.bias)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        init_weights(self)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def new_cache(self, batch: int, max_len: int) -> ModelCache:
+        """An empty KV cache (one per layer) for ``batch`` rows and ``max_len`` positions."""
+        return ModelCache([block.new_cache(batch, max_len) for block in self.blocks])
+
+    def forward(
+        self, idx: Tensor, *, left_pad: Tensor | None = None, cache: ModelCache | None = None
+    ) -> Tensor:
+        """idx (B, N) token ids -> logits (B, N, V).
+
+        left_pad (B,): rows start with that many padding tokens, which no query attends to;
+        positions count from each row's first real token. cache: continue after the
+        ``cache.length`` positions it holds (incremental decoding)."""
+        check_ids("idx", idx)
+        offset = 0 if cache is None else cache.length
+        self.positions.check_length(offset + idx.shape[1])
+        positions = token_positions(offset, idx.shape[1], left_pad, idx.device)
+        x = self.tok_emb(idx)
+        pe = self.positions.embed(positions)
+        if pe is not None:
+            x = x + pe.to(x.dtype)
+        x = self.drop(x)
+        mask = causal() if left_pad is None else causal() & ~padding(left_pad)
+        score_mod = self.positions.score_mod()
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache.layers[i]
+            x = block(x, mask=mask, score_mod=score_mod, positions=positions, cache=layer_cache)
+        if cache is not None:
+            cache.length += idx.shape[1]
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
+        top_k: int | None = None, top_p: float | None = None, *, lengths: Tensor | None = None,
+        eos_id: int | None = None, pad_id: int = 0, beam_size: int = 1,
+        length_penalty: float = 1.0, use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continue prompts idx (B, N) by up to max_new_tokens tokens -> (B, N + T).
+
+        temperature 0 is greedy; top_k / top_p filter before sampling; beam_size > 1 runs beam
+        search (GNMT length penalty, exponent ``length_penalty``). Prompts of different
+        lengths come right-padded with ``lengths`` (B,); each output row is its prompt, then
+        its continuation, then pad_id. Rows that emit eos_id are filled with eos_id; the loop
+        stops when all rows have. The model runs in eval mode for the call."""
+        check_ids("idx", idx)
+        check_sampling(temperature, top_k, top_p)
+        b, n = idx.shape
+        lengths = check_lengths("lengths", lengths, b, n)
+        full = lengths is None
+        lengths = torch.full((b,), n, device=idx.device) if full else lengths.to(idx.device)
+        self.positions.check_length(n + max_new_tokens)
+        aligned, left_pad = left_align(idx, lengths, pad_id)
+        left_pad = None if full else left_pad
+        if beam_size > 1:
+            aligned = aligned.repeat_interleave(beam_size, 0)
+            left_pad = None if left_pad is None else left_pad.repeat_interleave(beam_size, 0)
+        step, reorder = self._stepper(aligned.shape[0], n + max_new_tokens, left_pad, use_cache)
+        was_training = self.training
+        self.eval()
+        try:
+            if beam_size > 1:
+                new = beam_search(
+                    step, reorder, aligned, b, beam_size, max_new_tokens, eos_id=eos_id,
+                    length_penalty=length_penalty,
+                )
+            else:
+                new = sample(
+                    step, aligned, max_new_tokens, temperature=temperature, top_k=top_k,
+                    top_p=top_p, eos_id=eos_id, generator=generator,
+                )
+        finally:
+            self.train(was_training)
+        return place_after(idx, lengths, new, pad_id)
+
+    def _stepper(self, batch: int, max_len: int, left_pad: Tensor | None, use_cache: bool):
+        """step(new tokens) -> next-token logits, and reorder(index), over a KV cache or
+        (use_cache=False) by recomputing the whole prefix each step."""
+        if use_cache:
+            cache = self.new_cache(batch, max_len)
+
+            def step(tokens: Tensor) -> Tensor:
+                return self(tokens, left_pad=left_pad, cache=cache)[:, -1]
+
+            return step, cache.reorder
+        history: list[Tensor] = []
+
+        def step_full(tokens: Tensor) -> Tensor:
+            seq = tokens if not history else torch.cat((history.pop(), tokens), dim=1)
+            history.append(seq)
+            return self(seq, left_pad=left_pad)[:, -1]
+
+        def reorder(index: Tensor) -> None:
+            history.append(history.pop().index_select(0, index))
+
+        return step_full, reorder
+
+    @classmethod
+    def from_pretrained(cls, path) -> GPT:
+        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors). Reads
+        safetensors only; pickle checkpoints are refused."""
+        from .hf_gpt2 import load_gpt2
+
+        return load_gpt2(cls, path)

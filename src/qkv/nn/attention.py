@@ -1,0 +1,186 @@
+"""Multi-head attention: W^Q, W^K, W^V and W^O around ``qkv.attention``, with a static KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import attention
+from .positions import RotaryEmbedding
+
+
+class KVCache:
+    """Preallocated keys (B, Hkv, max_len, D) and values (B, Hkv, max_len, Dv) of one layer.
+
+    ``append`` writes new entries at ``length`` and returns every cached entry so far; the
+    queries of that step are the last Nq positions, which is exactly the bottom-right
+    alignment ``qkv.causal()`` uses (query i sees keys j <= i + Nk - Nq)."""
+
+    def __init__(
+        self, batch: int, kv_heads: int, max_len: int, head_dim: int, value_dim: int, *,
+        device=None, dtype=torch.float32,
+    ):
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(batch, kv_heads, max_len, value_dim, device=device, dtype=dtype)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {end} positions but the cache holds max_len={self.max_len}"
+            )
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def cached(self) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (B',) in that order (beam search)."""
+        self.k = self.k.index_select(0, index)
+        self.v = self.v.index_select(0, index)
+
+
+def _split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, N, heads * D) -> (B, heads, N, D)."""
+    b, n, _ = x.shape
+    return x.view(b, n, heads, -1).transpose(1, 2)
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    Args:
+        d_model: width of the queries and of the output.
+        n_head: query heads H; d_k = d_v = d_model / H unless ``head_dim`` is given.
+        n_kv_head: key/value heads Hkv (grouped / multi-query attention); H % Hkv == 0.
+        kdim, vdim: widths of the key and value inputs (cross-attention); default d_model.
+        bias: bias in the four projections.
+        dropout: dropout on the attention weights, in training mode only.
+        similarity, scale: passed to ``qkv.attention``; "mahalanobis" adds a learnable
+            metric L (H, d_k, d_k), initialized to the identity.
+        rope: a shared RotaryEmbedding applied to q and k (self-attention only).
+        is_cross: True for encoder-decoder attention (keys come from a memory).
+        layer_index: which block of its stack this layer is (for capture tools).
+
+    Set ``capture_weights = True`` to keep the last call's weights (B, H, Nq, Nk), detached,
+    in ``last_weights``.
+    """
+
+    def __init__(
+        self, d_model: int, n_head: int, *, n_kv_head: int | None = None,
+        kdim: int | None = None, vdim: int | None = None, bias: bool = True,
+        dropout: float = 0.0, similarity: str = "dot", scale: float | None = None,
+        head_dim: int | None = None, rope: RotaryEmbedding | None = None,
+        is_cross: bool = False, layer_index: int | None = None,
+    ):
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        if n_head <= 0 or n_kv_head <= 0:
+            raise ValueError(f"n_head and n_kv_head must be positive; got {n_head}, {n_kv_head}")
+        if head_dim is None and d_model % n_head:
+            raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
+        if n_head % n_kv_head:
+            raise ValueError(f"n_head={n_head} must be divisible by n_kv_head={n_kv_head}")
+        if rope is not None and is_cross:
+            raise ValueError("rope applies to self-attention only, not to is_cross=True")
+        self.d_model, self.n_head, self.n_kv_head = d_model, n_head, n_kv_head
+        self.head_dim = head_dim or d_model // n_head
+        self.kdim, self.vdim = kdim or d_model, vdim or d_model
+        self.similarity, self.scale, self.dropout = similarity, scale, dropout
+        self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
+        self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
+        self.metric = None
+        if similarity == "mahalanobis":
+            eye = torch.eye(self.head_dim).expand(n_head, -1, -1).clone()
+            self.metric = nn.Parameter(eye)
+        self.capture_weights = False
+        self.last_weights: Tensor | None = None
+
+    def new_cache(self, batch: int, max_len: int, *, device=None, dtype=None) -> KVCache:
+        """An empty cache for ``batch`` rows and up to ``max_len`` key positions."""
+        weight = self.k_proj.weight
+        return KVCache(
+            batch, self.n_kv_head, max_len, self.head_dim, self.head_dim,
+            device=device or weight.device, dtype=dtype or weight.dtype,
+        )
+
+    def forward(
+        self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None, *,
+        mask=None, score_mod=None, positions: Tensor | None = None,
+        cache: KVCache | None = None, return_weights: bool = False,
+    ):
+        """query (B, Nq, d_model); key (B, Nk, kdim) and value (B, Nk, vdim), default: the
+        query (self-attention) and the key. positions (Nq,) or (B, Nq) for rope, default
+        cache.length + arange(Nq). A cross-attention cache holds the projected memory after
+        the first call, so later calls may pass key=None.
+
+        Returns out (B, Nq, d_model), or (out, weights (B, H, Nq, Nk))."""
+        q = _split_heads(self.q_proj(query), self.n_head)
+        if self.is_cross and cache is not None and cache.length > 0:
+            k, v = cache.cached()
+        else:
+            if self.is_cross and key is None:
+                raise ValueError("cross-attention needs key (the memory) on its first call")
+            key = query if key is None else key
+            value = key if value is None else value
+            k = _split_heads(self.k_proj(key), self.n_kv_head)
+            v = _split_heads(self.v_proj(value), self.n_kv_head)
+            if self.rope is not None:
+                if positions is None:
+                    start = 0 if cache is None else cache.length
+                    positions = torch.arange(start, start + q.shape[2], device=q.device)
+                q, k = self.rope(q, positions), self.rope(k, positions)
+            if cache is not None:
+                k, v = cache.append(k, v)
+        want_weights = return_weights or self.capture_weights
+        result = attention(
+            q, k, v, mask=mask, score_mod=score_mod, similarity=self.similarity,
+            scale=self.scale, metric=self.metric, return_weights=want_weights,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        out, weights = result if want_weights else (result, None)
+        if self.capture_weights:
+            self.last_weights = weights.detach()
+        out = self.out_proj(out.transpose(1, 2).flatten(2))
+        return (out, weights) if return_weights else out
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` (batch_first or not; the result always takes
+        (B, N, E) inputs). add_bias_kv and add_zero_attn have no counterpart and are refused."""
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(
+                f"from_torch expects torch.nn.MultiheadAttention; got {type(m).__name__}"
+            )
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch: add_bias_kv and add_zero_attn are not supported")
+        bias = m.in_proj_bias is not None
+        new = cls(
+            m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim, bias=bias, dropout=m.dropout
+        ).to(device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
+        if m._qkv_same_embed_dim:
+            wq, wk, wv = m.in_proj_weight.chunk(3)
+        else:
+            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+        with torch.no_grad():
+            for proj, w in ((new.q_proj, wq), (new.k_proj, wk), (new.v_proj, wv)):
+                proj.weight.copy_(w)
+            new.out_proj.weight.copy_(m.out_proj.weight)
+            if bias:
+                for proj, b in zip((new.q_proj, new.k_proj, new.v_proj), m.in_proj_bias.chunk(3),
+                                   strict=True):
+                    proj.bias.copy_(b)
+                new.out_proj.bias.copy_(m.out_proj.bias)
+        return new

@@ -1,0 +1,64 @@
+"""The registry of attention kinds a block can use, chosen by a config string.
+
+``ATTENTION_KINDS`` maps a name (``attention="softmax"`` in a model config) to a factory.
+A kind must implement this protocol:
+
+Constructor (the factory), called once per layer with keywords only:
+    factory(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
+            layer_index) -> nn.Module
+    ``rope`` is a shared ``RotaryEmbedding`` or None (self-attention only); ``is_cross`` is
+    True for encoder-decoder attention; ``layer_index`` is the block's index in its stack.
+    The module must keep ``is_cross`` and ``layer_index`` as attributes (capture tools read
+    them). A kind that cannot honour an argument (say, a similarity) raises ValueError there.
+
+Forward:
+    module(x, memory=None, *, mask=None, score_mod=None, positions=None, cache=None)
+        -> (B, N, d_model)
+    x (B, N, d_model); memory (B, M, d_model) for cross-attention (None on later cached
+    calls); mask a qkv mask object or bool tensor (blocks pass ``qkv.causal()`` for causal
+    stacks, combined with padding); score_mod from the positional scheme (ALiBi, T5 bias);
+    positions (N,) or (B, N) absolute positions of x's tokens (for rope).
+
+Cache / state for generation:
+    module.new_cache(batch, max_len, *, device=None, dtype=None) -> a cache object, any
+    class, created empty; passing it to forward makes the call incremental: x holds only
+    the new positions and the object absorbs them (a KV cache, or a recurrent state).
+    The object must implement ``reorder(index)`` (keep batch rows ``index`` in that order,
+    for beam search). For cross-attention the first cached call receives the memory and
+    later calls receive memory=None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .attention import MultiHeadAttention
+
+
+def _softmax(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
+             layer_index) -> nn.Module:
+    return MultiHeadAttention(
+        d_model, n_head, n_kv_head=n_kv_head, bias=bias, dropout=dropout,
+        similarity=similarity, rope=rope, is_cross=is_cross, layer_index=layer_index,
+    )
+
+
+ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {"softmax": _softmax}
+
+
+def register_attention_kind(name: str, factory: Callable[..., nn.Module]) -> None:
+    """Make ``attention=name`` available to every model config (see the module docstring)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attention kind name must be a non-empty string; got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"attention kind factory must be callable; got {type(factory).__name__}")
+    ATTENTION_KINDS[name] = factory
+
+
+def build_attention(kind: str, **kwargs) -> nn.Module:
+    """One attention layer of the registered ``kind`` (keywords as in the protocol)."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got {kind!r}")
+    return ATTENTION_KINDS[kind](**kwargs)
