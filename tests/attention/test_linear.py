@@ -12,7 +12,9 @@ from qkv.attention.linear import (
     linear_attention,
     linear_attention_step,
     quadratic_linear_attention,
+    read_state,
     recurrent_linear_attention,
+    summarize_keys,
 )
 
 
@@ -54,6 +56,27 @@ def test_non_causal_matches_quadratic(kind):
     kw = map_kwargs(kind)
     reference = quadratic_linear_attention(q, k, v, **kw)
     assert max_err(linear_attention(q, k, v, **kw), reference) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_mask_drops_keys(causal):
+    """Masked keys contribute nothing: same as the quadratic form with those keys cut out."""
+    q, k, v = qkv_tensors(b=2, n=9)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[0, :3] = False  # left padding of row 0
+    out = linear_attention(q, k, v, causal=causal, chunk_size=4, key_mask=keep)
+    quadratic = quadratic_linear_attention(q, k, v, causal=causal, key_mask=keep)
+    assert max_err(out, quadratic) < 1e-10
+    row0 = quadratic_linear_attention(q[:1, :, 3:], k[:1, :, 3:], v[:1, :, 3:], causal=causal)
+    assert max_err(out[:1, :, 3:], row0) < 1e-10
+    assert max_err(out[1:], linear_attention(q[1:], k[1:], v[1:], causal=causal)) < 1e-10
+
+
+def test_summary_then_read_is_non_causal_attention():
+    q, k, v = qkv_tensors(h=4, hkv=2)
+    kw = map_kwargs("favor")
+    state = summarize_keys(k, v, 4, **kw)
+    assert max_err(read_state(q, state, **kw), linear_attention(q, k, v, **kw)) < 1e-12
 
 
 @settings(max_examples=15, deadline=None)

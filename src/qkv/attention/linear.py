@@ -63,8 +63,12 @@ _LINEAR_INSTEAD = (
 
 
 def draw_orthogonal_features(
-    num_features: int, head_dim: int, *, generator: torch.Generator | None = None,
-    dtype: torch.dtype = torch.float32, device=None,
+    num_features: int,
+    head_dim: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+    device=None,
 ) -> Tensor:
     """FAVOR+ projection (M, D): blocks of D orthogonal Gaussian directions, each row rescaled
     to the norm of an independent Gaussian vector so that rows are marginally N(0, I)."""
@@ -100,7 +104,7 @@ def favor_features(x: Tensor, projection: Tensor, *, is_query: bool) -> Tensor:
     return torch.exp(logits) / math.sqrt(projection.shape[0])
 
 
-def feature_map(x: Tensor, kind: str, projection: Tensor | None, *, is_query: bool) -> Tensor:
+def feature_map_of(x: Tensor, kind: str, projection: Tensor | None, *, is_query: bool) -> Tensor:
     """Apply the named feature map to (..., D)."""
     if kind == "elu":
         return elu_features(x)
@@ -119,8 +123,9 @@ def feature_map(x: Tensor, kind: str, projection: Tensor | None, *, is_query: bo
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}; got {kind!r}")
 
 
-def _features(q, k, v, kind, projection):
-    """Validated inputs -> φ(q) (B, H, N, M), φ(k) (B, H, Nk, M), v (B, H, Nk, Dv)."""
+def _features(q, k, v, kind, projection, key_mask=None):
+    """Validated inputs -> φ(q) (B, H, N, M), φ(k) (B, H, Nk, M), v (B, H, Nk, Dv).
+    Keys where key_mask (B, Nk) is False get φ(k) = 0: they add nothing to any sum."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (B, H, N, D)")
@@ -132,8 +137,15 @@ def _features(q, k, v, kind, projection):
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"H={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
     heads = q.shape[1]
-    phi_q = feature_map(q, kind, projection, is_query=True)
-    phi_k = expand_kv_heads(feature_map(k, kind, projection, is_query=False), heads)
+    phi_q = feature_map_of(q, kind, projection, is_query=True)
+    phi_k = expand_kv_heads(feature_map_of(k, kind, projection, is_query=False), heads)
+    if key_mask is not None:
+        if key_mask.dtype != torch.bool or key_mask.shape != (k.shape[0], k.shape[2]):
+            raise ValueError(
+                f"key_mask must be a bool tensor (B, Nk)={(k.shape[0], k.shape[2])}; got "
+                f"{key_mask.dtype} {tuple(key_mask.shape)}"
+            )
+        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
     return phi_q, phi_k, expand_kv_heads(v, heads)
 
 
@@ -151,13 +163,64 @@ def _check_state(state, phi_q: Tensor, v: Tensor) -> LinearState:
     return state
 
 
+def _summary(phi_k: Tensor, v: Tensor) -> LinearState:
+    return LinearState(phi_k.transpose(-1, -2) @ v, phi_k.sum(-2))
+
+
+def _read(phi_q: Tensor, state: LinearState, eps: float) -> Tensor:
+    num = phi_q @ state.kv
+    den = phi_q @ state.normalizer.unsqueeze(-1)
+    return num / (den + eps)
+
+
+def summarize_keys(
+    k: Tensor,
+    v: Tensor,
+    heads: int,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    key_mask: Tensor | None = None,
+) -> LinearState:
+    """Σ φ(k) vᵀ and Σ φ(k) over all keys: k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> a
+    LinearState for ``heads`` query heads. What cross-attention keeps of its memory."""
+    q_like = k[:, :1, :0].expand(k.shape[0], heads, 0, k.shape[3])
+    _, phi_k, v = _features(q_like, k, v, feature_map, projection, key_mask)
+    return _summary(phi_k, v)
+
+
+def read_state(
+    q: Tensor,
+    state: LinearState,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Non-causal linear attention of q (B, H, Nq, D) over the keys summarized in ``state``:
+    out (B, H, Nq, Dv)."""
+    phi_q = feature_map_of(q, feature_map, projection, is_query=True)
+    b, h, _, m = phi_q.shape
+    if not isinstance(state, LinearState) or state.kv.shape[:3] != (b, h, m):
+        raise ValueError("state must be a LinearState for q's batch, heads and feature count")
+    return _read(phi_q, state, eps)
+
+
 def quadratic_linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
-    causal: bool = False, eps: float = 1e-6, return_weights: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    causal: bool = False,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
 ):
     """The definition, O(N²): A = φ(Q)φ(K)ᵀ (causally masked, bottom-right aligned), out =
     A v / (A·1 + eps). Returns out (B, H, Nq, Dv), or (out, weights (B, H, Nq, Nk))."""
-    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection, key_mask)
     scores = phi_q @ phi_k.transpose(-1, -2)
     if causal:
         nq, nk = scores.shape[-2:]
@@ -193,9 +256,19 @@ def _chunked_causal(phi_q, phi_k, v, state: LinearState, chunk_size: int, eps: f
 
 
 def linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
-    causal: bool = False, chunk_size: int = 64, state: LinearState | None = None,
-    return_state: bool = False, eps: float = 1e-6, return_weights: bool = False,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    causal: bool = False,
+    chunk_size: int = 64,
+    state: LinearState | None = None,
+    return_state: bool = False,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
 ):
     """Linear attention, O(N·M·Dv) time.
 
@@ -206,6 +279,7 @@ def linear_attention(
             the sums over every earlier token, for a sequence processed piece by piece).
         chunk_size: tokens per chunk in the causal form (memory O(N/C · M · Dv)).
         return_state: also return the ``LinearState`` after the last token (causal only).
+        key_mask: (B, Nk) bool, False for keys no query may see (padding).
         eps: added to the normalizer φ(q)·z.
 
     Returns:
@@ -214,14 +288,11 @@ def linear_attention(
     if return_weights:
         raise no_weights_error("linear attention", _LINEAR_INSTEAD)
     check_positive_int(chunk_size, "chunk_size")
-    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection, key_mask)
     if not causal:
         if state is not None or return_state:
             raise ValueError("state and return_state apply to causal linear attention only")
-        kv = phi_k.transpose(-1, -2) @ v
-        num = phi_q @ kv
-        den = phi_q @ phi_k.sum(-2).unsqueeze(-1)
-        return num / (den + eps)
+        return _read(phi_q, _summary(phi_k, v), eps)
     if phi_q.shape[2] != phi_k.shape[2]:
         raise ValueError(
             f"causal linear attention needs Nq == Nk (earlier tokens go in state); got "
@@ -233,8 +304,15 @@ def linear_attention(
 
 
 def linear_attention_step(
-    q: Tensor, k: Tensor, v: Tensor, state: LinearState | None, *, feature_map: str = "elu",
-    projection: Tensor | None = None, eps: float = 1e-6,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: LinearState | None,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[Tensor, LinearState]:
     """One generated token in O(M·Dv): q (B, H, 1, D), k (B, Hkv, 1, D), v (B, Hkv, 1, Dv).
     Adds the token to the state, then reads it. Returns out (B, H, 1, Dv) and the new state."""
@@ -242,17 +320,22 @@ def linear_attention_step(
         raise ValueError(
             f"linear_attention_step takes one token (B, H, 1, D); got q {tuple(q.shape)}"
         )
-    phi_q, phi_k, v = _features(q, k, v, feature_map, projection)
+    phi_q, phi_k, v = _features(q, k, v, feature_map, projection, key_mask)
     state = _check_state(state, phi_q, v)
-    kv = state.kv + phi_k.transpose(-1, -2) @ v
-    normalizer = state.normalizer + phi_k[:, :, 0]
-    out = (phi_q @ kv) / ((phi_q @ normalizer.unsqueeze(-1)) + eps)
-    return out, LinearState(kv, normalizer)
+    added = _summary(phi_k, v)
+    state = LinearState(state.kv + added.kv, state.normalizer + added.normalizer)
+    return _read(phi_q, state, eps), state
 
 
 def recurrent_linear_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, feature_map: str = "elu", projection: Tensor | None = None,
-    state: LinearState | None = None, eps: float = 1e-6,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    feature_map: str = "elu",
+    projection: Tensor | None = None,
+    state: LinearState | None = None,
+    eps: float = 1e-6,
 ) -> tuple[Tensor, LinearState]:
     """Causal linear attention token by token (the generation path), O(N·M·Dv) with a Python
     loop: (B, H, N, D) ... -> out (B, H, N, Dv) and the final state."""
@@ -260,8 +343,13 @@ def recurrent_linear_attention(
     for i in range(q.shape[2]):
         sl = slice(i, i + 1)
         out, state = linear_attention_step(
-            q[:, :, sl], k[:, :, sl], v[:, :, sl], state, feature_map=feature_map,
-            projection=projection, eps=eps,
+            q[:, :, sl],
+            k[:, :, sl],
+            v[:, :, sl],
+            state,
+            feature_map=feature_map,
+            projection=projection,
+            eps=eps,
         )
         outs.append(out)
     return torch.cat(outs, 2), state
