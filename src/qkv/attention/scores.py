@@ -174,22 +174,30 @@ class UserScoreMod(ScoreMod):
 
 
 def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
-    """Tensors a callable reads through its closure, defaults, or (for a Module) parameters."""
+    """Tensors a callable reads through its closure, the module globals it names, defaults, or
+    (for a Module) parameters."""
     found: list[Tensor] = []
     if isinstance(fn, torch.nn.Module):
         found.extend(fn.parameters())
     inner = getattr(fn, "__func__", fn)
+    values = []
     for cell in getattr(inner, "__closure__", None) or ():
         try:
-            value = cell.cell_contents
+            values.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
+    code, names = getattr(inner, "__code__", None), getattr(inner, "__globals__", {})
+    values.extend(names[n] for n in (code.co_names if code else ()) if n in names)
+    for value in values:
         if isinstance(value, Tensor):
             found.append(value)
         elif isinstance(value, ScoreMod):
             found.extend(value.tensors())
+        elif isinstance(value, torch.nn.Module):
+            found.extend(value.parameters())
     found.extend(d for d in getattr(inner, "__defaults__", None) or () if isinstance(d, Tensor))
-    return tuple(found)
+    unique = {id(t): t for t in found}  # a tensor read twice still gets one gradient
+    return tuple(unique.values())
 
 
 def as_score_mod(score_mod) -> ScoreMod | None:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -30,8 +31,9 @@ def neg_sqdist_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 def neg_l1_scores(q: Tensor, k: Tensor) -> Tensor:
-    """-‖q-k‖₁, by broadcasting (no matrix-multiply form exists)."""
-    return -(q.unsqueeze(-2) - k.unsqueeze(-3)).abs().sum(-1)
+    """-‖q-k‖₁. No matrix-multiply form exists; cdist sums |q-k| without materializing the
+    (..., Nq, Nk, D) differences (about 10x faster than broadcasting, forward and backward)."""
+    return -torch.cdist(q, k, p=1)
 
 
 KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {

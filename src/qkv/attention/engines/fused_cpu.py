@@ -1,0 +1,231 @@
+"""The fused CPU engine: blockwise online-softmax attention, forward and backward, for every
+similarity, mask and score modifier.
+
+- Forward: for each query block, visit the key blocks the mask does not rule out
+  (``tile_plan``), keep a running max, sum and output (FlashAttention's online softmax), and
+  save only the output and the log-sum-exp. No (Nq, Nk) tensor is held: extra memory is
+  O((Nq + Nk)·D) plus one tile of scores.
+- Backward: recompute each tile's scores from the same definitions and the saved
+  log-sum-exp. The dot kernel without a modifier uses two matmuls; everything else builds a
+  small autograd graph per tile, so gradients reach the score modifier's tensors (ALiBi
+  slopes, bias tables, tensors captured by user callables) and a tensor scale.
+- Similarity features (unit-normalize, the Mahalanobis map) are O(N·D) and run outside the
+  tile loop under ordinary autograd, so gradients reach q, k and the metric.
+- Sparse graph masks go to the gather path in ``graph_gather`` instead of tiles.
+- Dropout runs in the engine: each tile's keep mask comes from its own seeded generator, so
+  the backward pass regenerates it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..masks import GraphMask
+from ..problem import Problem
+from ..reference import accumulation_dtype
+from . import graph_gather
+from .tiles import (
+    TileSpec,
+    block_sizes,
+    dropout_keep,
+    group_heads,
+    tile_index,
+    tile_plan,
+    tile_scores,
+)
+
+
+def _needs_grad(p: Problem) -> bool:
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in (p.q, p.k, p.v, *p.grad_tensors())
+    )
+
+
+def why_not(p: Problem) -> str | None:
+    if p.q.device.type != "cpu":
+        return f"the fused CPU engine runs CPU tensors; got device {p.q.device}"
+    if p.return_weights and _needs_grad(p):
+        return (
+            "return_weights=True while gradients are needed: the fused engine returns weights "
+            "recomputed from its log-sum-exp without a gradient; use backend='reference'"
+        )
+    return None
+
+
+def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key."""
+    batch, heads, dv = spec.batch, spec.heads, v.shape[-1]
+    hk, hv = fk.shape[1], v.shape[1]
+    out = fq.new_zeros(batch, heads, spec.nq, dv)
+    lse = fq.new_full((batch, heads, spec.nq, 1), float("-inf"))
+    for i, tiles in enumerate(plan):
+        if not tiles:
+            continue
+        q0, q1 = spec.q_range(i)
+        fq_t = group_heads(fq[:, :, q0:q1], hk)
+        row_max = fq.new_full((batch, heads, q1 - q0, 1), float("-inf"))
+        row_max_safe = torch.zeros_like(row_max)
+        row_sum = torch.zeros_like(row_max)
+        acc = fq.new_zeros(batch, hv, (heads // hv) * (q1 - q0), dv)
+        for j, masked in tiles:
+            k0, k1 = spec.k_range(j)
+            idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+            s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
+            new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+            # A row with nothing allowed so far keeps max -inf; subtract 0 so exp gives 0, not NaN.
+            new_max_safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
+            p = s.sub_(new_max_safe).exp_()
+            correction = (row_max - new_max_safe).exp_()
+            row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
+            if spec.dropout_p > 0:
+                keep = dropout_keep(spec, i, j, p.shape, fq.device)
+                p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+            acc = group_heads(acc.view(batch, heads, q1 - q0, dv).mul_(correction), hv)
+            acc.add_(group_heads(p, hv) @ v[:, :, k0:k1])
+            row_max, row_max_safe = new_max, new_max_safe
+        acc = acc.view(batch, heads, q1 - q0, dv)
+        out[:, :, q0:q1] = acc / row_sum.masked_fill(row_sum == 0, 1.0)
+        lse[:, :, q0:q1] = row_max_safe + row_sum.log()
+    return out, lse
+
+
+def _is_plain_dot(spec: TileSpec) -> bool:
+    return spec.kernel == "dot" and spec.scale is None and spec.score_mod is None
+
+
+def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
+    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad)."""
+    batch, heads = spec.batch, spec.heads
+    hk, hv = fk.shape[1], v.shape[1]
+    dfq, dfk, dv = torch.zeros_like(fq), torch.zeros_like(fk), torch.zeros_like(v)
+    dextras = [None] * len(extras)
+    delta = (dout * out).sum(-1, keepdim=True)
+    # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    fast = _is_plain_dot(spec)
+    for i, tiles in enumerate(plan):
+        if not tiles:
+            continue
+        q0, q1 = spec.q_range(i)
+        n = q1 - q0
+        fq_t = group_heads(fq[:, :, q0:q1], hk)
+        do_t = group_heads(dout[:, :, q0:q1], hv)
+        lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
+        dfq_t = torch.zeros_like(fq_t)
+        for j, masked in tiles:
+            k0, k1 = spec.k_range(j)
+            fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
+            idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+            if fast:
+                s = tile_scores(spec, fq_t, fk_t, idx, masked)
+            else:
+                with torch.enable_grad():
+                    fq_leaf = fq_t.detach().requires_grad_()
+                    fk_leaf = fk_t.detach().requires_grad_()
+                    s = tile_scores(spec, fq_leaf, fk_leaf, idx, masked)
+            p = (s.detach() - lse_t).exp_()
+            dp = (do_t @ v_t.transpose(-1, -2)).view(batch, heads, n, k1 - k0)
+            if spec.dropout_p > 0:
+                keep = dropout_keep(spec, i, j, p.shape, fq.device)
+                kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
+                dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+            else:
+                kept = p
+            dv[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
+            ds = p.mul_(dp.sub_(delta_t))
+            if fast:
+                ds = group_heads(ds, hk)
+                dfq_t += ds @ fk_t
+                dfk[:, :, k0:k1] += ds.transpose(-1, -2) @ fq_t
+                continue
+            grads = torch.autograd.grad(s, (fq_leaf, fk_leaf, *extras), ds, allow_unused=True)
+            dfq_t += grads[0]
+            dfk[:, :, k0:k1] += grads[1]
+            for e, g in enumerate(grads[2:]):
+                if g is not None:
+                    dextras[e] = g if dextras[e] is None else dextras[e] + g
+        dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
+    return dfq, dfk, dv, dextras
+
+
+class _FusedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: TileSpec, plan, fq, fk, v, *extras):
+        out, lse = _forward(spec, plan, fq, fk, v)
+        ctx.spec, ctx.plan, ctx.extras = spec, plan, extras
+        ctx.save_for_backward(fq, fk, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        fq, fk, v, out, lse = ctx.saved_tensors
+        wanted = [e for e in ctx.extras if e.requires_grad]
+        dfq, dfk, dv, dwanted = _backward(ctx.spec, ctx.plan, fq, fk, v, out, lse, dout, wanted)
+        found = iter(dwanted)
+        dextras = [next(found) if e.requires_grad else None for e in ctx.extras]
+        return (None, None, dfq, dfk, dv, *dextras)
+
+
+def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:
+    """The attention weights (B, H, Nq, Nk) recomputed tile by tile from the saved
+    log-sum-exp (with the call's dropout applied, as the weights that multiplied v)."""
+    weights = fq.new_zeros(spec.batch, spec.heads, spec.nq, spec.nk)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    for i, tiles in enumerate(tile_plan(spec, fq.device)):
+        q0, q1 = spec.q_range(i)
+        fq_t = group_heads(fq[:, :, q0:q1], fk.shape[1])
+        for j, masked in tiles:
+            k0, k1 = spec.k_range(j)
+            idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+            s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
+            p = s.sub_(lse[:, :, q0:q1]).exp_()
+            if spec.dropout_p > 0:
+                keep = dropout_keep(spec, i, j, p.shape, fq.device)
+                p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+            weights[:, :, q0:q1, k0:k1] = p
+    return weights
+
+
+def _spec(p: Problem, scale) -> TileSpec:
+    block_q, block_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
+    seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
+    return TileSpec(
+        kernel=p.similarity.kernel, scale=scale, score_mod=p.score_mod, mask=p.mask,
+        batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
+        block_q=block_q, block_k=block_k,
+    )
+
+
+def _features(p: Problem):
+    """Query and key features in the accumulation dtype, v cast alike, and the scale left for
+    the tiles (None when folded into the query features, which the dot kernel allows)."""
+    acc = accumulation_dtype(p.q.dtype)
+    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
+    metric = None if p.metric is None else p.metric.to(acc)
+    fq, fk = p.similarity.features(q, k, metric)
+    scale = p.scale_tensor()
+    if not isinstance(scale, Tensor) and p.similarity.kernel == "dot":
+        fq, scale = fq * scale, None
+    if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
+        v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
+    return fq, fk, v, scale
+
+
+def run(p: Problem):
+    fq, fk, v, scale = _features(p)
+    spec = _spec(p, scale)
+    # The metric acts through the features; a tensor read twice gets one gradient.
+    extras = list({id(t): t for t in p.grad_tensors() if t is not p.metric}.values())
+    sparse = isinstance(p.mask, GraphMask) and graph_gather.is_sparse(p.mask, p.nq, p.nk)
+    if sparse and not p.return_weights:
+        out, lse = graph_gather.attention(spec, p.mask, fq, fk, v, extras)
+    else:
+        out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
+    out = out.to(p.q.dtype)
+    if not p.return_weights:
+        return out
+    return out, weights_from_lse(spec, fq.detach(), fk.detach(), lse).to(p.q.dtype)

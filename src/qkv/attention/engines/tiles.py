@@ -1,0 +1,142 @@
+"""What the fused CPU engine computes on one tile, and which tiles it visits.
+
+Everything a variant defines comes from the core's single definitions: the pairwise kernel
+(``similarity.KERNELS``), the score modifier and the mask rule (``mask_mod``, ``tile_states``).
+Nothing here restates a similarity, modifier or mask formula.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import EMPTY, FULL, Mask
+from ..scores import ScoreMod
+from ..similarity import KERNELS
+
+BLOCK_Q = 128
+BLOCK_K = 512
+# Cap on the elements of one (B, H, block_q, block_k) score tile: many heads get smaller tiles.
+MAX_TILE_ELEMENTS = 1 << 23
+
+
+@dataclass
+class TileSpec:
+    """A problem as the tile loops see it: features already applied, shapes fixed.
+
+    ``scale`` is None when it was folded into the query features (dot kernel, float scale),
+    else a float or a tensor broadcastable to (B, H, 1, 1)."""
+
+    kernel: str
+    scale: float | Tensor | None
+    score_mod: ScoreMod | None
+    mask: Mask | None
+    batch: int
+    heads: int
+    nq: int
+    nk: int
+    dropout_p: float
+    seed: int
+    block_q: int
+    block_k: int
+
+    @property
+    def offset(self) -> int:
+        return self.nk - self.nq
+
+    def q_range(self, i: int) -> tuple[int, int]:
+        return i * self.block_q, min(self.nq, (i + 1) * self.block_q)
+
+    def k_range(self, j: int) -> tuple[int, int]:
+        return j * self.block_k, min(self.nk, (j + 1) * self.block_k)
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.nk // self.block_k)
+
+
+def block_sizes(batch: int, heads: int, nq: int, nk: int) -> tuple[int, int]:
+    """Tile sizes: the default, shrunk for small N and for many (batch, head) pairs."""
+    block_q, block_k = min(BLOCK_Q, nq), min(BLOCK_K, nk)
+    while batch * heads * block_q * block_k > MAX_TILE_ELEMENTS and block_q > 16:
+        block_q //= 2
+    while batch * heads * block_q * block_k > MAX_TILE_ELEMENTS and block_k > 64:
+        block_k //= 2
+    return max(1, block_q), max(1, block_k)
+
+
+def tile_plan(spec: TileSpec, device) -> list[list[tuple[int, bool]]]:
+    """For each query block, the key blocks to visit and whether the mask must be evaluated.
+
+    A tile EMPTY for every (batch, head) is skipped; one FULL for every (batch, head) skips
+    the mask; anything else evaluates the mask rule on the tile."""
+    qb = -(-spec.nq // spec.block_q)
+    if spec.mask is None:
+        return [[(j, False) for j in range(spec.k_blocks)] for _ in range(qb)]
+    states = spec.mask.tile_states(
+        spec.batch, spec.heads, spec.nq, spec.nk, spec.block_q, spec.block_k, device
+    ).flatten(0, 1)
+    visit = (states != EMPTY).any(0).tolist()
+    full = (states == FULL).all(0).tolist()
+    return [
+        [(j, not full[i][j]) for j in range(spec.k_blocks) if visit[i][j]] for i in range(qb)
+    ]
+
+
+def group_heads(t: Tensor, groups: int) -> Tensor:
+    """(B, H, n, X) -> (B, groups, (H / groups)·n, X): head h = g·(H/groups) + r becomes rows
+    r·n ... of group g, so grouped K/V heads multiply without being repeated."""
+    b, h, n, x = t.shape
+    return t.reshape(b, groups, (h // groups) * n, x)
+
+
+@dataclass
+class TileIndex:
+    """Broadcastable index tensors of one tile: b (B,1,1,1), h (1,H,1,1), q (1,1,bq,1),
+    kv (1,1,1,bk)."""
+
+    b: Tensor
+    h: Tensor
+    q: Tensor
+    kv: Tensor
+
+
+def tile_index(spec: TileSpec, q0: int, q1: int, k0: int, k1: int, device) -> TileIndex:
+    return TileIndex(
+        torch.arange(spec.batch, device=device).view(-1, 1, 1, 1),
+        torch.arange(spec.heads, device=device).view(1, -1, 1, 1),
+        torch.arange(q0, q1, device=device).view(1, 1, -1, 1),
+        torch.arange(k0, k1, device=device).view(1, 1, 1, -1),
+    )
+
+
+def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool) -> Tensor:
+    """Scores (B, H, bq, bk) of one tile, -inf where the mask forbids.
+
+    fq_t: (B, Hk, (H/Hk)·bq, D) query features grouped by key head; fk_t: (B, Hk, bk, D).
+    Outside autograd the scale and the mask are applied in place."""
+    inplace = not torch.is_grad_enabled()
+    bq, bk = idx.q.shape[2], idx.kv.shape[3]
+    shape = (fq_t.shape[0], spec.heads, bq, bk)
+    s = KERNELS[spec.kernel](fq_t, fk_t).reshape(shape)
+    if spec.scale is not None:
+        s = s.mul_(spec.scale) if inplace and not isinstance(spec.scale, Tensor) else s * spec.scale
+    if spec.score_mod is not None:
+        s = spec.score_mod(s, idx.b, idx.h, idx.q, idx.kv, spec.offset)
+        if s.shape != shape:
+            s = s.expand(shape)
+        s = s.to(fq_t.dtype).contiguous()
+    if masked:
+        allowed = torch.as_tensor(spec.mask.mask_mod(idx.b, idx.h, idx.q, idx.kv, spec.offset))
+        fill = s.masked_fill_ if inplace else s.masked_fill
+        s = fill(~allowed, float("-inf"))
+    return s
+
+
+def dropout_keep(spec: TileSpec, i: int, j: int, shape, device) -> Tensor:
+    """The keep mask of tile (i, j), regenerated bit for bit by the backward pass: each tile
+    draws from its own generator seeded by the call's seed and the tile's position."""
+    gen = torch.Generator(device=device).manual_seed(spec.seed + i * spec.k_blocks + j)
+    return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
