@@ -8,11 +8,12 @@ logits for the next position. Beam search also reorders the model's state throug
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 Step = Callable[[Tensor], Tensor]
 
@@ -28,6 +29,25 @@ class ModelCache:
         for layer in self.layers:
             for cache in layer if isinstance(layer, tuple) else (layer,):
                 cache.reorder(index)
+
+
+def stepper(run: Callable[[Tensor, ModelCache | None], Tensor], cache: ModelCache | None):
+    """Build step(tokens) -> next-token logits (B, V) and reorder(index) from
+    ``run(tokens (B, n), cache) -> logits (B, n, V)``: through ``cache`` when given, otherwise
+    by recomputing the whole prefix each step (the uncached reference)."""
+    if cache is not None:
+        return (lambda tokens: run(tokens, cache)[:, -1]), cache.reorder
+    history: list[Tensor] = []
+
+    def step(tokens: Tensor) -> Tensor:
+        seq = tokens if not history else torch.cat((history.pop(), tokens), dim=1)
+        history.append(seq)
+        return run(seq, None)[:, -1]
+
+    def reorder(index: Tensor) -> None:
+        history.append(history.pop().index_select(0, index))
+
+    return step, reorder
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -135,3 +155,38 @@ def beam_search(
     final = scores / length_penalty_of(lengths.view(batch, k), length_penalty)
     best = rows.squeeze(1) + final.argmax(-1)
     return seqs[best]
+
+
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Run a block in eval mode (no dropout), then restore the module's training flag."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+def decode(
+    step: Step, reorder: Callable[[Tensor], None], first: Tensor, batch: int, max_new_tokens: int,
+    *, beam_size: int = 1, length_penalty: float = 1.0, temperature: float = 1.0,
+    top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Beam search when beam_size > 1 (``first`` then holds batch * beam_size rows), else greedy
+    or sampled decoding. Returns (batch, T) new tokens."""
+    check_sampling(temperature, top_k, top_p)
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    if beam_size > 1:
+        return beam_search(
+            step, reorder, first, batch, beam_size, max_new_tokens, eos_id=eos_id,
+            length_penalty=length_penalty,
+        )
+    return sample(
+        step, first, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        eos_id=eos_id, generator=generator,
+    )

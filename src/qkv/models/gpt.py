@@ -20,7 +20,7 @@ from .common import (
     place_after,
     token_positions,
 )
-from .generation import ModelCache, beam_search, check_sampling, sample
+from .generation import ModelCache, decode, eval_mode, stepper
 
 
 @dataclass
@@ -128,7 +128,6 @@ class GPT(nn.Module):
         its continuation, then pad_id. Rows that emit eos_id are filled with eos_id; the loop
         stops when all rows have. The model runs in eval mode for the call."""
         check_ids("idx", idx)
-        check_sampling(temperature, top_k, top_p)
         b, n = idx.shape
         lengths = check_lengths("lengths", lengths, b, n)
         full = lengths is None
@@ -139,45 +138,17 @@ class GPT(nn.Module):
         if beam_size > 1:
             aligned = aligned.repeat_interleave(beam_size, 0)
             left_pad = None if left_pad is None else left_pad.repeat_interleave(beam_size, 0)
-        step, reorder = self._stepper(aligned.shape[0], n + max_new_tokens, left_pad, use_cache)
-        was_training = self.training
-        self.eval()
-        try:
-            if beam_size > 1:
-                new = beam_search(
-                    step, reorder, aligned, b, beam_size, max_new_tokens, eos_id=eos_id,
-                    length_penalty=length_penalty,
-                )
-            else:
-                new = sample(
-                    step, aligned, max_new_tokens, temperature=temperature, top_k=top_k,
-                    top_p=top_p, eos_id=eos_id, generator=generator,
-                )
-        finally:
-            self.train(was_training)
+        cache = self.new_cache(aligned.shape[0], n + max_new_tokens) if use_cache else None
+        step, reorder = stepper(
+            lambda tokens, c: self(tokens, left_pad=left_pad, cache=c), cache
+        )
+        with eval_mode(self):
+            new = decode(
+                step, reorder, aligned, b, max_new_tokens, beam_size=beam_size,
+                length_penalty=length_penalty, temperature=temperature, top_k=top_k,
+                top_p=top_p, eos_id=eos_id, generator=generator,
+            )
         return place_after(idx, lengths, new, pad_id)
-
-    def _stepper(self, batch: int, max_len: int, left_pad: Tensor | None, use_cache: bool):
-        """step(new tokens) -> next-token logits, and reorder(index), over a KV cache or
-        (use_cache=False) by recomputing the whole prefix each step."""
-        if use_cache:
-            cache = self.new_cache(batch, max_len)
-
-            def step(tokens: Tensor) -> Tensor:
-                return self(tokens, left_pad=left_pad, cache=cache)[:, -1]
-
-            return step, cache.reorder
-        history: list[Tensor] = []
-
-        def step_full(tokens: Tensor) -> Tensor:
-            seq = tokens if not history else torch.cat((history.pop(), tokens), dim=1)
-            history.append(seq)
-            return self(seq, left_pad=left_pad)[:, -1]
-
-        def reorder(index: Tensor) -> None:
-            history.append(history.pop().index_select(0, index))
-
-        return step_full, reorder
 
     @classmethod
     def from_pretrained(cls, path) -> GPT:
