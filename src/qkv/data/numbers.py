@@ -41,6 +41,18 @@ def sample_numbers(count: int, rng: random.Random, exclude: set[int]) -> list[in
     return chosen
 
 
+def split_numbers(n_train: int, n_test: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) numbers that share no number."""
+    rng = random.Random(seed)
+    test = sample_numbers(n_test, rng, set())
+    return sample_numbers(n_train, rng, set(test)), test
+
+
+def pairs(numbers: list[int]) -> list[tuple[str, str]]:
+    """(German words, English words) of each number."""
+    return [(german(n), english(n)) for n in numbers]
+
+
 def number_splits(
     n_train: int, n_test: int, seed: int = 0
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -48,7 +60,5 @@ def number_splits(
 
     The two splits share no number; the same arguments always give the same pairs.
     """
-    rng = random.Random(seed)
-    test = sample_numbers(n_test, rng, set())
-    train = sample_numbers(n_train, rng, set(test))
-    return [(german(n), english(n)) for n in train], [(german(n), english(n)) for n in test]
+    train, test = split_numbers(n_train, n_test, seed)
+    return pairs(train), pairs(test)

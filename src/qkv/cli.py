@@ -1,0 +1,230 @@
+"""The ``qkv`` command: train, eval, generate, translate, bench.
+
+Each subcommand is one ``Command`` in ``COMMANDS`` (its arguments, its run function, its
+examples); adding a command means adding one entry. Bad input (a missing data file, an
+unknown config key, a run directory without a checkpoint, ...) prints one line and exits 2;
+set QKV_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+USAGE_ERROR = 2
+
+
+@dataclass
+class Command:
+    help: str
+    examples: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ----------------------------------------------------------------------------- train
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", choices=["translate", "lm", "vit"], help="what to train")
+    p.add_argument("--run-dir", help="where the run lives (default: runs/TASK-DATE-TIME)")
+    p.add_argument("--preset", default="default", help="a named configuration: default or tiny")
+    p.add_argument("--config", help="a TOML or JSON file with [data] [model] [train] [eval]")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. train.steps=500 (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest intact checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .train import config, distributed, run
+
+    task = run.get_task(args.task)
+    if args.resume:
+        if not args.run_dir:
+            raise config.ConfigError("--resume needs --run-dir (the run to continue)")
+        stored = run.read_run_config(args.run_dir, args.task).to_dict()
+        cfg = config.resolve(task.schema, args.task, config.flatten(stored, "config.json"),
+                             None, args.overrides)
+    else:
+        if args.preset not in task.presets:
+            raise config.ConfigError(
+                f"unknown preset {args.preset!r}; expected one of {', '.join(task.presets)}")
+        tree = config.read_config_file(args.config) if args.config else None
+        cfg = config.resolve(task.schema, args.task, task.presets[args.preset], tree,
+                             args.overrides)
+    run_dir = Path(args.run_dir or f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+    trainer = run.start(cfg, run_dir, args.resume, quiet=args.quiet)
+    result = trainer.run()
+    if trainer.env.is_main:
+        print(f"run directory: {run_dir}")
+        print(f"trained {cfg.train.steps} steps in {trainer.seconds:.1f}s")
+        print(task.summary(result))
+        task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout)
+    distributed.teardown(trainer.env)
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+def add_run_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory written by `qkv train`")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from .train import run
+
+    task, cfg, data, model = run.load(args.run_dir)
+    with torch.no_grad():
+        result = task.evaluate(model, data, cfg, final=True)
+    print(task.summary(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_dir(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, help="default: the run's eval.max_new_tokens")
+    p.add_argument("--temperature", type=float, help="0 is greedy; default eval.temperature")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .train import run
+
+    task, cfg, data, model = run.load(args.run_dir)
+    if cfg.task != "lm":
+        raise run.RunError(f"`qkv generate` needs an lm run; {args.run_dir!r} is {cfg.task!r}")
+    n = cfg.eval.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
+    t = cfg.eval.temperature if args.temperature is None else args.temperature
+    if n < 1 or t < 0:
+        raise ValueError("--max-new-tokens must be >= 1 and --temperature >= 0")
+    print(args.prompt + task.generate(model, data, cfg, args.prompt, n, t, args.seed))
+    return 0
+
+
+# ----------------------------------------------------------------------------- translate
+def add_translate_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_dir(p)
+    p.add_argument("text", nargs="+", help="one or more sentences to translate")
+    p.add_argument("--beam-size", type=int, help="default: the run's eval.beam_size; 1 is greedy")
+    p.add_argument("--heatmap", help="also write the first sentence's cross-attention PNG here")
+
+
+def run_translate(args: argparse.Namespace) -> int:
+    from .train import run
+    from .train.tasks.heatmap import cross_attention_png
+
+    task, cfg, data, model = run.load(args.run_dir)
+    if cfg.task != "translate":
+        raise run.RunError(
+            f"`qkv translate` needs a translate run; {args.run_dir!r} is {cfg.task!r}")
+    beam = cfg.eval.beam_size if args.beam_size is None else args.beam_size
+    if beam < 1:
+        raise ValueError(f"--beam-size must be >= 1, got {beam}")
+    outputs = task.translate(model, data, cfg, args.text, beam)
+    for text in outputs:
+        print(text)
+    if args.heatmap:
+        cross_attention_png(model, data.src_tok, data.tgt_tok, args.text[0], outputs[0],
+                            args.heatmap)
+        print(f"cross-attention heatmap: {args.heatmap}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- bench
+BENCHMARKS = {"attention": "attention_cpu.py", "train": "train_cpu.py"}
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark script")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="passed on to the script")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/<script>``'s ``main(argv)`` from the source checkout qkv runs from."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / BENCHMARKS[args.name]
+    if not script.is_file():
+        raise FileNotFoundError(f"`qkv bench` needs a source checkout; {script} is missing")
+    spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args.bench_args) or 0
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command(
+        "train a model on its embedded data set or on your files",
+        "  qkv train translate                      # German->English numbers, the demo model\n"
+        "  qkv train lm --set train.steps=500       # char-level GPT on stdlib docstrings\n"
+        "  qkv train vit --run-dir runs/digits      # ViT on scikit-learn's digits\n"
+        "  qkv train translate --set data.path=pairs.tsv --config my.toml\n"
+        "  qkv train lm --run-dir runs/x --resume   # continue after a crash\n"
+        "  torchrun --nproc_per_node=2 $(which qkv) train lm   # DDP (gloo on CPU)",
+        add_train_arguments, run_train,
+    ),
+    "eval": Command(
+        "evaluate a run's newest checkpoint on its held-out data",
+        "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits",
+        add_run_dir, run_eval,
+    ),
+    "generate": Command(
+        "continue a prompt with a trained lm run",
+        '  qkv generate runs/lm --prompt "Return the"\n'
+        '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5',
+        add_generate_arguments, run_generate,
+    ),
+    "translate": Command(
+        "translate text with a trained translate run (beam search by default)",
+        '  qkv translate runs/demo "zweiundvierzig"\n'
+        '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png',
+        add_translate_arguments, run_translate,
+    ),
+    "bench": Command(
+        "run a benchmark script from the source checkout",
+        "  qkv bench attention\n  qkv bench train",
+        add_bench_arguments, run_bench,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qkv", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The attention mechanism and the Transformer, from one command.",
+        epilog="examples:\n" + "\n".join(c.examples.splitlines()[0] for c in COMMANDS.values()),
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help,
+                           epilog="examples:\n" + command.examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as e:
+        if os.environ.get("QKV_DEBUG"):
+            raise
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"qkv: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("qkv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

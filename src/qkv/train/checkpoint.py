@@ -1,0 +1,122 @@
+"""Crash-safe checkpoints in a run directory.
+
+``RUN/checkpoints/step-000200/`` holds ``model.safetensors`` (weights), ``trainer.pt``
+(optimizer, schedule step, RNG states, data position) and ``manifest.json`` (the SHA-256 of
+each file). A checkpoint is written into a temporary folder, each file atomically, then the
+folder is renamed into place: a kill at any moment leaves the previous checkpoint intact. On
+load the hashes are checked; a corrupt checkpoint is named and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
+
+FILES = ("model.safetensors", "trainer.pt")
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one was asked for."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    trainer_state: dict
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Copy the saved weights into ``model`` (tied weights are restored as tied)."""
+        from safetensors.torch import load_model
+
+        device = next(model.parameters()).device
+        load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict,
+         keep: int) -> Path:
+    """Write checkpoint ``step`` and delete all but the newest ``keep`` ones."""
+    from safetensors.torch import save_model
+
+    root = checkpoint_root(run_dir)
+    final = root / f"step-{step:06d}"
+    temp = root / f".step-{step:06d}.partial-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    write_atomic(temp / "model.safetensors", lambda p: save_model(model, p))
+    write_atomic(temp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+    manifest = {"step": step, "sha256": {name: sha256(temp / name) for name in FILES}}
+    write_json_atomic(temp / "manifest.json", manifest)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(run_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Finished checkpoint folders, newest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True)
+
+
+def problem_with(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, or None when every hash matches."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        expected = manifest["sha256"]
+    except (OSError, ValueError, KeyError):
+        return "manifest.json is missing or unreadable"
+    for name in FILES:
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if sha256(path / name) != expected.get(name):
+            return f"{name} does not match its SHA-256 in manifest.json"
+    return None
+
+
+def load_latest(run_dir: str | Path) -> Checkpoint | None:
+    """The newest intact checkpoint; corrupt ones are named on stderr and skipped.
+
+    Returns None when the run has no checkpoint at all; raises CheckpointError when every
+    checkpoint is corrupt.
+    """
+    found = list_checkpoints(run_dir)
+    problems = []
+    for path in found:
+        problem = problem_with(path)
+        if problem is None:
+            trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+            if problems:
+                print(f"qkv: using checkpoint {path}", file=sys.stderr)
+            return Checkpoint(path, int(path.name.split("-")[1]), trainer_state)
+        problems.append(f"{path}: {problem}")
+        print(f"qkv: checkpoint {path} is corrupt ({problem})", file=sys.stderr)
+    if problems:
+        raise CheckpointError("no intact checkpoint: " + "; ".join(problems))
+    return None

@@ -1,0 +1,73 @@
+"""DDP under torchrun: gloo on CPU, NCCL on GPU; a single process needs no setup at all."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Env:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device: expected auto, cpu or cuda, got {preference!r}")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' was asked for but no GPU is available")
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+def setup(device_preference: str = "auto") -> Env:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_preference, local_rank)
+    if world_size == 1:
+        return Env(0, 1, device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Env(dist.get_rank(), world_size, device)
+
+
+def teardown(env: Env) -> None:
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(env: Env) -> None:
+    if env.distributed:
+        dist.barrier()
+
+
+def all_sum(env: Env, value: torch.Tensor) -> torch.Tensor:
+    if env.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
+def gather_objects(env: Env, obj) -> list:
+    """``obj`` from every rank, in rank order (a one-element list in a single process)."""
+    if not env.distributed:
+        return [obj]
+    out = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out

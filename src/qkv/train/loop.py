@@ -1,0 +1,193 @@
+"""The training loop shared by every task.
+
+Determinism: the batch at micro-step g is a pure function of (seed, g) (a seeded
+permutation per epoch), and a checkpoint stores the step, the micro-step, the optimizer and
+every RNG state, so a resumed run takes exactly the steps an uninterrupted one would.
+
+Distributed: every rank draws the same global batch and takes its own contiguous slice;
+each rank's summed loss is divided by the global weight (tokens or images of the whole
+step) and multiplied by the world size, so DDP's gradient average equals the gradient of the
+one-process run with the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint, distributed
+from .config import RunConfig
+from .progress import MetricsLog, Progress
+from .schedule import learning_rate
+
+
+class Stream:
+    """Global batches of ``batch_size`` example indices out of ``n``, epoch after epoch."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if n < batch_size:
+            raise ValueError(f"train.batch_size: {batch_size} exceeds the {n} training examples")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.per_epoch = n // batch_size
+        self.epoch, self.order = -1, None
+
+    def indices(self, micro_step: int) -> torch.Tensor:
+        epoch, position = divmod(micro_step, self.per_epoch)
+        if epoch != self.epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self.order, self.epoch = torch.randperm(self.n, generator=generator), epoch
+        return self.order[position * self.batch_size : (position + 1) * self.batch_size]
+
+
+def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norms or 1-D parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def autocast(cfg, device: torch.device):
+    if cfg.precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if cfg.precision != "fp32":
+        raise ValueError(f"train.precision: expected fp32 or bf16, got {cfg.precision!r}")
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    """Runs ``task`` with ``cfg`` in ``run_dir``; only rank 0 writes files or prints."""
+
+    def __init__(self, task, cfg: RunConfig, run_dir: str | Path, env: distributed.Env,
+                 quiet: bool = False):
+        self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
+        self.verbose = env.is_main and not quiet
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        self.data = task.prepare(cfg, self.run_dir, env)
+        self.model = task.build_model(cfg, self.data, self.run_dir if env.is_main else None)
+        self.model.to(env.device)
+        self.optimizer = make_optimizer(self.model, t)
+        self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
+        self.step = 0
+        self.metrics = MetricsLog(self.run_dir, env.is_main)
+        # Each rank gets its own dropout stream; rank 0 keeps the plain seed.
+        torch.manual_seed(t.seed + env.rank)
+
+    def resume(self) -> None:
+        found = checkpoint.load_latest(self.run_dir)
+        if found is None:
+            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
+        found.load_weights(self.model)
+        state = found.trainer_state
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        rngs = state["rng"]
+        set_rng_state(rngs[self.env.rank] if self.env.rank < len(rngs) else rngs[0])
+        self.metrics.truncate_after(self.step)
+
+    def save(self) -> None:
+        rngs = distributed.gather_objects(self.env, rng_state())
+        if self.env.is_main:
+            state = {
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "micro_step": self.step * self.cfg.train.accumulate,
+                "rng": rngs,
+            }
+            checkpoint.save(
+                self.run_dir, self.step, self.model, state,
+                self.cfg.train.keep_checkpoints,
+            )
+        distributed.barrier(self.env)
+
+    def evaluate(self, final: bool) -> dict | None:
+        result = None
+        if self.env.is_main:
+            self.model.eval()
+            with torch.no_grad(), autocast(self.cfg.train, self.env.device):
+                result = self.task.evaluate(self.model, self.data, self.cfg, final=final)
+            self.model.train()
+            self.metrics.write({"step": self.step, "eval": result})
+        distributed.barrier(self.env)
+        return result
+
+    def wrapped_model(self) -> torch.nn.Module:
+        model = self.model
+        if self.env.distributed:
+            ids = [self.env.device.index] if self.env.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if self.cfg.train.compile:
+            model = torch.compile(model)
+        return model
+
+    def train_step(self, model: torch.nn.Module) -> tuple[float, int]:
+        """One optimizer step over ``accumulate`` micro-batches; returns (loss, local units)."""
+        t, env = self.cfg.train, self.env
+        batches = [self.stream.indices(self.step * t.accumulate + m) for m in range(t.accumulate)]
+        weight = sum(self.data.weight(ix) for ix in batches)
+        total = torch.zeros((), device=env.device)
+        units = 0
+        for m, ix in enumerate(batches):
+            local = self.data.batch(ix.tensor_split(env.world_size)[env.rank], env.device)
+            last = m == len(batches) - 1
+            sync = contextlib.nullcontext() if last or not env.distributed else model.no_sync()
+            with sync:
+                with autocast(t, env.device):
+                    loss_sum = self.task.loss_sum(model, local, t)
+                (loss_sum.float() * env.world_size / weight).backward()
+            total += loss_sum.detach().float()
+            units += self.data.units(local)
+        if t.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return distributed.all_sum(env, total).item() / weight, units
+
+    def run(self) -> dict | None:
+        """Train to ``train.steps``, evaluating and checkpointing on the way; the final eval."""
+        t, env = self.cfg.train, self.env
+        model = self.wrapped_model()
+        model.train()
+        d_model = getattr(self.model.config, "d_model", 512)
+        progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
+        started = time.perf_counter()
+        while self.step < t.steps:
+            lr = learning_rate(t, self.step, d_model)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss, units = self.train_step(model)
+            self.step += 1
+            rate = progress.update(self.step, loss, lr, units * env.world_size)
+            self.metrics.write({"step": self.step, "loss": loss, "lr": lr, "rate": rate})
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                result = self.evaluate(final=False)
+                if self.verbose:
+                    progress.message(f"step {self.step}: {self.task.summary(result)}")
+            if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                self.save()
+        self.seconds = time.perf_counter() - started
+        return self.evaluate(final=True)

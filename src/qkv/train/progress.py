@@ -1,0 +1,91 @@
+"""A live progress line (loss, learning rate, throughput, ETA) and JSON-lines metrics."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..data.atomic import write_text_atomic
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    minutes, s = divmod(seconds, 60)
+    return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
+
+
+def format_rate(rate: float) -> str:
+    return f"{rate / 1000:.1f}k" if rate >= 1000 else f"{rate:.0f}"
+
+
+class Progress:
+    """Redraws one line on a terminal; prints a line every ``every`` steps otherwise."""
+
+    def __init__(self, total: int, unit: str, every: int, enabled: bool, start_step: int = 0):
+        self.total, self.unit, self.every, self.enabled = total, unit, max(1, every), enabled
+        self.live = enabled and sys.stderr.isatty()
+        self.start_step, self.start = start_step, time.perf_counter()
+        self.window_start, self.window_units = self.start, 0
+
+    def update(self, step: int, loss: float, lr: float, units: int) -> float:
+        """Record step ``step`` (1-based); returns the throughput over the recent window."""
+        self.window_units += units
+        now = time.perf_counter()
+        rate = self.window_units / max(now - self.window_start, 1e-9)
+        if not self.enabled or not (self.live or step % self.every == 0 or step == self.total):
+            return rate
+        per_step = (now - self.start) / max(1, step - self.start_step)
+        eta = format_seconds(per_step * (self.total - step))
+        line = (
+            f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"{format_rate(rate)} {self.unit}/s | ETA {eta}"
+        )
+        if self.live:
+            sys.stderr.write("\r" + line.ljust(100) + ("\n" if step == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        if step % self.every == 0:
+            self.window_start, self.window_units = now, 0
+        return rate
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(("\n" if self.live else "") + text + "\n")
+            sys.stderr.flush()
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the run directory: one JSON object per line, appended."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (a resumed run writes them again)."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the torn last line of a killed run
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        write_text_atomic(self.path, "".join(k + "\n" for k in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,63 @@
+"""A cross-attention heatmap PNG from the encoder-decoder's own attention weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ...data.atomic import write_atomic
+from ...data.tokenizers import BOS_ID
+
+
+def cross_attention_weights(model, src_ids: list[int], tgt_ids: list[int]) -> list[torch.Tensor]:
+    """Per decoder layer, the cross-attention weights (H, T, S) of a teacher-forced pass with
+    target input [bos] + tgt_ids (T = len(tgt_ids) + 1 rows: each output token and eos)."""
+    cross = sorted(
+        (m for m in model.modules() if getattr(m, "is_cross", False)),
+        key=lambda m: m.layer_index or 0,
+    )
+    if not cross:
+        raise ValueError("the model has no cross-attention layer (is_cross=True)")
+    device = next(model.parameters()).device
+    src = torch.tensor([src_ids], device=device)
+    tgt = torch.tensor([[BOS_ID] + tgt_ids], device=device)
+    for m in cross:
+        m.capture_weights = True
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(src, tgt)
+        return [m.last_weights[0].float().cpu() for m in cross]
+    finally:
+        for m in cross:
+            m.capture_weights = False
+            m.last_weights = None
+
+
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i]) or "·" for i in ids]
+
+
+def cross_attention_png(model, src_tok, tgt_tok, source: str, translation: str, path) -> Path:
+    """Plot the last decoder layer's cross-attention, averaged over heads, for one pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    src_ids, tgt_ids = src_tok.encode(source), tgt_tok.encode(translation)
+    weights = cross_attention_weights(model, src_ids, tgt_ids)[-1].mean(0)  # (T, S)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * len(src_ids), 1.2 + 0.35 * (len(tgt_ids) + 1)))
+    ax.imshow(weights.numpy(), cmap="viridis", aspect="auto", vmin=0.0)
+    ax.set_xticks(range(len(src_ids)), token_labels(src_tok, src_ids), rotation=60, ha="right")
+    ax.set_yticks(range(len(tgt_ids) + 1), token_labels(tgt_tok, tgt_ids) + ["<eos>"])
+    ax.set_xlabel("source")
+    ax.set_ylabel("output")
+    ax.set_title("cross-attention, last decoder layer, mean over heads", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+    return path
+

@@ -1,0 +1,167 @@
+"""lm: the decoder-only GPT on text.
+
+Embedded default: the docstrings of the Python standard library (``qkv.data.docstrings``);
+the last ``data.test_fraction`` of the text is held out. User data: ``data.path`` names any
+UTF-8 text file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ...data.docstrings import stdlib_docstrings
+from ...data.text import read_text_file, split_text
+from ..config import ConfigError, Schema
+from .common import build, run_tokenizer
+
+
+@dataclass
+class LMData:
+    path: str = ""  # a UTF-8 text file; empty: the standard library's docstrings
+    max_chars: int = 1_500_000  # embedded corpus size
+    test_fraction: float = 0.1  # the held-out tail of the text
+    tokenizer: str = "char"  # "char" | "bpe"
+    vocab_size: int = 1000  # bpe only
+
+
+@dataclass
+class LMEval:
+    max_tokens: int = 100_000  # held-out tokens scored (0: all)
+    batch_size: int = 64
+    max_new_tokens: int = 200  # `qkv generate`
+    temperature: float = 0.8
+    top_k: int = 0  # 0: no top-k filtering
+    top_p: float = 1.0
+
+
+PRESETS = {
+    "default": {
+        "model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 64,
+        "model.dropout": 0.0,
+        "train.steps": 2000, "train.batch_size": 64, "train.lr": 2e-3, "train.warmup": 100,
+        "train.beta2": 0.99, "train.eval_every": 500, "train.checkpoint_every": 500,
+    },
+    "tiny": {
+        "data.max_chars": 20_000, "eval.max_tokens": 1000, "eval.max_new_tokens": 20,
+        "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.block_size": 16,
+        "train.steps": 6, "train.batch_size": 8, "train.warmup": 2,
+        "train.checkpoint_every": 3, "train.log_every": 2,
+    },
+}
+
+
+class TextData:
+    """Token ids of the training and held-out text; a training example is a window start."""
+
+    unit = "tok"
+
+    def __init__(self, tokenizer, train_text: str, test_text: str, block_size: int):
+        self.tokenizer, self.block = tokenizer, block_size
+        self.train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
+        self.test_ids = torch.tensor(tokenizer.encode(test_text), dtype=torch.long)
+        self.chars_per_token = len(test_text) / max(1, len(self.test_ids))
+        self.train_size = max(0, len(self.train_ids) - block_size - 1) if train_text else 0
+        self.offsets = torch.arange(block_size + 1)
+
+    def weight(self, index: torch.Tensor) -> int:
+        return len(index) * self.block
+
+    def batch(self, index: torch.Tensor, device) -> dict:
+        windows = self.train_ids[index[:, None] + self.offsets]  # (B, block + 1)
+        return {"x": windows[:, :-1].to(device), "y": windows[:, 1:].to(device)}
+
+    def units(self, batch: dict) -> int:
+        return batch["y"].numel()
+
+
+def corpus(data: LMData) -> tuple[str, str]:
+    text = read_text_file(data.path) if data.path else stdlib_docstrings(data.max_chars)
+    return split_text(text, data.test_fraction)
+
+
+class LMTask:
+    name = "lm"
+    presets = PRESETS
+
+    @property
+    def schema(self) -> Schema:
+        from ...models import GPTConfig
+
+        return Schema(LMData, LMEval, GPTConfig, {"vocab_size"})
+
+    def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> TextData:
+        train_text, test_text = corpus(cfg.data)
+        tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer, lambda: [train_text],
+                            cfg.data.vocab_size)
+        if "block_size" not in cfg.model:
+            raise ConfigError("model.block_size is required (the context length)")
+        return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"])
+
+    def build_model(self, cfg, data: TextData, run_dir: Path | None = None):
+        from ...models import GPT, GPTConfig
+
+        return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model, run_dir)
+
+    def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
+        logits = model(batch["x"])
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["y"].flatten(),
+            label_smoothing=train_cfg.label_smoothing, reduction="sum",
+        )
+
+    def evaluate(self, model, data: TextData, cfg, final: bool) -> dict:
+        """Held-out loss (nats/token), perplexity and bits per character over non-overlapping
+        windows; for BPE, characters per token is the held-out text's average."""
+        ids = data.test_ids
+        if cfg.eval.max_tokens:
+            ids = ids[: cfg.eval.max_tokens + 1]
+        n_windows = (len(ids) - 1) // data.block
+        if n_windows == 0:
+            raise ValueError(f"the held-out text has fewer than {data.block + 1} tokens")
+        device = next(model.parameters()).device
+        starts = torch.arange(n_windows) * data.block
+        total = 0.0
+        for i in range(0, n_windows, cfg.eval.batch_size):
+            windows = ids[starts[i : i + cfg.eval.batch_size, None] + data.offsets].to(device)
+            logits = model(windows[:, :-1])
+            total += F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(),
+                                     reduction="sum").item()
+        tokens = n_windows * data.block
+        loss = total / tokens
+        return {
+            "loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "bits_per_char": loss / math.log(2) / data.chars_per_token, "tokens": tokens,
+        }
+
+    def summary(self, result: dict) -> str:
+        return (f"held-out loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
+                f"bits/char {result['bits_per_char']:.3f} ({result['tokens']} tokens)")
+
+    def generate(self, model, data: TextData, cfg, prompt: str, max_new_tokens: int,
+                 temperature: float, seed: int) -> str:
+        """Continue ``prompt``; past the context length, the model sees the most recent half
+        of its context window while it writes the next half."""
+        e = cfg.eval
+        ids = data.tokenizer.encode(prompt)[-data.block :] or [data.tokenizer.unk_id]
+        start = len(ids)
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        while len(ids) - start < max_new_tokens:
+            context = ids[-(data.block // 2) :] if len(ids) > data.block // 2 else ids
+            n_new = min(max_new_tokens - (len(ids) - start), data.block - len(context))
+            out = model.generate(
+                torch.tensor([context], device=device), max_new_tokens=n_new,
+                temperature=temperature, top_k=e.top_k or None, top_p=e.top_p,
+                generator=generator,
+            )
+            ids += out[0, len(context) :].tolist()
+        return data.tokenizer.decode(ids[start:])
+
+    def report(self, model, data: TextData, cfg, run_dir: Path, out) -> None:
+        sample = self.generate(model, data, cfg, "Return the", 120, cfg.eval.temperature, 0)
+        print(f"sample: Return the{sample}", file=out)
