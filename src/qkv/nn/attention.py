@@ -72,7 +72,10 @@ class MultiHeadAttention(nn.Module):
         layer_index: which block of its stack this layer is (for capture tools).
 
     Set ``capture_weights = True`` to keep the last call's weights (B, H, Nq, Nk), detached,
-    in ``last_weights``.
+    in ``last_weights``. ``weights_observer``, when set, is called on every forward as
+    ``observer(module, q, k, mask=..., score_mod=...)`` with the q (B, H, Nq, D) and k
+    (B, Hkv, Nk, D) that reach ``qkv.attention`` (``qkv.viz.capture`` uses it to recompute only
+    the heads it was asked for, while the call itself keeps its fast engine).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class MultiHeadAttention(nn.Module):
             self.metric = nn.Parameter(eye)
         self.capture_weights = False
         self.last_weights: Tensor | None = None
+        self.weights_observer = None
 
     def new_cache(self, batch: int, max_len: int, *, device=None, dtype=None) -> KVCache:
         """An empty cache for ``batch`` rows and up to ``max_len`` key positions."""
@@ -144,6 +148,8 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rope(q, positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)
+        if self.weights_observer is not None:
+            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod)
         want_weights = return_weights or self.capture_weights
         result = attention(
             q, k, v, mask=mask, score_mod=score_mod, similarity=self.similarity,
