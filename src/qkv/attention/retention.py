@@ -23,7 +23,7 @@ from .reference import expand_kv_heads
 
 FORMS = ("parallel", "chunkwise", "recurrent")
 
-_RETENTION_INSTEAD = (
+NO_WEIGHTS_HINT = (
     "What exists instead is the decay matrix D[n, m] = γ^(n-m) "
     "(qkv.attention.retention.decay_matrix(gamma, n)) and the parallel form's retention "
     "scores QKᵀ·scale ⊙ D (qkv.attention.retention.retention_scores(q, k, gamma))."
@@ -177,7 +177,7 @@ def retention(
         out (B, H, N, Dv), or (out, state).
     """
     if return_weights:
-        raise no_weights_error("retention", _RETENTION_INSTEAD)
+        raise no_weights_error("retention", NO_WEIGHTS_HINT)
     check_positive_int(chunk_size, "chunk_size")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
