@@ -1,0 +1,207 @@
+"""``qkv.viz.capture``: attention maps of chosen layers and heads from a normal forward pass.
+
+    with qkv.viz.capture(model, layers=[0, -1], heads=[0, 2]) as maps:
+        model(idx)
+    maps[-1]            # (B, 2, N, N): the last layer's heads 0 and 2
+
+Each chosen ``MultiHeadAttention`` gets a ``weights_observer`` for the duration. The layer's
+own call is unchanged (same engine, SDPA or fused, same outputs); the observer recomputes the
+softmax rows of the chosen heads only, from the q and k the layer computed and the same mask,
+score modifier, similarity and scale (``qkv.viz.weights.head_weights``). No (Nq, Nk) tensor
+is formed or kept for heads nobody asked for. Weights are those of eval mode: attention
+dropout, if a training-mode call applies it, is not in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .weights import check_heads, head_weights
+
+
+@dataclass
+class CapturedMap:
+    """The maps of one attention layer. ``calls`` holds one (B, len(heads), Nq, Nk) tensor per
+    forward call (generation with a KV cache gives one per step)."""
+
+    name: str
+    stack: str
+    layer: int
+    is_cross: bool
+    heads: list[int]
+    calls: list[Tensor] = field(default_factory=list)
+
+    @property
+    def weights(self) -> Tensor:
+        """The last call's weights (B, len(heads), Nq, Nk)."""
+        if not self.calls:
+            raise ValueError(f"{self.name}: nothing captured (run a forward pass inside capture)")
+        return self.calls[-1]
+
+
+@dataclass
+class AttentionMaps:
+    """Every captured layer, in model order."""
+
+    sites: list[CapturedMap]
+
+    def __iter__(self) -> Iterator[CapturedMap]:
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def stacks(self) -> list[str]:
+        return list(dict.fromkeys(s.stack for s in self.sites))
+
+    def select(self, *, stack: str | None = None, cross: bool = False) -> list[CapturedMap]:
+        """The captured layers of one stack (self- or cross-attention), by layer index."""
+        found = [s for s in self.sites if s.is_cross == cross
+                 and (stack is None or s.stack == stack)]
+        stacks = list(dict.fromkeys(s.stack for s in found))
+        kind = "cross-attention" if cross else "self-attention"
+        if not found:
+            raise ValueError(f"no captured {kind} layers" +
+                             (f" in stack {stack!r}" if stack else "") + f"; stacks: "
+                             f"{self.stacks()}")
+        if len(stacks) > 1:
+            raise ValueError(f"the {kind} layers come from several stacks {stacks}; pass stack=")
+        return sorted(found, key=lambda s: s.layer)
+
+    def get(self, layer: int, *, stack: str | None = None, cross: bool = False) -> CapturedMap:
+        chosen = self.select(stack=stack, cross=cross)
+        layers = [s.layer for s in chosen]
+        if layer < 0:
+            layer = max(layers) + 1 + layer
+        for s in chosen:
+            if s.layer == layer:
+                return s
+        raise ValueError(f"layer {layer} was not captured; captured layers: {layers}")
+
+    def __getitem__(self, layer: int) -> Tensor:
+        """The last call's weights (B, len(heads), Nq, Nk) of self-attention layer ``layer``
+        (the model must have one self-attention stack; else use ``get``)."""
+        return self.get(layer).weights
+
+
+def stack_name(name: str) -> str:
+    """'decoder.blocks.3.cross_attn' -> 'decoder.blocks': the path up to the layer number."""
+    parts = name.split(".")
+    numbers = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: numbers[-1]]) if numbers else ".".join(parts[:-1])
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every attention layer of the model: modules with ``layer_index`` and ``is_cross``."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(m, "layer_index") and hasattr(m, "is_cross")]
+
+
+def _check_layers(layers, count: int, stack: str) -> set[int]:
+    if layers is None:
+        return set(range(count))
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    if not chosen:
+        raise ValueError("layers must name at least one layer")
+    picked = set()
+    for layer in chosen:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer indices must be ints; got {layer!r}")
+        if not -count <= layer < count:
+            raise ValueError(
+                f"layer index {layer} is out of range for {stack}: valid layers are "
+                f"0..{count - 1} (or -{count}..-1)"
+            )
+        picked.add(layer % count)
+    return picked
+
+
+def _check_no_weights(name: str, module: nn.Module) -> None:
+    if not hasattr(module, "weights_observer"):
+        raise ValueError(
+            f"{name} is {type(module).__name__}, an attention kind with no attention weights "
+            "(linear attention and retention never form a softmax over keys), so there are no "
+            "maps to capture; capture works on softmax attention (attention='softmax')"
+        )
+
+
+def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, CapturedMap]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    found = attention_layers(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no attention layers (modules with "
+                         "layer_index and is_cross)")
+    # A decoder stack holds self- and cross-attention layers: group by both.
+    groups: dict[tuple[str, bool], list[tuple[str, nn.Module]]] = {}
+    for name, module in found:
+        if cross is None or module.is_cross == cross:
+            groups.setdefault((stack_name(name), bool(module.is_cross)), []).append((name, module))
+    if stacks is not None:
+        wanted = [stacks] if isinstance(stacks, str) else list(stacks)
+        known = sorted({stack for stack, _ in groups})
+        unknown = [s for s in wanted if s not in known]
+        if unknown:
+            raise ValueError(f"unknown stacks {unknown}; this model has {known}")
+        groups = {key: members for key, members in groups.items() if key[0] in wanted}
+    if not groups:
+        raise ValueError(f"no attention layers match cross={cross}")
+    plan = []
+    for (stack, is_cross), members in groups.items():
+        kind = "cross-attention" if is_cross else "self-attention"
+        picked = _check_layers(layers, len(members), f"{stack} {kind}")
+        for position, (name, module) in enumerate(members):
+            layer = module.layer_index if module.layer_index is not None else position
+            if layer not in picked:
+                continue
+            _check_no_weights(name, module)
+            chosen = check_heads(heads, module.n_head, name)
+            plan.append((module, CapturedMap(name, stack, layer, bool(module.is_cross), chosen)))
+    return plan
+
+
+def _observer(site: CapturedMap, previous):
+    def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None) -> None:
+        if previous is not None:
+            previous(module, q, k, mask=mask, score_mod=score_mod)
+        with torch.no_grad():
+            metric = None if module.metric is None else module.metric.detach()
+            site.calls.append(head_weights(
+                q.detach(), k.detach(), site.heads, mask=mask, score_mod=score_mod,
+                similarity=module.similarity, scale=module.scale, metric=metric,
+            ))
+    return observe
+
+
+@contextlib.contextmanager
+def capture(
+    model: nn.Module, *, layers: int | Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None, stacks: str | Sequence[str] | None = None,
+    cross: bool | None = None,
+) -> Iterator[AttentionMaps]:
+    """Record the post-softmax weights of chosen layers and heads during forward passes.
+
+    Args:
+        model: any module whose attention layers keep ``layer_index`` and ``is_cross``.
+        layers: layer indices within each stack (negative counts from the end); None: all.
+        heads: query-head indices; None: all.
+        stacks: limit to these stacks (e.g. "encoder.blocks"; see ``AttentionMaps.stacks``).
+        cross: True for cross-attention layers only, False for self-attention only.
+
+    Yields:
+        AttentionMaps, filled as the model runs.
+    """
+    plan = _plan(model, layers, heads, stacks, cross)
+    previous = [module.weights_observer for module, _ in plan]
+    try:
+        for (module, site), before in zip(plan, previous, strict=True):
+            module.weights_observer = _observer(site, before)
+        yield AttentionMaps([site for _, site in plan])
+    finally:
+        for (module, _), before in zip(plan, previous, strict=True):
+            module.weights_observer = before

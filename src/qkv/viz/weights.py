@@ -1,0 +1,85 @@
+"""The attention weights of chosen heads, recomputed from the same definitions every engine
+uses (similarity, score modifier, mask), without materializing the other heads.
+
+The model's forward pass keeps its fast engine; this evaluates softmax rows for only the
+heads a caller asked for. The head index the score modifier and the mask see is the original
+one, so per-head ALiBi slopes, relative-bias tables and per-head masks stay right."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..attention.masks import _index_grid
+from ..attention.problem import build_problem
+from ..attention.reference import accumulation_dtype, masked_softmax
+
+
+def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> list[int]:
+    """None (all), one index or a sequence -> sorted unique indices in [0, n_head)."""
+    if heads is None:
+        return list(range(n_head))
+    chosen = [heads] if isinstance(heads, int) else list(heads)
+    if not chosen:
+        raise ValueError(f"heads must name at least one head of {where}")
+    for h in chosen:
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise TypeError(f"head indices must be ints; got {h!r}")
+        if not 0 <= h < n_head:
+            raise ValueError(
+                f"head index {h} is out of range for {where}: valid heads are 0..{n_head - 1}"
+            )
+    return sorted(set(chosen))
+
+
+def head_weights(
+    q: Tensor, k: Tensor, heads: Sequence[int], *, mask=None, score_mod=None,
+    similarity: str = "dot", scale=None, metric: Tensor | None = None, lse: Tensor | None = None,
+) -> Tensor:
+    """Post-softmax weights of ``heads`` only.
+
+    Args:
+        q: (B, H, Nq, D); k: (B, Hkv, Nk, D); mask, score_mod, similarity, scale, metric: as
+            for ``qkv.attention``.
+        heads: query-head indices in [0, H).
+        lse: optional (B, H, Nq) log-sum-exp an engine saved for this call; when given, the
+            weights are exp(score - lse) and no row reduction is done.
+
+    Returns:
+        (B, len(heads), Nq, Nk) in q's dtype; rows with no allowed key are 0.
+    """
+    # Validation and normalization are the dispatcher's own; k stands in for v (never read).
+    p = build_problem(q, k, k, mask=mask, score_mod=score_mod, similarity=similarity,
+                      scale=scale, metric=metric, dropout_p=0.0, return_weights=True)
+    chosen = check_heads(list(heads), p.heads, "this attention call")
+    index = torch.tensor(chosen, device=q.device)
+    acc = accumulation_dtype(q.dtype)
+    q_sel = q.index_select(1, index).to(acc)
+    k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
+    scale_sel = p.scale
+    if isinstance(scale_sel, Tensor):
+        scale_sel = scale_sel.to(acc)
+        if scale_sel.dim() == 1:
+            scale_sel = scale_sel.index_select(0, index).view(1, -1, 1, 1)
+    metric_sel = p.metric
+    if metric_sel is not None:
+        metric_sel = metric_sel.to(acc)
+        if metric_sel.dim() == 3:
+            metric_sel = metric_sel.index_select(0, index)
+    scores = p.similarity.scores(q_sel, k_sel, scale_sel, metric_sel)
+    b, _, qi, ki = _index_grid(p.batch, 1, p.nq, p.nk, q.device)
+    h = index.view(1, -1, 1, 1)
+    if p.score_mod is not None:
+        scores = p.score_mod(scores, b, h, qi, ki, p.offset)
+    if p.mask is not None:
+        allowed = torch.as_tensor(p.mask.mask_mod(b, h, qi, ki, p.offset), device=q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if lse is None:
+        weights, _ = masked_softmax(scores)
+    else:
+        row_lse = lse.index_select(1, index).to(acc).unsqueeze(-1)
+        finite = torch.isfinite(row_lse)
+        weights = torch.where(finite, torch.exp(scores - torch.where(finite, row_lse, 0.0)), 0.0)
+    return weights.to(q.dtype)

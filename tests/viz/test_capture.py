@@ -1,0 +1,153 @@
+"""Capture: the recomputed maps equal the reference weights, outputs stay bit-identical, only
+the chosen heads are kept, and bad requests say what is valid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention.problem import build_problem
+from qkv.attention.reference import reference_attention
+from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
+from qkv.viz import capture, head_weights
+
+torch.manual_seed(0)
+
+
+def _reference(q, k, **kw):
+    _, weights = qkv.attention(q, k, k, return_weights=True, backend="reference", **kw)
+    return weights
+
+
+CASES = {
+    "dot-causal-gqa": dict(similarity="dot", mask=qkv.causal(), kv_heads=2),
+    "cosine-alibi": dict(similarity="cosine", score_mod=qkv.alibi(4)),
+    "l2-window": dict(similarity="l2", mask=qkv.sliding_window(2)),
+    "l1-softcap": dict(similarity="l1", score_mod=qkv.softcap(3.0)),
+    "mahalanobis-per-head": dict(similarity="mahalanobis", metric=True),
+    "per-head-scale-and-mask": dict(similarity="dot", scale=True, head_mask=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_head_weights_equal_reference_for_chosen_heads(case):
+    cfg = dict(CASES[case])
+    heads, kv_heads = 4, cfg.pop("kv_heads", 4)
+    q = torch.randn(2, heads, 5, 8, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, 7, 8, dtype=torch.float64)
+    if cfg.pop("metric", False):
+        cfg["metric"] = torch.randn(heads, 8, 8, dtype=torch.float64)
+    if cfg.pop("scale", False):
+        cfg["scale"] = torch.tensor([0.1, 0.5, 1.0, 2.0], dtype=torch.float64)
+    if cfg.pop("head_mask", False):
+        cfg["mask"] = torch.rand(1, heads, 5, 7) > 0.3
+    chosen = [3, 1]
+    got = head_weights(q, k, chosen, **cfg)
+    want = _reference(q, k, **cfg)[:, [1, 3]]
+    assert got.shape == (2, 2, 5, 7)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_head_weights_from_saved_log_sum_exp():
+    q = torch.randn(1, 3, 6, 4, dtype=torch.float64)
+    k = torch.randn(1, 3, 6, 4, dtype=torch.float64)
+    mask = qkv.causal() & qkv.sliding_window(2)
+    problem = build_problem(q, k, k, mask=mask, score_mod=None, similarity="dot", scale=None,
+                            metric=None, dropout_p=0.0, return_weights=True)
+    _, weights, lse = reference_attention(problem)
+    got = head_weights(q, k, [2], mask=mask, lse=lse)
+    torch.testing.assert_close(got, weights[:, [2]], rtol=1e-12, atol=1e-12)
+
+
+def _gpt(**kw):
+    cfg = dict(vocab_size=20, block_size=16, n_layer=2, n_head=4, d_model=32)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg)).eval()
+
+
+@pytest.mark.parametrize("positions", ["alibi", "rope"])
+def test_capture_matches_the_layers_own_weights_and_leaves_outputs_unchanged(positions):
+    model = _gpt(positions=positions, n_kv_head=2).double()
+    idx = torch.randint(0, 20, (2, 9))
+    plain = model(idx)
+    with capture(model, layers=[1], heads=[0, 3]) as maps:
+        captured = model(idx)
+    assert torch.equal(plain, captured)
+    assert model.blocks[1].self_attn.weights_observer is None
+    # The slow path that computes every head's weights, for comparison only.
+    layer = model.blocks[1].self_attn
+    layer.capture_weights = True
+    model(idx)
+    torch.testing.assert_close(maps[1], layer.last_weights[:, [0, 3]], rtol=1e-10, atol=1e-12)
+    assert maps[-1].shape == (2, 2, 9, 9)
+    assert [s.name for s in maps] == ["blocks.1.self_attn"]
+
+
+def test_capture_encoder_decoder_self_and_cross_with_padding():
+    cfg = TransformerConfig(src_vocab_size=15, tgt_vocab_size=17, d_model=32, n_head=4,
+                            n_encoder_layers=2, n_decoder_layers=1, d_ff=64, dropout=0.0)
+    model = Transformer(cfg).eval()
+    src, tgt = torch.randint(3, 15, (2, 7)), torch.randint(3, 17, (2, 5))
+    lengths = torch.tensor([7, 4])
+    with capture(model, heads=[2]) as maps:
+        model(src, tgt, src_lengths=lengths)
+    assert maps.stacks() == ["encoder", "decoder"]
+    cross = maps.get(0, cross=True)
+    assert cross.is_cross and cross.weights.shape == (2, 1, 5, 7)
+    assert torch.all(cross.weights[1, :, :, 4:] == 0)  # padded source keys get no weight
+    torch.testing.assert_close(cross.weights.sum(-1), torch.ones(2, 1, 5))
+    decoder_self = maps.get(0, stack="decoder").weights
+    assert torch.all(decoder_self.triu(1) == 0)  # causal
+    assert maps.get(-1, stack="encoder").layer == 1
+
+
+def test_capture_records_each_call_of_incremental_decoding():
+    model = _gpt(n_layer=1)
+    with capture(model, heads=0) as maps:
+        model.generate(torch.randint(0, 20, (1, 4)), max_new_tokens=3, temperature=0.0)
+    calls = maps.get(0).calls
+    assert [tuple(c.shape) for c in calls] == [(1, 1, 4, 4), (1, 1, 1, 5), (1, 1, 1, 6)]
+
+
+def test_capture_vit_keeps_only_asked_heads():
+    model = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16,
+                          n_layer=2, n_head=2)).eval()
+    with capture(model, layers=0, heads=[1]) as maps:
+        model(torch.randn(1, 1, 8, 8))
+    assert maps[0].shape == (1, 1, 5, 5)
+
+
+def test_bad_requests_name_the_valid_range():
+    model = _gpt()
+    with pytest.raises(ValueError, match=r"layer index 2 .*valid layers are 0\.\.1"):
+        with capture(model, layers=[2]):
+            pass
+    with pytest.raises(ValueError, match=r"head index 4 .*valid heads are 0\.\.3"):
+        with capture(model, heads=[4]):
+            pass
+    with pytest.raises(ValueError, match="unknown stacks"):
+        with capture(model, stacks="decoder"):
+            pass
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        with capture("gpt"):
+            pass
+
+
+@pytest.mark.parametrize("kind", ["linear", "retention"])
+def test_attention_without_weights_is_refused_clearly(kind):
+    import qkv.nn.linear_attention  # noqa: F401  (registers the kinds)
+    import qkv.nn.retention  # noqa: F401
+
+    model = _gpt(attention=kind, positions="rope" if kind == "retention" else "learned")
+    with pytest.raises(ValueError, match="no attention weights"):
+        with capture(model):
+            pass
+
+
+def test_observers_are_removed_when_the_forward_pass_fails():
+    model = _gpt()
+    with pytest.raises(ValueError):
+        with capture(model):
+            model(torch.randint(0, 20, (1, 40)))  # longer than block_size
+    assert all(b.self_attn.weights_observer is None for b in model.blocks)
