@@ -132,7 +132,7 @@ class RelativeBias(ScoreMod):
         return (self.table,)
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
-        relative = torch.as_tensor(kv_idx - (q_idx + offset))
+        relative = kv_idx - (q_idx + offset)
         bucket = relative_position_bucket(
             relative, self.num_buckets, self.max_distance, self.bidirectional
         )

@@ -1,0 +1,55 @@
+"""The Triton engine: fused FlashAttention-2 style kernels, forward and backward, for every
+similarity, mask and score modifier, compiled from their single definitions.
+
+Importing this package does not import Triton; ``run`` does, on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ...problem import Problem
+
+MAX_HEAD_DIM = 256
+
+
+def unsupported(p: Problem) -> str | None:
+    """Why the kernels cannot run this problem on any device (None if they can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if p.q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"the Triton kernels run float32, float16 and bfloat16, not {p.q.dtype}"
+    if p.dropout_p > 0:
+        return "dropout is not fused in the Triton kernels"
+    if p.return_weights:
+        return "the Triton engine does not return attention weights"
+    if p.nq == 0 or p.nk == 0:
+        return "an empty sequence"
+    dims = (p.q.shape[-1], p.v.shape[-1])
+    if max(dims) > MAX_HEAD_DIM:
+        return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
+    from .trace import CompileError
+    from .variant import check_compiles
+
+    try:
+        check_compiles(p)
+    except CompileError as e:
+        return str(e)
+    return None
+
+
+def why_not(p: Problem) -> str | None:
+    """The dispatcher's question. CPU tensors always get a reason: on CPU Triton only runs in
+    its (slow) interpreter, which tests call through ``run`` directly."""
+    if not p.q.is_cuda:
+        return "the Triton engine runs on CUDA tensors"
+    return unsupported(p)
+
+
+def run(p: Problem):
+    from .function import run as run_triton
+
+    return run_triton(p)
+

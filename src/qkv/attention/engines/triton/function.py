@@ -1,0 +1,250 @@
+"""Planning one call, launching the kernels, and the autograd Function around them.
+
+Similarity = ``features`` (an O(N·D) torch map: identity, unit vectors for cosine, q Lᵀ for
+Mahalanobis, differentiated by torch autograd) + a pairwise kernel fused in Triton. Masks and
+score modifiers are compiled from their definitions (trace.py, codegen.py). Gradients reach
+q, k, v, a tensor scale, the metric (through ``features``) and every captured float tensor a
+score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...problem import Problem
+from ...reference import expand_kv_heads
+from . import kernels
+from .blocks import block_tables, classify, coarsen
+from .codegen import load_module
+from .trace import MAX_SLOTS
+from .variant import trace_variant
+
+PAIRWISE_KERNELS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile shapes of the forward, dQ and dK/dV kernels; ``block_d`` chunks D for L1."""
+
+    fwd: Tiles
+    dq: Tiles
+    dkv: Tiles
+    block_d: int
+
+
+def choose_tiling(kernel: int, d_pad: int, on_gpu: bool) -> Tiling:
+    """Tile shapes per kernel kind and padded head dim (not autotuned: the block tables are
+    built for one tiling before launch)."""
+    if not on_gpu:  # the interpreter: small tiles, several per axis even on tiny tests
+        small = Tiles(16, 16, 1, 1)
+        return Tiling(small, small, small, min(d_pad, 64))
+    if kernel == 2:
+        return Tiling(Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), 4)
+    if d_pad <= 64:
+        return Tiling(Tiles(128, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(32, 128, 4, 3), d_pad)
+    if d_pad <= 128:
+        return Tiling(Tiles(128, 64, 8, 3), Tiles(128, 32, 8, 2), Tiles(32, 128, 8, 2), d_pad)
+    return Tiling(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1), Tiles(32, 64, 4, 1), d_pad)
+
+
+@dataclass
+class Variant:
+    """The compiled mask / score modifier of one call and the tensors they read."""
+
+    mask_fn: object
+    mod_fn: object
+    mod_bwd_fn: object
+    has_mask: bool
+    has_mod: bool
+    slots: list[Tensor]
+    grad_slots: set[int]
+
+
+def compile_variant(p: Problem) -> Variant:
+    """Trace the mask and score modifier and load their generated Triton functions."""
+    traced = trace_variant(p)
+    module = load_module(traced.source)
+    return Variant(
+        mask_fn=module.mask_fn if traced.has_mask else kernels.noop_mask,
+        mod_fn=module.mod_fn if traced.has_mod else kernels.noop_mod,
+        mod_bwd_fn=module.mod_bwd_fn if traced.has_mod else kernels.noop_mod_bwd,
+        has_mask=traced.has_mask,
+        has_mod=traced.has_mod,
+        slots=traced.slots,
+        grad_slots=traced.grad_slots,
+    )
+
+
+@dataclass
+class Plan:
+    variant: Variant
+    kernel: int
+    tiling: Tiling
+    fwd_rows: Tensor
+    dq_rows: Tensor
+    dkv_cols: Tensor
+    offset: int
+    precision: str
+
+
+def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
+    kernel = PAIRWISE_KERNELS[p.similarity.kernel]
+    tiling = choose_tiling(kernel, _pad(head_dim), p.q.is_cuda)
+    tiles = (tiling.fwd, tiling.dq, tiling.dkv)
+    fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)
+    fine = classify(p.mask, p.batch, p.heads, p.nq, p.nk, fine_m, fine_n, p.q.device)
+
+    def tables(t: Tiles) -> tuple[Tensor, Tensor]:
+        states = coarsen(fine, t.block_m // fine_m, t.block_n // fine_n)
+        return block_tables(states, p.nk, t.block_n)
+
+    return Plan(
+        variant=variant,
+        kernel=kernel,
+        tiling=tiling,
+        fwd_rows=tables(tiling.fwd)[0],
+        dq_rows=tables(tiling.dq)[0],
+        dkv_cols=tables(tiling.dkv)[1],
+        offset=p.offset,
+        precision="ieee" if p.q.dtype == torch.float32 else "tf32",
+    )
+
+
+def _pad(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: Tensor) -> tuple[int, ...]:
+    """(batch, head, row) strides; 0 along a broadcast (size-1) batch or head dim."""
+    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(2)) + (t.stride(2),)
+
+
+def _slot_args(slots: list[Tensor], device) -> tuple[list[Tensor], Tensor]:
+    strides = torch.zeros(MAX_SLOTS * 4, dtype=torch.int64)
+    args = []
+    for i, t in enumerate(slots):
+        strides[4 * i: 4 * i + t.dim()] = torch.tensor(t.stride(), dtype=torch.int64)
+        args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
+    strides = strides.to(device)
+    return args + [strides] * (MAX_SLOTS - len(args)), strides
+
+
+def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:
+    return dict(
+        GROUP=q.shape[1] // k.shape[1], D=q.shape[3], D_PAD=_pad(q.shape[3]),
+        DV_PAD=_pad(v.shape[3]), BLOCK_D=plan.tiling.block_d, KERNEL=plan.kernel,
+        HAS_MASK=plan.variant.has_mask, MASK_FN=plan.variant.mask_fn,
+        HAS_MOD=plan.variant.has_mod, MOD_FN=plan.variant.mod_fn, PRECISION=plan.precision,
+    )
+
+
+def attention_forward(plan: Plan, q, k, v, scale, slots) -> tuple[Tensor, Tensor]:
+    """out (B, H, Nq, Dv) and base-2 lse (B, H, Nq) (+inf for rows with no key)."""
+    batch, heads, nq, _ = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    out = torch.empty(batch, heads, nq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads, nq, dtype=torch.float32, device=q.device)
+    slot_args, strides = _slot_args(slots, q.device)
+    t, table = plan.tiling.fwd, plan.fwd_rows
+    kernels.fwd_kernel[(-(-nq // t.block_m), batch * heads)](
+        q, k, v, out, lse, scale, table, *slot_args, strides,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(table),
+        heads, nq, nk, plan.offset, DV=dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        num_warps=t.num_warps, num_stages=t.num_stages, **_common(plan, q, k, v),
+    )
+    return out, lse
+
+
+def attention_backward(plan: Plan, q, k, v, scale, out, lse, grad_out, slots, need_scale: bool,
+                       need_slots: set[int]):
+    """dq, dk, dv (input dtypes), dscale (H,) fp32 and fp32 gradients of the slots in
+    ``need_slots`` (None elsewhere)."""
+    batch, heads, nq, d = q.shape
+    kv_heads, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    grad_out = _rows(grad_out)
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    dq = torch.zeros(batch, heads, nq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(batch, kv_heads, nk, d, dtype=torch.float32, device=q.device)
+    dvv = torch.zeros(batch, kv_heads, nk, dv, dtype=torch.float32, device=q.device)
+    dscale = torch.zeros(heads, dtype=torch.float32, device=q.device)
+    slot_args, strides = _slot_args(slots, q.device)
+    grads = [
+        torch.zeros(t.shape, dtype=torch.float32, device=q.device) if i in need_slots else None
+        for i, t in enumerate(slots)
+    ]
+    grad_args = [g if g is not None else dscale for g in grads]
+    grad_args += [dscale] * (MAX_SLOTS - len(grad_args))
+    common = _common(plan, q, k, v)
+    common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn)
+    strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
+    t, table = plan.tiling.dkv, plan.dkv_cols
+    kernels.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
+        q, k, v, grad_out, lse, delta, scale, table, dk, dvv, *slot_args, strides,
+        *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        **common,
+    )
+    t, table = plan.tiling.dq, plan.dq_rows
+    kernels.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
+        q, k, v, grad_out, lse, delta, scale, table, dq, dscale, *slot_args, strides, *grad_args,
+        *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+        MOD_GRAD=bool(need_slots), SCALE_GRAD=need_scale, **common,
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dscale, grads
+
+
+class TritonAttention(torch.autograd.Function):
+    """out = attention(q, k, v) for features q (B, H, Nq, D), k (B, Hkv, Nk, D),
+    v (B, Hkv, Nk, Dv), scale (H,) fp32 and the variant's slot tensors."""
+
+    @staticmethod
+    def forward(ctx, plan: Plan, q, k, v, scale, *slots):
+        out, lse = attention_forward(plan, q, k, v, scale, slots)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, scale, out, lse, *slots)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, scale, out, lse, *slots = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        need_slots = {i for i in ctx.plan.variant.grad_slots if needs[5 + i]}
+        dq, dk, dv, dscale, grads = attention_backward(
+            ctx.plan, q, k, v, scale, out, lse, grad_out, slots, needs[4], need_slots
+        )
+        slot_grads = [g if g is None else g.to(t.dtype) for g, t in zip(grads, slots, strict=True)]
+        return (None, dq, dk, dv, dscale if needs[4] else None, *slot_grads)
+
+
+def scale_per_head(scale, heads: int, device) -> Tensor:
+    """The scale as an fp32 (H,) tensor (differentiable when it is a tensor)."""
+    if isinstance(scale, Tensor):
+        return scale.to(device=device, dtype=torch.float32).reshape(-1).expand(heads).contiguous()
+    return torch.full((heads,), float(scale), dtype=torch.float32, device=device)
+
+
+def run(p: Problem) -> Tensor:
+    """Attention for a problem the engine accepts (see ``why_not``)."""
+    variant = compile_variant(p)
+    fq, fk = p.similarity.features(p.q, p.k, p.metric)
+    v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
+    plan = make_plan(p, variant, fq.shape[-1])
+    scale = scale_per_head(p.scale, p.heads, p.q.device)
+    return TritonAttention.apply(plan, _rows(fq), _rows(fk), _rows(v), scale, *variant.slots)

@@ -1,0 +1,366 @@
+"""Tracing a mask rule or a score modifier into an expression graph that Triton can compile.
+
+The single definitions in ``masks.py`` and ``scores.py`` are ordinary torch code on index
+tensors. The Triton engine calls them once per request with symbolic stand-ins (``Sym``) for
+``score``, ``b``, ``h``, ``q_idx``, ``kv_idx`` and ``offset``; every operator, torch function
+and tensor lookup they perform records a node instead of computing. ``codegen`` then writes
+the graph out as ``@triton.jit`` functions. This is how FlexAttention derives its kernels from
+``score_mod`` / ``mask_mod``, done here with a small tracer instead of TorchDynamo.
+
+Tensors a rule reads (padding lengths, segment ids, ALiBi slopes, a bias table) become
+*slots*: kernel arguments that the generated code gathers from with ``tl.load``.
+Anything that cannot become straight-line Triton code raises ``CompileError`` naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BOOL, INT, FLOAT = "bool", "int", "float"
+MAX_SLOTS = 4  # the kernels pass this many tensor arguments through to generated code
+
+_UNARY_FLOAT = ("exp", "log", "tanh", "sigmoid", "sqrt", "sin", "cos")
+_COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+class CompileError(ValueError):
+    """A mask or score modifier that the Triton engine cannot compile."""
+
+
+def _kind_of_dtype(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return BOOL
+    return FLOAT if dtype.is_floating_point else INT
+
+
+class Graph:
+    """Hash-consed nodes plus the tensors (slots) the traced code reads."""
+
+    def __init__(self, device):
+        self.device = device
+        self.nodes: dict[tuple, Sym] = {}
+        self.slots: list[Tensor] = []
+        self._slot_of: dict[int, int] = {}
+
+    def node(self, op: str, args: tuple, kind: str) -> Sym:
+        key = (op, tuple(_key(a) for a in args))
+        found = self.nodes.get(key)
+        if found is None:
+            found = Sym(self, op, args, kind)
+            self.nodes[key] = found
+        return found
+
+    def leaf(self, name: str, kind: str) -> Sym:
+        return self.node("arg", (name,), kind)
+
+    def slot(self, tensor: Tensor) -> int:
+        """The slot index of a captured tensor, moved to the problem's device (differentiably)."""
+        index = self._slot_of.get(id(tensor))
+        if index is None:
+            if len(self.slots) == MAX_SLOTS:
+                raise CompileError(
+                    f"the mask and score modifier read more than {MAX_SLOTS} tensors; the Triton "
+                    "engine passes at most that many"
+                )
+            index = len(self.slots)
+            self.slots.append(tensor.to(self.device).contiguous())
+            self._slot_of[id(tensor)] = index
+        return index
+
+    def load(self, tensor: Tensor, index) -> Sym:
+        """``tensor[index]`` with symbolic (or integer) indices, one per dimension."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) != tensor.dim() or not all(
+            isinstance(i, Sym) or (isinstance(i, int) and not isinstance(i, bool)) for i in index
+        ):
+            raise CompileError(
+                f"a captured tensor of shape {tuple(tensor.shape)} must be indexed with one "
+                "integer or index expression per dimension (no slices, None or masks)"
+            )
+        for i in index:
+            if isinstance(i, Sym) and i.kind == FLOAT:
+                raise CompileError("a captured tensor is indexed with a float expression")
+        return self.node("load", (self.slot(tensor), *index), _kind_of_dtype(tensor.dtype))
+
+    def lift(self, value):
+        """A Sym, a Python number, or a 0-d captured tensor (loaded as a scalar)."""
+        if isinstance(value, (Sym, bool, int, float)):
+            return value
+        if isinstance(value, Tensor):
+            if value.dim() == 0:
+                return self.load(value, ())
+            raise CompileError(
+                f"a captured tensor of shape {tuple(value.shape)} is used whole; index it with "
+                "b, h, q_idx or kv_idx so each score reads one element"
+            )
+        raise CompileError(f"cannot compile a value of type {type(value).__name__}")
+
+
+def _key(arg):
+    return ("sym", id(arg)) if isinstance(arg, Sym) else (type(arg).__name__, arg)
+
+
+def _kind(value) -> str:
+    if isinstance(value, Sym):
+        return value.kind
+    if isinstance(value, bool):
+        return BOOL
+    return INT if isinstance(value, int) else FLOAT
+
+
+def _arith_kind(*values) -> str:
+    return FLOAT if any(_kind(v) == FLOAT for v in values) else INT
+
+
+_FOLD = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
+    "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
+    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+}
+
+
+class Sym:
+    """A symbolic value in a traced rule: a node of a ``Graph``."""
+
+    __slots__ = ("graph", "op", "args", "kind")
+    __hash__ = None  # == builds a node
+
+    def __init__(self, graph: Graph, op: str, args: tuple, kind: str):
+        self.graph, self.op, self.args, self.kind = graph, op, args, kind
+
+    # -- building nodes ------------------------------------------------------------------
+    def _binary(self, op: str, other, reverse: bool = False):
+        other = self.graph.lift(other)
+        a, b = (other, self) if reverse else (self, other)
+        if op in _COMPARISONS:
+            kind = BOOL
+        elif op in ("and", "or", "xor"):
+            kind = BOOL if _kind(a) == _kind(b) == BOOL else INT
+            if FLOAT in (_kind(a), _kind(b)):
+                raise CompileError(f"bitwise {op} of a float expression")
+        elif op == "truediv":
+            kind = FLOAT
+        else:
+            kind = _arith_kind(a, b)
+        return self.graph.node(op, (a, b), kind)
+
+    def _unary(self, op: str, kind: str | None = None):
+        return self.graph.node(op, (self,), kind or self.kind)
+
+    def __add__(self, o): return self._binary("add", o)
+    def __radd__(self, o): return self._binary("add", o, True)
+    def __sub__(self, o): return self._binary("sub", o)
+    def __rsub__(self, o): return self._binary("sub", o, True)
+    def __mul__(self, o): return self._binary("mul", o)
+    def __rmul__(self, o): return self._binary("mul", o, True)
+    def __truediv__(self, o): return self._binary("truediv", o)
+    def __rtruediv__(self, o): return self._binary("truediv", o, True)
+    def __floordiv__(self, o): return self._binary("floordiv", o)
+    def __rfloordiv__(self, o): return self._binary("floordiv", o, True)
+    def __mod__(self, o): return self._binary("mod", o)
+    def __rmod__(self, o): return self._binary("mod", o, True)
+    def __lt__(self, o): return self._binary("lt", o)
+    def __le__(self, o): return self._binary("le", o)
+    def __gt__(self, o): return self._binary("gt", o)
+    def __ge__(self, o): return self._binary("ge", o)
+    def __eq__(self, o): return self._binary("eq", o)  # type: ignore[override]
+    def __ne__(self, o): return self._binary("ne", o)  # type: ignore[override]
+    def __and__(self, o): return self._binary("and", o)
+    def __rand__(self, o): return self._binary("and", o, True)
+    def __or__(self, o): return self._binary("or", o)
+    def __ror__(self, o): return self._binary("or", o, True)
+    def __xor__(self, o): return self._binary("xor", o)
+    def __rxor__(self, o): return self._binary("xor", o, True)
+    def __neg__(self): return self._unary("neg", INT if self.kind == BOOL else None)
+    def __pos__(self): return self
+    def __invert__(self): return self._unary("invert")
+    def __abs__(self): return self.abs()
+
+    def __pow__(self, exponent):
+        if exponent not in (0.5, 1, 2, 3, 4):
+            raise CompileError(f"x ** {exponent!r}: only the exponents 0.5, 1, 2, 3, 4 compile")
+        if exponent == 0.5:
+            return self.sqrt()
+        result = self
+        for _ in range(int(exponent) - 1):
+            result = result * self
+        return result
+
+    def abs(self): return self._unary("abs", INT if self.kind == BOOL else None)
+    def neg(self): return -self
+
+    def exp(self): return self._unary("exp", FLOAT)
+    def log(self): return self._unary("log", FLOAT)
+    def tanh(self): return self._unary("tanh", FLOAT)
+    def sigmoid(self): return self._unary("sigmoid", FLOAT)
+    def sqrt(self): return self._unary("sqrt", FLOAT)
+    def sin(self): return self._unary("sin", FLOAT)
+    def cos(self): return self._unary("cos", FLOAT)
+
+    def clamp(self, min=None, max=None):
+        result = self
+        if min is not None:
+            result = result.graph.node("maximum", (result, self.graph.lift(min)), _arith_kind(result, min))
+        if max is not None:
+            result = result.graph.node("minimum", (result, self.graph.lift(max)), _arith_kind(result, max))
+        return result
+
+    clip = clamp
+
+    def clamp_min(self, value): return self.clamp(min=value)
+    def clamp_max(self, value): return self.clamp(max=value)
+
+    def float(self): return self._cast(FLOAT)
+    def double(self): return self._cast(FLOAT)
+    def long(self): return self._cast(INT)
+    def int(self): return self._cast(INT)
+    def bool(self): return self._cast(BOOL)
+
+    def _cast(self, kind: str):
+        return self if kind == self.kind else self.graph.node("cast", (self,), kind)
+
+    def to(self, *args, **kwargs):
+        """Casts to a dtype (or another value's dtype); moves between devices are no-ops."""
+        target = kwargs.get("dtype", args[0] if args else None)
+        if isinstance(target, (Sym, Tensor)):
+            target = target.dtype
+        if isinstance(target, torch.dtype):
+            return self._cast(_kind_of_dtype(target))
+        return self
+
+    def type_as(self, other): return self.to(other)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {BOOL: torch.bool, INT: torch.int64, FLOAT: torch.float32}[self.kind]
+
+    @property
+    def device(self):
+        return self.graph.device
+
+    # -- what cannot be traced -----------------------------------------------------------
+    def __bool__(self):
+        raise CompileError(
+            "Python control flow (if, and, or, not, min, max) on a traced value; use torch.where, "
+            "&, |, ~, torch.minimum or torch.maximum instead"
+        )
+
+    def _no_python_value(self, *args):
+        raise CompileError("a traced value was converted to a Python number or iterated over")
+
+    __index__ = __int__ = __float__ = __len__ = __iter__ = _no_python_value
+
+    def __getitem__(self, index):
+        raise CompileError("indexing into a traced value; index a captured tensor instead")
+
+    @property
+    def shape(self):
+        raise CompileError("the shape of a traced value is not known at compile time")
+
+    # -- torch functions -----------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        graph = next(a.graph for a in _flat(args, kwargs) if isinstance(a, Sym))
+        handler = _TORCH_HANDLERS.get(name)
+        if handler is not None:
+            return handler(graph, *args, **kwargs)
+        if name.startswith("__") and isinstance(args[0], Tensor):  # tensor <op> traced value
+            return getattr(graph.lift(args[0]), name)(*args[1:])
+        if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max"):
+            return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
+        raise CompileError(f"torch.{name} cannot be compiled by the Triton engine")
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (tuple, list)):
+            yield from a
+        else:
+            yield a
+
+
+def _where(graph, cond, x, y):
+    cond, x, y = graph.lift(cond), graph.lift(x), graph.lift(y)
+    kind = BOOL if _kind(x) == _kind(y) == BOOL else _arith_kind(x, y)
+    return graph.node("where", (cond, x, y), kind)
+
+
+def _extremum(op):
+    def handler(graph, a, b):
+        a, b = graph.lift(a), graph.lift(b)
+        return graph.node(op, (a, b), _arith_kind(a, b))
+
+    return handler
+
+
+def _filled(fill):
+    def handler(graph, like, *args, dtype=None, **kwargs):
+        like = graph.lift(like)
+        kind = _kind_of_dtype(dtype) if dtype is not None else _kind(like)
+        value = {BOOL: bool, INT: int, FLOAT: float}[kind](fill if fill is not None else args[0])
+        return graph.node("full", (like, value), kind)  # ``value`` in the broadcast shape of ``like``
+
+    return handler
+
+
+def _getitem(graph, tensor, index):
+    if isinstance(tensor, Sym):
+        return tensor[index]
+    return graph.load(tensor, index)
+
+
+def _tensor_to(graph, tensor, *args, **kwargs):
+    # ``table.to(score)``: the kernel reads every captured float tensor in fp32 anyway.
+    return tensor if isinstance(tensor, Tensor) else tensor.to(*args, **kwargs)
+
+
+def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **kwargs):
+    if not isinstance(sorted_sequence, Tensor) or sorted_sequence.dim() != 1:
+        raise CompileError("torch.searchsorted compiles only for a captured 1-D sorted tensor")
+    if kwargs.get("sorter") is not None or kwargs.get("out_int32") or kwargs.get("out") is not None:
+        raise CompileError("torch.searchsorted: sorter, out and out_int32 do not compile")
+    right = right or side == "right"
+    slot = graph.slot(sorted_sequence)
+    return graph.node("searchsorted", (slot, graph.lift(values), sorted_sequence.numel(), right), INT)
+
+
+_TORCH_HANDLERS = {
+    "where": _where,
+    "minimum": _extremum("minimum"),
+    "maximum": _extremum("maximum"),
+    "zeros_like": _filled(0),
+    "ones_like": _filled(1),
+    "full_like": _filled(None),
+    "__getitem__": _getitem,
+    "to": _tensor_to,
+    "searchsorted": _searchsorted,
+}
+
+
+def trace_mask(mask, graph: Graph) -> Sym | bool:
+    """The mask rule as a graph over (b, h, q_idx, kv_idx, offset)."""
+    g = graph
+    return g.lift(
+        mask.mask_mod(
+            g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT), g.leaf("kv_idx", INT),
+            g.leaf("offset", INT),
+        )
+    )
+
+
+def trace_score_mod(score_mod, graph: Graph) -> Sym:
+    """The score modifier as a graph over (score, b, h, q_idx, kv_idx, offset)."""
+    g = graph
+    out = score_mod(
+        g.leaf("score", FLOAT), g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT),
+        g.leaf("kv_idx", INT), g.leaf("offset", INT),
+    )
+    out = g.lift(out)
+    if not isinstance(out, Sym):
+        raise CompileError("the score modifier returned a constant; it must return a score")
+    return out._cast(FLOAT)

@@ -1,0 +1,55 @@
+"""Tracing one call's mask and score modifier into Triton source (no Triton import needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ...problem import Problem
+from .codegen import generate_source
+from .trace import CompileError, Graph, trace_mask, trace_score_mod
+
+
+@dataclass
+class TracedVariant:
+    source: str
+    has_mask: bool
+    has_mod: bool
+    slots: list[Tensor]  # the captured tensors, on the problem's device
+    grad_slots: set[int]  # float slots that need a gradient
+
+
+def _trace(what: str, obj, trace, graph: Graph):
+    try:
+        return trace(obj, graph)
+    except CompileError as e:
+        raise CompileError(f"cannot compile {what} {obj!r} for Triton: {e}") from None
+    except Exception as e:  # user code doing something the tracer does not model
+        raise CompileError(
+            f"cannot compile {what} {obj!r} for Triton: tracing it raised {type(e).__name__}: {e}"
+        ) from None
+
+
+def trace_variant(p: Problem) -> TracedVariant:
+    """Raises CompileError naming what cannot be compiled."""
+    graph = Graph(p.q.device)
+    mask_root = None if p.mask is None else _trace("mask", p.mask, trace_mask, graph)
+    mod_root = (
+        None if p.score_mod is None
+        else _trace("score_mod", p.score_mod, trace_score_mod, graph)
+    )
+    grad_slots = {
+        i for i, t in enumerate(graph.slots) if t.is_floating_point() and t.requires_grad
+    }
+    return TracedVariant(
+        source=generate_source(mask_root, mod_root, grad_slots),
+        has_mask=mask_root is not None,
+        has_mod=mod_root is not None,
+        slots=graph.slots,
+        grad_slots=grad_slots,
+    )
+
+
+def check_compiles(p: Problem) -> None:
+    trace_variant(p)
