@@ -6,7 +6,7 @@ import torch
 
 import qkv
 from qkv.attention.linear import linear_attention
-from qkv.models import GPT, GPTConfig
+from qkv.models import GPT, Encoder, EncoderConfig, GPTConfig, Transformer, TransformerConfig
 from qkv.nn.kinds import ATTENTION_KINDS, build_attention
 from qkv.nn.linear_attention import LinearAttention
 from qkv.nn.retention import Retention
@@ -168,10 +168,13 @@ def test_gpt_generation_cached_equals_uncached(kind, positions):
     model = tiny_gpt(kind, positions).eval()
     prompt = torch.randint(0, 23, (3, 6), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([6, 4, 2])
-    kw = {"max_new_tokens": 8, "temperature": 0.0, "lengths": lengths}
-    cached = model.generate(prompt, use_cache=True, **kw)
-    uncached = model.generate(prompt, use_cache=False, **kw)
-    assert torch.equal(cached, uncached)
+    kw = {"max_new_tokens": 8, "lengths": lengths}
+    sampled = [
+        model.generate(prompt, use_cache=c, temperature=1.0,
+                       generator=torch.Generator().manual_seed(2), **kw)
+        for c in (True, False)
+    ]
+    assert torch.equal(sampled[0], sampled[1])
     beams = {c: model.generate(prompt, beam_size=2, use_cache=c, **kw) for c in (True, False)}
     assert torch.equal(beams[True], beams[False])
 
@@ -180,3 +183,37 @@ def test_gpt_with_alibi_refused_clearly():
     model = tiny_gpt("retention", positions="alibi")
     with pytest.raises(ValueError, match="cannot apply a score_mod"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_encoder_trains_and_ignores_padding(kind):
+    torch.manual_seed(0)
+    config = EncoderConfig(vocab_size=20, num_classes=3, max_len=16, n_layer=2, n_head=4,
+                           d_model=16, dropout=0.0, attention=kind)
+    model = Encoder(config).double()
+    ids = torch.randint(1, 20, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids[1, 6:] = 0
+    logits = model(ids)
+    assert torch.allclose(logits[1], model(ids[1:, :6])[0], atol=1e-10)
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2]))
+    loss.backward()
+    assert model.blocks[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_transformer_with_linear_attention_generates_cached_equals_uncached():
+    torch.manual_seed(0)
+    config = TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_head=4,
+                               n_encoder_layers=1, n_decoder_layers=2, d_ff=32, dropout=0.0,
+                               max_len=32, attention="linear")
+    model = Transformer(config).double()
+    src = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([7, 4])
+    kw = {"src_lengths": lengths, "max_new_tokens": 6}
+    sampled = [
+        model.generate(src, use_cache=c, temperature=1.0,
+                       generator=torch.Generator().manual_seed(4), **kw)
+        for c in (True, False)
+    ]
+    assert torch.equal(sampled[0], sampled[1])
+    beams = [model.generate(src, beam_size=2, use_cache=c, **kw) for c in (True, False)]
+    assert torch.equal(beams[0], beams[1])
