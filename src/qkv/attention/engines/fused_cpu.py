@@ -46,6 +46,9 @@ def _needs_grad(p: Problem) -> bool:
 def why_not(p: Problem) -> str | None:
     if p.q.device.type != "cpu":
         return f"the fused CPU engine runs CPU tensors; got device {p.q.device}"
+    if torch.compiler.is_compiling():
+        # Its tile plan is read from mask values: data-dependent control flow no graph can hold.
+        return "the fused CPU engine cannot be traced by torch.compile or torch.export"
     if p.return_weights and _needs_grad(p):
         return (
             "return_weights=True while gradients are needed: the fused engine returns weights "
