@@ -1,4 +1,4 @@
-"""The ``qkv`` command: train, eval, generate, translate, bench.
+"""The ``qkv`` command: train, eval, generate, translate, viz, bench.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (its arguments, its run function, its
 examples); adding a command means adding one entry. Bad input (a missing data file, an
@@ -139,6 +139,19 @@ def run_translate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- viz
+def add_viz_arguments(p: argparse.ArgumentParser) -> None:
+    from .viz.command import add_arguments
+
+    add_arguments(p)
+
+
+def run_viz(args: argparse.Namespace) -> int:
+    from .viz.command import run
+
+    return run(args)
+
+
 # ----------------------------------------------------------------------------- bench
 BENCHMARKS = {"attention": "attention_cpu.py", "train": "train_cpu.py"}
 
@@ -186,6 +199,13 @@ COMMANDS: dict[str, Command] = {
         '  qkv translate runs/demo "zweiundvierzig"\n'
         '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png',
         add_translate_arguments, run_translate,
+    ),
+    "viz": Command(
+        "write an interactive attention page (and pictures) for a trained run",
+        '  qkv viz runs/lm --text "Return the" -o attention.html\n'
+        '  qkv viz runs/demo --text "zweiundvierzig" --png pictures/\n'
+        "  qkv viz runs/digits --image 3 --layers 0,-1 --heads 0",
+        add_viz_arguments, run_viz,
     ),
     "bench": Command(
         "run a benchmark script from the source checkout",
