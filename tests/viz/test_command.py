@@ -1,0 +1,146 @@
+"""``qkv viz`` end to end on small run directories built the way ``qkv train`` lays them out
+(config.json, model.json, tokenizers, a checkpoint), without training."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.data.tokenizers import CharTokenizer, save_tokenizer
+from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
+from qkv.train import checkpoint, config, run
+from qkv.train.tasks.common import build
+from qkv.viz import capture
+
+TEXT = "the cat sat"
+
+
+def _start(run_dir, task, overrides=()):
+    cfg = config.resolve(run.get_task(task).schema, task, run.get_task(task).presets["tiny"],
+                         None, list(overrides))
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return cfg
+
+
+def make_lm_run(run_dir, overrides=()):
+    cfg = _start(run_dir, "lm", overrides)
+    tok = CharTokenizer.train([TEXT + "Return"])
+    save_tokenizer(tok, run_dir / "tokenizer.json")
+    torch.manual_seed(0)
+    model = build(GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model, run_dir)
+    checkpoint.save(run_dir, 1, model, {}, keep=1)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "lm"
+    model, tok = make_lm_run(run_dir, ["model.n_layer=2"])
+    return run_dir, model, tok
+
+
+def _page_data(path):
+    html = path.read_text()
+    found = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', html,
+                      re.S)
+    return html, json.loads(found.group(1).replace("<\\/", "</"))
+
+
+def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path, capsys):
+    run_dir, model, tok = lm_run
+    out, pictures = tmp_path / "attention.html", tmp_path / "pictures"
+    assert main(["viz", str(run_dir), "--text", TEXT, "-o", str(out), "--png",
+                 str(pictures), "--heads", "1"]) == 0
+    html, data = _page_data(out)
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", html)  # nothing fetched
+    assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
+    assert data["mode"] == "gpt"
+    view = data["views"][0]
+    assert view["query_tokens"] == list(TEXT) and view["layers"] == [0, 1]
+    assert view["heads"] == [1]
+    with capture(model.eval(), heads=[1]) as maps:
+        model(torch.tensor([tok.encode(TEXT)]))
+    page = torch.tensor(view["weights"])
+    torch.testing.assert_close(page[1, 0], maps[1][0, 0], atol=6e-5, rtol=0)
+    assert sorted(p.name for p in pictures.iterdir()) == [
+        "gpt-self-attention-layer0.png", "gpt-self-attention-layer1.png"]
+    assert "attention page:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text", "x" * 17], "17 tokens long but the model's context holds 16"),
+    (["--text", "cat", "--layers", "2"], r"valid layers are 0\.\.1"),
+    (["--text", "cat", "--heads", "0,5"], r"valid heads are 0\.\.1"),
+    ([], "need --text"),
+])
+def test_bad_requests_print_one_clear_line(lm_run, tmp_path, capsys, argv, message):
+    run_dir, _, _ = lm_run
+    assert main(["viz", str(run_dir), "-o", str(tmp_path / "a.html"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error:") and re.search(message, err), err
+
+
+def test_run_directories_without_a_model(tmp_path, capsys):
+    assert main(["viz", str(tmp_path / "missing"), "--text", "a"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["viz", str(tmp_path), "--text", "a"]) == 2
+    assert "not a qkv run directory" in capsys.readouterr().err
+    run_dir = tmp_path / "untrained"
+    _start(run_dir, "lm")
+    assert main(["viz", str(run_dir), "--text", "a"]) == 2
+    assert "holds no model" in capsys.readouterr().err
+
+
+def test_linear_attention_run_says_it_has_no_weights(tmp_path, capsys):
+    import qkv.nn.linear_attention  # noqa: F401  (registers attention="linear")
+
+    run_dir = tmp_path / "linear"
+    make_lm_run(run_dir, ["model.attention=linear"])
+    assert main(["viz", str(run_dir), "--text", "cat", "-o", str(tmp_path / "a.html")]) == 2
+    assert "no attention weights" in capsys.readouterr().err
+
+
+def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
+    run_dir = tmp_path / "translate"
+    cfg = _start(run_dir, "translate", ["data.max_len=6"])
+    src_tok, tgt_tok = CharTokenizer.train(["zweiundvierzig"]), CharTokenizer.train(["forty"])
+    save_tokenizer(src_tok, run_dir / "tokenizer_src.json")
+    save_tokenizer(tgt_tok, run_dir / "tokenizer_tgt.json")
+    derived = {"src_vocab_size": src_tok.vocab_size, "tgt_vocab_size": tgt_tok.vocab_size,
+               "pad_id": 0, "bos_id": 1, "eos_id": 2, "max_len": cfg.data.max_len + 2}
+    model = build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
+    # A bare model.safetensors (no checkpoints/) is a model too.
+    from safetensors.torch import save_model
+
+    save_model(model, str(run_dir / "model.safetensors"))
+    out = tmp_path / "t.html"
+    assert main(["viz", str(run_dir), "--text", "zwei", "-o", str(out)]) == 0
+    _, data = _page_data(out)
+    kinds = [(v["name"].split(" (")[0], v["kind"]) for v in data["views"]]
+    assert kinds == [("encoder self-attention", "self"), ("decoder self-attention", "self"),
+                     ("decoder cross-attention", "cross")]
+    cross = data["views"][2]
+    assert cross["key_tokens"] == list("zwei") and cross["query_tokens"][-1] == "</s>"
+    assert data["views"][0]["rollout"] is not None
+    assert main(["viz", str(run_dir), "--text", "zweiundvierzig", "-o", str(out)]) == 2
+
+
+def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
+    run_dir = tmp_path / "vit"
+    cfg = _start(run_dir, "vit")
+    derived = {"image_size": 8, "in_channels": 1, "num_classes": 10}
+    model = build(ViT, ViTConfig, derived, cfg.model, run_dir)
+    checkpoint.save(run_dir, 1, model, {}, keep=1)
+    out, pictures = tmp_path / "v.html", tmp_path / "pics"
+    assert main(["viz", str(run_dir), "--image", "2", "-o", str(out), "--png", str(pictures),
+                 "--svg"]) == 0
+    _, data = _page_data(out)
+    assert data["mode"] == "vit" and data["image"]["grid"] == [2, 2]
+    assert len(data["views"][0]["query_tokens"]) == 5
+    assert (pictures / "vit-rollout.svg").is_file()
+    assert main(["viz", str(run_dir), "--image", "9999", "-o", str(out)]) == 2
