@@ -340,7 +340,8 @@ def _mod_bwd_source(mod_root: Sym, grad_slots: set[int]) -> str:
         grad = f"tl.where(valid, ds * {inner.ref(d_load)}, 0.0)"
         offset = inner._offset(slot, index)
         if any(_depends_on(i, {"q_idx", "kv_idx"}) for i in index):
-            inner.line(f"tl.atomic_add(G{slot} + {offset} + (ds * 0).to(tl.int32), {grad}, mask=valid)")
+            tile = "(ds * 0).to(tl.int32)"  # broadcasts the offsets to the whole tile
+            inner.line(f"tl.atomic_add(G{slot} + {offset} + {tile}, {grad}, mask=valid)")
         else:
             inner.line(f"tl.atomic_add(G{slot} + {offset}, tl.sum(tl.sum({grad}, 1), 0))")
     body = top.lines + (["    if GRAD:", *inner.lines] if inner.lines else [])

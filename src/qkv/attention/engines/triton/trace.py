@@ -61,7 +61,7 @@ class Graph:
             if len(self.slots) == MAX_SLOTS:
                 raise CompileError(
                     f"the mask and score modifier read more than {MAX_SLOTS} tensors; the Triton "
-                    "engine passes at most that many"
+                    f"engine passes at most {MAX_SLOTS}"
                 )
             index = len(self.slots)
             self.slots.append(tensor.to(self.device).contiguous())
@@ -201,11 +201,11 @@ class Sym:
     def cos(self): return self._unary("cos", FLOAT)
 
     def clamp(self, min=None, max=None):
-        result = self
+        result, g = self, self.graph
         if min is not None:
-            result = result.graph.node("maximum", (result, self.graph.lift(min)), _arith_kind(result, min))
+            result = g.node("maximum", (result, g.lift(min)), _arith_kind(result, min))
         if max is not None:
-            result = result.graph.node("minimum", (result, self.graph.lift(max)), _arith_kind(result, max))
+            result = g.node("minimum", (result, g.lift(max)), _arith_kind(result, max))
         return result
 
     clip = clamp
@@ -303,7 +303,8 @@ def _filled(fill):
         like = graph.lift(like)
         kind = _kind_of_dtype(dtype) if dtype is not None else _kind(like)
         value = {BOOL: bool, INT: int, FLOAT: float}[kind](fill if fill is not None else args[0])
-        return graph.node("full", (like, value), kind)  # ``value`` in the broadcast shape of ``like``
+        # ``value`` in the broadcast shape of ``like``
+        return graph.node("full", (like, value), kind)
 
     return handler
 
@@ -326,7 +327,8 @@ def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **k
         raise CompileError("torch.searchsorted: sorter, out and out_int32 do not compile")
     right = right or side == "right"
     slot = graph.slot(sorted_sequence)
-    return graph.node("searchsorted", (slot, graph.lift(values), sorted_sequence.numel(), right), INT)
+    args = (slot, graph.lift(values), sorted_sequence.numel(), right)
+    return graph.node("searchsorted", args, INT)
 
 
 _TORCH_HANDLERS = {

@@ -1,0 +1,269 @@
+"""The Triton engine against the float64 reference, forward and every gradient.
+
+CI has no GPU, so the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32). The
+interpreter must be switched on before Triton is imported, so the whole case matrix runs once
+in a subprocess (this file run as a script) and each test checks its own case's result.
+Tracing and compile errors need no kernel launch and are tested in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention.engines import engine_names
+from qkv.attention.engines import triton as triton_engine
+from qkv.attention.engines.triton.blocks import block_tables, classify, coarsen
+from qkv.attention.masks import EMPTY, FULL, PARTIAL
+from qkv.attention.problem import build_problem
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
+
+
+def _edges(nq: int, nk: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.stack([torch.randint(0, nk, (4 * nq,), generator=g),
+                        torch.randint(0, nq, (4 * nq,), generator=g)])
+
+
+def _dense(b: int, nq: int, nk: int) -> torch.Tensor:
+    allowed = torch.rand(b, 1, nq, nk, generator=torch.Generator().manual_seed(4)) > 0.5
+    allowed[:, :, 3] = False  # a row with no allowed key
+    return allowed
+
+
+# name -> (call kwargs, shape); shapes are (B, H, Hkv, Nq, Nk, D, Dv). Tiles are 16 x 16 in the
+# interpreter, so 40 and 24 leave ragged last tiles, and D=40 pads to 64.
+BASE = (1, 2, 1, 40, 40, 40, 24)
+CASES = {
+    "dot": ({}, BASE),
+    "dot_causal_kv_cache": ({"mask": "causal"}, (1, 2, 1, 24, 40, 40, 24)),
+    "dot_causal_rows_without_keys": ({"mask": "causal"}, (1, 2, 2, 40, 24, 40, 40)),
+    "cosine_sliding_window": ({"similarity": "cosine", "mask": "sliding"}, BASE),
+    "l2_causal": ({"similarity": "l2", "mask": "causal"}, BASE),
+    "l1": ({"similarity": "l1"}, (1, 2, 1, 40, 24, 40, 24)),
+    "l1_padding": ({"similarity": "l1", "mask": "padding"}, (2, 2, 1, 24, 40, 16, 16)),
+    "mahalanobis_per_head_metric": ({"similarity": "mahalanobis"}, BASE),
+    "dot_segments": ({"mask": "segments"}, (2, 1, 1, 40, 40, 40, 24)),
+    "dot_graph": ({"mask": "graph"}, BASE),
+    "dot_bool_tensor": ({"mask": "dense"}, (2, 1, 1, 40, 40, 40, 24)),
+    "l2_combined_masks": ({"similarity": "l2", "mask": "combined"}, (2, 1, 1, 40, 40, 40, 24)),
+    "dot_custom_mask": ({"mask": "custom"}, BASE),
+    "dot_alibi_learned_slopes": ({"mask": "causal", "score_mod": "alibi"}, BASE),
+    "dot_relative_bias_table": ({"score_mod": "relative_bias"}, BASE),
+    "dot_softcap_sliding": ({"mask": "sliding", "score_mod": "softcap"}, BASE),
+    "l1_user_score_mod_head_scale": ({"similarity": "l1", "score_mod": "user", "scale": "heads"},
+                                     BASE),
+    "dot_decode_one_query": ({"mask": "causal"}, (1, 2, 1, 1, 37, 64, 64)),
+}
+
+
+def _mask(name: str | None, b: int, nq: int, nk: int):
+    lengths = torch.tensor([nk - 3, 5][:b])
+    ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 30 + [1] * 10])
+    makers = {
+        None: lambda: None,
+        "causal": qkv.causal,
+        "sliding": lambda: qkv.sliding_window(9, 2),
+        "padding": lambda: qkv.padding(lengths),
+        "segments": lambda: qkv.segments(ids),
+        "graph": lambda: qkv.graph(_edges(nq, nk)),
+        "dense": lambda: _dense(b, nq, nk),
+        "combined": lambda: (qkv.causal() | qkv.sliding_window(0, 2)) & qkv.padding(lengths),
+        "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
+    }
+    return makers[name]()
+
+
+def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
+    """Learnable tensors a case's score modifier or metric reads."""
+    g = torch.Generator().manual_seed(5)
+    made = {
+        "alibi": [torch.rand(heads, generator=g) + 0.1],
+        "relative_bias": [torch.randn(32, heads, generator=g)],
+        "user": [torch.tensor(0.7)],
+        "mahalanobis": [torch.eye(d) + 0.2 * torch.randn(heads, d, d, generator=g)],
+        "heads": [torch.rand(heads, generator=g) * 0.3 + 0.1],
+    }.get(name, [])
+    return [t.to(dtype).requires_grad_() for t in made]
+
+
+def _score_mod(name: str | None, leaves: list[torch.Tensor]):
+    if name is None:
+        return None
+    if name == "softcap":
+        return qkv.softcap(2.0)
+    if name == "alibi":
+        return qkv.alibi(slopes=leaves[0])
+    if name == "relative_bias":
+        return qkv.relative_bias(leaves[0], num_buckets=32, max_distance=20)
+    temperature = leaves[0]
+    return lambda s, b, h, q, kv: torch.where(q >= kv, s * temperature, s - 1.0) + torch.tanh(s)
+
+
+def build_case(name: str, dtype: torch.dtype):
+    """The problem for a case in ``dtype``, its differentiable inputs and an upstream grad."""
+    spec, (b, h, hkv, nq, nk, d, dv) = CASES[name]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+               for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
+    sim = spec.get("similarity", "dot")
+    mod_leaves = _leaves(spec.get("score_mod"), h, d, dtype)
+    metric = _leaves("mahalanobis", h, d, dtype) if sim == "mahalanobis" else []
+    scale = _leaves(spec.get("scale"), h, d, dtype)
+    problem = build_problem(
+        q, k, v, mask=_mask(spec.get("mask"), b, nq, nk),
+        score_mod=_score_mod(spec.get("score_mod"), mod_leaves), similarity=sim,
+        scale=scale[0] if scale else None, metric=metric[0] if metric else None,
+        dropout_p=0.0, return_weights=False,
+    )
+    grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
+    return problem, [q, k, v, *metric, *mod_leaves, *scale], grad_out
+
+
+def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def run_case(name: str) -> dict:
+    """Runs in the interpreter subprocess: errors of output and every gradient vs float64."""
+    from qkv.attention.engines.triton.function import run as run_triton
+    from qkv.attention.reference import run as run_reference
+
+    problem, inputs, grad_out = build_case(name, torch.float32)
+    reason = triton_engine.unsupported(problem)
+    if reason is not None:
+        return {"error": f"unsupported: {reason}"}
+    start = time.perf_counter()
+    out = run_triton(problem)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    seconds = time.perf_counter() - start
+    ref_problem, ref_inputs, _ = build_case(name, torch.float64)
+    ref = run_reference(ref_problem)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
+    empty_rows = ref.abs().amax(-1) == 0
+    exact_zero = bool((out[empty_rows] == 0).all() and (grads[0][empty_rows] == 0).all())
+    return {
+        "seconds": seconds,
+        "out": _relative_error(out, ref),
+        "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
+        "empty_rows": int(empty_rows.sum()),
+        "empty_rows_exact": exact_zero,
+    }
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=900)
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            name, result = json.loads(line[len("RESULT "):])
+            results[name] = result
+    if not results:
+        pytest.fail(f"the interpreter subprocess produced no results:\n{done.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_float64_reference_forward_and_gradients(interpreter_results, name):
+    result = interpreter_results[name]
+    assert "error" not in result, result["error"]
+    assert result["out"] < TOLERANCE, result
+    assert max(result["grads"]) < TOLERANCE, result
+    assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+
+
+def test_rows_without_keys_case_really_has_them():
+    problem, _, _ = build_case("dot_causal_rows_without_keys", torch.float64)
+    assert problem.nq > problem.nk  # bottom-right causal: the first Nq - Nk rows see no key
+
+
+def test_dispatch_order_and_cpu_reason():
+    names = engine_names()
+    assert names.index("sdpa") < names.index("triton") < names.index("fused")
+    problem, _, _ = build_case("dot", torch.float32)
+    assert "CUDA" in triton_engine.why_not(problem)
+    assert qkv.attention(problem.q, problem.k, problem.v).shape == (1, 2, 40, 24)
+
+
+def _user_problem(score_mod=None, mask=None):
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    return build_problem(q, k, k, mask=mask, score_mod=score_mod, similarity="dot", scale=None,
+                         metric=None, dropout_p=0.0, return_weights=False)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(
+    ("score_mod", "mask", "expected"),
+    [
+        (lambda s, b, h, q, kv: s if q > kv else -s, None, "Python control flow"),
+        (lambda s, b, h, q, kv: torch.erf(s), None, "torch.erf"),
+        (lambda s, b, h, q, kv: s + torch.ones(4)[kv, None], None, "indexed with one integer"),
+        (lambda s, b, h, q, kv: s + torch.ones(8, 8), None, "used whole"),
+        (None, qkv.custom_mask(lambda b, h, q, kv: int(q) > 0), "converted to a Python number"),
+    ],
+)
+def test_uncompilable_variants_name_the_problem(score_mod, mask, expected):
+    reason = triton_engine.unsupported(_user_problem(score_mod, mask))
+    assert reason is not None and expected in reason and "cannot compile" in reason
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_too_many_captured_tensors_is_a_clear_error():
+    tables = [torch.randn(8) for _ in range(5)]
+
+    def mod(s, b, h, q, kv):
+        for t in tables:
+            s = s + t[kv]
+        return s
+
+    assert "at most 4" in triton_engine.unsupported(_user_problem(mod))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [qkv.causal(), qkv.sliding_window(20, 3), qkv.segments(torch.arange(100) // 30),
+     qkv.graph(_edges(100, 100), num_nodes=100),
+     qkv.custom_mask(lambda b, h, q, kv: (q + kv) % 7 < 3)],
+    ids=["causal", "sliding", "segments", "graph", "custom"],
+)
+def test_coarsened_tile_states_equal_direct_classification(mask):
+    fine = classify(mask, 1, 1, 100, 100, 16, 16, "cpu")
+    direct = classify(mask, 1, 1, 100, 100, 32, 64, "cpu")
+    assert torch.equal(coarsen(fine, 2, 4), direct)
+
+
+def test_block_tables_list_partial_then_full_and_never_empty():
+    states = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, PARTIAL]]]],
+                          dtype=torch.uint8)
+    rows, cols = block_tables(states, nk=64, block_n=16)
+    assert rows[0, 0, 0].tolist()[:5] == [1, 2, 2, 0, 3]
+    assert rows[0, 0, 1].tolist()[:3] == [1, 0, 3]
+    assert cols[0, 0, 3].tolist()[:4] == [1, 1, 1, 0]
+    ragged, _ = block_tables(states, nk=60, block_n=16)  # last key tile padded: never FULL
+    assert ragged[0, 0, 0].tolist()[:5] == [2, 1, 2, 3, 0]
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    for case in CASES:
+        try:
+            outcome = run_case(case)
+        except Exception:
+            outcome = {"error": traceback.format_exc()}
+        print("RESULT " + json.dumps([case, outcome]), flush=True)
