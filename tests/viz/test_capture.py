@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkv
 from qkv.attention.problem import build_problem
@@ -46,6 +48,23 @@ def test_head_weights_equal_reference_for_chosen_heads(case):
     got = head_weights(q, k, chosen, **cfg)
     want = _reference(q, k, **cfg)[:, [1, 3]]
     assert got.shape == (2, 2, 5, 7)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.sampled_from([(4, 4), (4, 2), (4, 1), (2, 2)]),
+    nq=st.integers(1, 5), nk=st.integers(1, 6), data=st.data(),
+)
+def test_any_head_subset_matches_reference(heads, nq, nk, data):
+    h, hkv = heads
+    chosen = data.draw(st.lists(st.integers(0, h - 1), min_size=1, max_size=h, unique=True))
+    causal = data.draw(st.booleans())
+    q, k = torch.randn(1, h, nq, 4, dtype=torch.float64), torch.randn(1, hkv, nk, 4,
+                                                                        dtype=torch.float64)
+    mask = qkv.causal() if causal else None
+    got = head_weights(q, k, chosen, mask=mask, score_mod=qkv.alibi(h))
+    want = _reference(q, k, mask=mask, score_mod=qkv.alibi(h))[:, sorted(chosen)]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

@@ -23,10 +23,10 @@ def _weights(layers, heads, nq, nk, seed):
 
 
 def _expected(matrix, head):
-    return {(q, k): (str(head), float(w)) for (q, k), w in
-            ((tuple(i), matrix[tuple(i)]) for i in torch.cartesian_prod(
-                torch.arange(matrix.shape[0]), torch.arange(matrix.shape[1])).tolist())
-            if float(w) >= THRESHOLD}
+    """{(q, k): (head, weight)} for every weight the page draws: it stores 4 decimals and
+    draws those at or above the threshold."""
+    return {(q, k): (str(head), round(w, 4)) for q, row in enumerate(matrix.tolist())
+            for k, w in enumerate(row) if round(w, 4) >= THRESHOLD}
 
 
 def _drawn(driver):

@@ -48,7 +48,8 @@ def head_weights(
             weights are exp(score - lse) and no row reduction is done.
 
     Returns:
-        (B, len(heads), Nq, Nk) in q's dtype; rows with no allowed key are 0.
+        (B, len(heads), Nq, Nk) in q's dtype, heads in ascending order; rows with no allowed
+        key are 0.
     """
     # Validation and normalization are the dispatcher's own; k stands in for v (never read).
     p = build_problem(q, k, k, mask=mask, score_mod=score_mod, similarity=similarity,
