@@ -34,13 +34,21 @@ def _missing() -> str | None:
     return None
 
 
+def unavailable(reason: str | None, ci: str | None) -> tuple[str, str] | None:
+    """None when the browser can run; else ("fail" under CI=true, or "skip", the message)."""
+    if reason is None:
+        return None
+    if ci == "true":
+        return "fail", f"browser test must run under CI=true but {reason}; {ENABLE}"
+    return "skip", f"browser test skipped: {reason}; {ENABLE}"
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    reason = _missing()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"browser test must run under CI=true but {reason}; {ENABLE}")
-        pytest.skip(f"browser test skipped: {reason}; {ENABLE}")
+    verdict = unavailable(_missing(), os.environ.get("CI"))
+    if verdict is not None:
+        action, message = verdict
+        (pytest.fail if action == "fail" else pytest.skip)(message)
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

@@ -17,6 +17,15 @@ return Array.from(document.querySelectorAll('#edges .edge')).map(e => [
 """
 
 
+def test_missing_browser_skips_locally_and_fails_in_ci():
+    from .conftest import unavailable
+
+    assert unavailable(None, "true") is None
+    action, message = unavailable("/usr/bin/chromium is missing", None)
+    assert action == "skip" and "apt-get install chromium chromium-driver" in message
+    assert unavailable("/usr/bin/chromium is missing", "true")[0] == "fail"
+
+
 def _weights(layers, heads, nq, nk, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.softmax(3 * torch.randn(layers, heads, nq, nk, generator=g), -1)

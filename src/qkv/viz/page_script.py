@@ -261,8 +261,10 @@ SCRIPT = r"""
     const box = document.getElementById("legend");
     box.innerHTML = "";
     const note = document.createElement("span");
-    note.textContent = (state.display === "graph" ? "arrows: query -> the key it attends to; " :
-      "") + "edges below weight " + DATA.threshold + " are not drawn. ";
+    note.textContent = state.display === "image"
+      ? "patch tint: attention the patch receives (mean over the heads shown). "
+      : (state.display === "graph" ? "arrows: query -> the key it attends to; " : "") +
+        "edges below weight " + DATA.threshold + " are not drawn. ";
     box.appendChild(note);
     for (const item of matrices()) {
       const s = document.createElement("span");
