@@ -36,7 +36,8 @@ def test_encoder_mean_pooling_is_the_average_of_real_tokens():
 
 def test_encoder_choices_and_errors():
     for kw in ({"similarity": "l1", "positions": "rope"}, {"positions": "alibi", "norm": "rmsnorm"},
-               {"positions": "relative", "ffn": "swiglu", "norm_first": False}):
+               {"positions": "relative", "ffn": "swiglu", "norm_first": False},
+               {"window": 2, "similarity": "mahalanobis"}):
         assert encoder(**kw)(torch.randint(1, 30, (2, 7))).shape == (2, 3)
     with pytest.raises(ValueError, match="max_len=10"):
         encoder()(torch.ones(1, 11, dtype=torch.long))

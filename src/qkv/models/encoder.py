@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..attention import sliding_window
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions
@@ -19,7 +20,8 @@ POOLINGS = ("mean", "cls")
 class EncoderConfig:
     """An encoder classifier. pooling "mean" averages the real tokens; "cls" prepends a learned
     [CLS] vector and classifies its output. Padding comes from ``lengths`` or else from
-    ``pad_id`` (None: no padding)."""
+    ``pad_id`` (None: no padding). ``window``: local attention, each token sees the ``window``
+    tokens on either side (None: all tokens)."""
 
     vocab_size: int
     num_classes: int
@@ -40,6 +42,7 @@ class EncoderConfig:
     bias: bool = True
     norm_eps: float = 1e-5
     pad_id: int | None = 0
+    window: int | None = None
 
     def __post_init__(self):
         check_config(
@@ -101,6 +104,8 @@ class Encoder(nn.Module):
         pe = self.positions.embed(pos)
         x = self.drop(x if pe is None else x + pe.to(x.dtype))
         mask, score_mod = keep[:, None, None, :], self.positions.score_mod()
+        if self.config.window is not None:
+            mask = sliding_window(self.config.window, self.config.window) & mask
         for block in self.blocks:
             x = block(x, mask=mask, score_mod=score_mod, positions=pos)
         return (x if self.norm is None else self.norm(x)), keep

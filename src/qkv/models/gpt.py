@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..attention import causal, padding
+from ..attention import causal, padding, sliding_window
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions
@@ -26,7 +26,9 @@ from .generation import ModelCache, decode, eval_mode, stepper
 @dataclass
 class GPTConfig:
     """A GPT. ``block_size`` is the longest sequence (the learned position table's size and
-    the longest generation); d_ff defaults to 4 * d_model; ffn "gelu_tanh" is GPT-2's."""
+    the longest generation); d_ff defaults to 4 * d_model; ffn "gelu_tanh" is GPT-2's.
+    ``window``: local causal attention, each token sees itself and the ``window`` before it
+    (None: all earlier tokens)."""
 
     vocab_size: int
     block_size: int
@@ -45,6 +47,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    window: int | None = None
 
     def __post_init__(self):
         check_config(
@@ -103,7 +106,9 @@ class GPT(nn.Module):
         if pe is not None:
             x = x + pe.to(x.dtype)
         x = self.drop(x)
-        mask = causal() if left_pad is None else causal() & ~padding(left_pad)
+        mask = causal() if self.config.window is None else sliding_window(self.config.window)
+        if left_pad is not None:
+            mask = mask & ~padding(left_pad)
         score_mod = self.positions.score_mod()
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
