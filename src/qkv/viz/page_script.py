@@ -53,6 +53,10 @@ SCRIPT = r"""
     select.appendChild(o);
   }
   function view() { return DATA.views[state.view]; }
+  // Whitespace tokens would be invisible: show space, newline and tab as symbols.
+  function visible(text) {
+    return text.replace(/ /g, "\u2423").replace(/\n/g, "\u23CE").replace(/\t/g, "\u21E5");
+  }
   function headColor(h, count) {
     return "hsl(" + Math.round((360 * h) / Math.max(1, count)) + ", 70%, 42%)";
   }
@@ -132,7 +136,7 @@ SCRIPT = r"""
       class: "token", "data-side": side, "data-index": index, x: x, y: y,
       "text-anchor": anchor,
     }, svg);
-    node.textContent = text;
+    node.textContent = visible(text);
     node.addEventListener("mouseenter", () => hover(side, index));
     node.addEventListener("mouseleave", () => hover(null, null));
   }
@@ -149,8 +153,10 @@ SCRIPT = r"""
     svg.setAttribute("width", size);
     svg.setAttribute("height", size);
     const defs = el("defs", {}, svg);
+    // Fixed-size arrowheads: the default (strokeWidth units) would grow with the weight.
     const marker = el("marker", { id: "arrow", viewBox: "0 0 10 10", refX: 10, refY: 5,
-      markerWidth: 6, markerHeight: 6, orient: "auto-start-reverse" }, defs);
+      markerUnits: "userSpaceOnUse", markerWidth: 7, markerHeight: 7,
+      orient: "auto-start-reverse" }, defs);
     el("path", { d: "M 0 0 L 10 5 L 0 10 z", fill: "#555" }, marker);
     const pos = nodes.map((n, i) => {
       const a = (2 * Math.PI * i) / nodes.length - Math.PI / 2;
@@ -247,7 +253,7 @@ SCRIPT = r"""
       if (ins.some(([q]) => q === i) && (side === "q" || (selfAttn && state.display === "graph")))
         t.classList.add("attending");
     });
-    const name = (list, i) => JSON.stringify(list[i]);
+    const name = (list, i) => JSON.stringify(visible(list[i]));
     const fmt = (pairs, list) => pairs.sort((a, b) => b[1] - a[1]).slice(0, 8)
       .map(([i, w]) => name(list, i) + " " + w.toFixed(3)).join(", ");
     const tokens = hv && (hv.side === "q" ? v.query_tokens : v.key_tokens);
