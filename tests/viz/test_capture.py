@@ -11,8 +11,17 @@ from hypothesis import strategies as st
 import qkv
 from qkv.attention.problem import build_problem
 from qkv.attention.reference import reference_attention
-from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
-from qkv.viz import capture, head_weights
+from qkv.models import (
+    GPT,
+    Encoder,
+    EncoderConfig,
+    GPTConfig,
+    Transformer,
+    TransformerConfig,
+    ViT,
+    ViTConfig,
+)
+from qkv.viz import attention_rollout, capture, head_weights
 
 torch.manual_seed(0)
 
@@ -127,6 +136,20 @@ def test_capture_records_each_call_of_incremental_decoding():
         model.generate(torch.randint(0, 20, (1, 4)), max_new_tokens=3, temperature=0.0)
     calls = maps.get(0).calls
     assert [tuple(c.shape) for c in calls] == [(1, 1, 4, 4), (1, 1, 1, 5), (1, 1, 1, 6)]
+
+
+def test_capture_encoder_with_padding_and_a_window_feeds_rollout():
+    model = Encoder(EncoderConfig(vocab_size=12, num_classes=2, max_len=8, n_layer=2, n_head=2,
+                                  d_model=16, dropout=0.0, similarity="cosine", window=2)).eval()
+    ids = torch.randint(1, 12, (2, 6))
+    plain = model(ids, lengths=torch.tensor([6, 3]))
+    with capture(model) as maps:
+        assert torch.equal(model(ids, lengths=torch.tensor([6, 3])), plain)
+    first = maps[0]
+    assert torch.all(first[1, :, :3, 3:] == 0)  # padded keys
+    assert torch.all(first[0, :, 0, 3:] == 0)  # outside the window of 2
+    rollout = attention_rollout([maps[0], maps[1]])
+    torch.testing.assert_close(rollout.sum(-1), torch.ones(2, 6))
 
 
 def test_capture_vit_keeps_only_asked_heads():
