@@ -339,17 +339,13 @@ def recurrent_linear_attention(
 ) -> tuple[Tensor, LinearState]:
     """Causal linear attention token by token (the generation path), O(N·M·Dv) with a Python
     loop: (B, H, N, D) ... -> out (B, H, N, Dv) and the final state."""
+    if q.shape[2] == 0:  # split would yield one empty piece, not none
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), state
     outs = []
-    for i in range(q.shape[2]):
-        sl = slice(i, i + 1)
+    # split, not indexing: indexing's backward would write a full-size zero tensor per token.
+    for q_i, k_i, v_i in zip(*(t.split(1, dim=2) for t in (q, k, v)), strict=True):
         out, state = linear_attention_step(
-            q[:, :, sl],
-            k[:, :, sl],
-            v[:, :, sl],
-            state,
-            feature_map=feature_map,
-            projection=projection,
-            eps=eps,
+            q_i, k_i, v_i, state, feature_map=feature_map, projection=projection, eps=eps
         )
         outs.append(out)
     return torch.cat(outs, 2), state

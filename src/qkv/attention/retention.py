@@ -126,9 +126,10 @@ def _chunkwise(q, k, v, gamma, state, chunk_size):
     lengths = (ends.flatten() - torch.arange(chunks, device=q.device) * c)
     chunk_decay = _powers(gamma, lengths)  # (H, C#)
     before = []
-    for i in range(chunks):
+    # unbind, not indexing: indexing's backward would write a full-size zero tensor per chunk.
+    for decay, added in zip(chunk_decay.unbind(1), contributions.unbind(2), strict=True):
         before.append(state)
-        state = chunk_decay[None, :, i, None, None] * state + contributions[:, :, i]
+        state = decay.view(1, -1, 1, 1) * state + added
     cross = _powers(gamma, torch.arange(1, c + 1, device=q.device))[None, :, None, :, None]
     out = inner + cross * (q @ torch.stack(before, 2)) if chunks else inner
     return out.flatten(2, 3)[:, :, :n], state
@@ -147,13 +148,13 @@ def retention_step(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, state: Tensor
 
 
 def _recurrent(q, k, v, gamma, state, scale):
+    if q.shape[2] == 0:  # split would yield one empty piece, not none
+        return q.new_zeros(*q.shape[:3], v.shape[-1]), state
     outs = []
-    for i in range(q.shape[2]):
-        sl = slice(i, i + 1)
-        out, state = retention_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], gamma, state,
-                                    scale=scale)
+    for q_i, k_i, v_i in zip(*(t.split(1, dim=2) for t in (q, k, v)), strict=True):
+        out, state = retention_step(q_i, k_i, v_i, gamma, state, scale=scale)
         outs.append(out)
-    return torch.cat(outs, 2) if outs else q.new_zeros(*q.shape[:3], v.shape[-1]), state
+    return torch.cat(outs, 2), state
 
 
 def retention(
