@@ -1,9 +1,10 @@
 """German number words -> English number words, generated with ``num2words``.
 
 "zweiundvierzig" -> "forty-two": the order of the digits flips between the languages, so
-cross-attention has to learn to reorder. Numbers are drawn with a uniform number of digits
-(1 to 6), then uniformly within that digit count, so small and large numbers are both
-common. The held-out numbers are drawn first and the training numbers never repeat them.
+cross-attention has to learn to reorder. The held-out numbers are drawn first, uniformly
+from 0..999,999 (so most have six digits, the longest phrases). The training numbers never
+repeat them; they are drawn with a uniform number of digits (1 to 6), then uniformly within
+that digit count, so the small building blocks are common in training.
 """
 
 from __future__ import annotations
@@ -25,16 +26,21 @@ def english(n: int) -> str:
     return num2words(n, lang="en")
 
 
-def sample_numbers(count: int, rng: random.Random, exclude: set[int]) -> list[int]:
-    """``count`` distinct numbers in [0, MAX_NUMBER], none in ``exclude``."""
+def sample_numbers(
+    count: int, rng: random.Random, exclude: set[int], by_digits: bool = True
+) -> list[int]:
+    """``count`` distinct numbers in [0, MAX_NUMBER], none in ``exclude``: with a uniform
+    digit count (``by_digits``), or uniform over all numbers."""
     if count + len(exclude) > MAX_NUMBER // 2:
         raise ValueError(f"count: at most {MAX_NUMBER // 2 - len(exclude)} numbers, got {count}")
     chosen: list[int] = []
     seen = set(exclude)
     while len(chosen) < count:
-        digits = rng.randint(1, 6)
-        low = 0 if digits == 1 else 10 ** (digits - 1)
-        n = rng.randint(low, 10**digits - 1)
+        if by_digits:
+            digits = rng.randint(1, 6)
+            n = rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+        else:
+            n = rng.randint(0, MAX_NUMBER)
         if n not in seen:
             seen.add(n)
             chosen.append(n)
@@ -44,7 +50,7 @@ def sample_numbers(count: int, rng: random.Random, exclude: set[int]) -> list[in
 def split_numbers(n_train: int, n_test: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """Deterministic (train, held-out) numbers that share no number."""
     rng = random.Random(seed)
-    test = sample_numbers(n_test, rng, set())
+    test = sample_numbers(n_test, rng, set(), by_digits=False)
     return sample_numbers(n_train, rng, set(test)), test
 
 

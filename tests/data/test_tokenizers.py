@@ -1,0 +1,43 @@
+import pytest
+
+from qkv.data.tokenizers import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    BPETokenizer,
+    CharTokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
+
+TEXTS = ["dreihundertzwölf", "zweiundvierzig", "one hundred and twelve", "forty-two"]
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_round_trip_and_json(kind, tmp_path):
+    tok = train_tokenizer(kind, TEXTS, 60)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert min(ids) > UNK_ID and tok.decode(ids) == text
+    assert tok.decode([BOS_ID] + tok.encode("zwölf") + [EOS_ID, PAD_ID]) == "zwölf"
+    save_tokenizer(tok, tmp_path / "tok.json")
+    again = load_tokenizer(tmp_path / "tok.json")
+    assert type(again) is type(tok) and again.vocab_size == tok.vocab_size
+    assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
+
+
+def test_char_unknown_and_bpe_merges():
+    char = CharTokenizer.train(["ab"])
+    assert char.vocab_size == 6 and char.encode("abz") == [4, 5, UNK_ID]
+    bpe = BPETokenizer.train(TEXTS * 20, vocab_size=80)
+    assert len(bpe.encode("zweiundvierzig")) < len("zweiundvierzig")
+
+
+def test_bad_kind_and_file(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        train_tokenizer("word", TEXTS, 10)
+    (tmp_path / "x.json").write_text('{"kind": "other"}')
+    with pytest.raises(ValueError, match="not a qkv tokenizer"):
+        load_tokenizer(tmp_path / "x.json")
