@@ -86,6 +86,28 @@ def test_head_weights_from_saved_log_sum_exp():
     _, weights, lse = reference_attention(problem)
     got = head_weights(q, k, [2], mask=mask, lse=lse)
     torch.testing.assert_close(got, weights[:, [2]], rtol=1e-12, atol=1e-12)
+    got = head_weights(q, k, [0, 1], mask=mask, lse=lse.unsqueeze(-1))  # the fused layout
+    torch.testing.assert_close(got, weights[:, [0, 1]], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="lse must be"):
+        head_weights(q, k, [0], lse=lse[:, :2])
+
+
+def test_head_weights_from_the_fused_engines_log_sum_exp():
+    """The fused CPU engine's forward keeps only out and lse; the chosen heads' weights rebuilt
+    from that lse equal the reference's."""
+    from qkv.attention.engines import fused_cpu
+    from qkv.attention.engines.tiles import tile_plan
+
+    q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    kw = dict(mask=qkv.causal(), score_mod=qkv.alibi(4), similarity="l2")
+    problem = build_problem(q, k, v, scale=None, metric=None, dropout_p=0.0,
+                            return_weights=False, **kw)
+    fq, fk, fv, scale = fused_cpu._features(problem)
+    spec = fused_cpu._spec(problem, scale)
+    _, lse = fused_cpu._forward(spec, tile_plan(spec, fq.device), fq, fk, fv)
+    got = head_weights(q, k, [1, 3], lse=lse, **kw)
+    _, want = qkv.attention(q, k, v, return_weights=True, backend="reference", **kw)
+    torch.testing.assert_close(got, want[:, [1, 3]], rtol=1e-5, atol=1e-6)
 
 
 def _gpt(**kw):

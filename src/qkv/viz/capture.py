@@ -166,7 +166,9 @@ def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, Captured
 
 
 def _observer(site: CapturedMap, previous):
-    def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None) -> None:
+    # ``lse``: a layer that can hand over its engine's saved log-sum-exp passes it, and the
+    # chosen heads' weights are then exp(score - lse), with no row reduction.
+    def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None, lse=None) -> None:
         if previous is not None:
             previous(module, q, k, mask=mask, score_mod=score_mod)
         with torch.no_grad():
@@ -174,6 +176,7 @@ def _observer(site: CapturedMap, previous):
             site.calls.append(head_weights(
                 q.detach(), k.detach(), site.heads, mask=mask, score_mod=score_mod,
                 similarity=module.similarity, scale=module.scale, metric=metric,
+                lse=None if lse is None else lse.detach(),
             ))
     return observe
 

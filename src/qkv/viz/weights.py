@@ -44,8 +44,9 @@ def head_weights(
         q: (B, H, Nq, D); k: (B, Hkv, Nk, D); mask, score_mod, similarity, scale, metric: as
             for ``qkv.attention``.
         heads: query-head indices in [0, H).
-        lse: optional (B, H, Nq) log-sum-exp an engine saved for this call; when given, the
-            weights are exp(score - lse) and no row reduction is done.
+        lse: optional (B, H, Nq) or (B, H, Nq, 1) log-sum-exp an engine saved for this call
+            (the fused engine keeps one); when given, the weights are exp(score - lse) and no
+            row reduction is done.
 
     Returns:
         (B, len(heads), Nq, Nk) in q's dtype, heads in ascending order; rows with no allowed
@@ -80,7 +81,12 @@ def head_weights(
     if lse is None:
         weights, _ = masked_softmax(scores)
     else:
-        row_lse = lse.index_select(1, index).to(acc).unsqueeze(-1)
+        if lse.dim() == 3:
+            lse = lse.unsqueeze(-1)
+        if tuple(lse.shape) != (p.batch, p.heads, p.nq, 1):
+            raise ValueError(f"lse must be (B, H, Nq) = {(p.batch, p.heads, p.nq)}; got "
+                             f"{tuple(lse.shape)}")
+        row_lse = lse.index_select(1, index).to(acc)
         finite = torch.isfinite(row_lse)
         weights = torch.where(finite, torch.exp(scores - torch.where(finite, row_lse, 0.0)), 0.0)
     return weights.to(q.dtype)
