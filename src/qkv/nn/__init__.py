@@ -1,5 +1,6 @@
 """Layers: multi-head attention, positions, feed-forward, norms and Transformer blocks."""
 
+from . import linear_attention, retention  # noqa: F401  (register "linear", "retention" kinds)
 from .attention import KVCache, MultiHeadAttention
 from .blocks import BlockConfig, DecoderBlock, Sublayer, TransformerBlock
 from .feedforward import ACTIVATIONS, FeedForward
