@@ -1,9 +1,9 @@
 """Long-context attention on CPU: forward+backward time and peak memory against N.
 
 Kinds: softmax through ``qkv.attention`` (full and causal; the dispatcher picks the engine,
-shown in the table), sliding window and Longformer/BigBird-style sparse masks (the fused
-engine, cost following the non-empty tiles, shown as a fraction), linear attention with
-both feature maps, and chunkwise retention.
+shown in the table), causal softmax forced onto qkv's fused engine, sliding window and
+Longformer/BigBird-style sparse masks (the fused engine; cost follows the fraction of
+non-empty tiles, shown), linear attention with both feature maps, and chunkwise retention.
 
 Each kind runs in a fresh subprocess with N increasing; peak memory is the growth of the
 process's peak resident set (ru_maxrss) over its resident set just before the run. A case
@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 
-QUADRATIC = {"softmax_full", "softmax_causal"}
+QUADRATIC = {"softmax_full", "softmax_causal", "causal_fused"}
 KINDS = [
-    "softmax_full", "softmax_causal", "sliding_window", "longformer", "bigbird",
+    "softmax_full", "softmax_causal", "causal_fused", "sliding_window", "longformer", "bigbird",
     "linear_elu", "linear_favor", "retention",
 ]
 
@@ -56,9 +56,10 @@ def make_case(kind: str, n: int, args):
     shape = (args.batch, args.heads, n, args.head_dim)
     q, k, v = (torch.randn(shape, generator=g).requires_grad_() for _ in range(3))
     grad = torch.randn(shape, generator=g)
-    mask, tiles = None, None
-    if kind == "softmax_causal":
+    mask, tiles, backend = None, None, "auto"
+    if kind in ("softmax_causal", "causal_fused"):
         mask = qkv.causal()
+        backend = "fused" if kind == "causal_fused" else "auto"
     elif kind == "sliding_window":
         mask = qkv.sliding_window(args.window)
     elif kind == "longformer":
@@ -82,7 +83,7 @@ def make_case(kind: str, n: int, args):
             return retention(q, k, v, gamma, form="chunkwise", chunk_size=args.chunk_size)
     else:
         def run():
-            return qkv.attention(q, k, v, mask=mask)
+            return qkv.attention(q, k, v, mask=mask, backend=backend)
 
     engine = "-"
     if kind in QUADRATIC or mask is not None:
@@ -92,7 +93,7 @@ def make_case(kind: str, n: int, args):
 
         problem = build_problem(q, k, v, mask=mask, score_mod=None, similarity="dot",
                                 scale=None, metric=None, dropout_p=0.0, return_weights=False)
-        engine = engines.select(problem).name
+        engine = engines.select(problem, backend).name
         if mask is not None:
             bq, bk = block_sizes(args.batch, args.heads, n, n)
             states = mask.tile_states(args.batch, args.heads, n, n, bq, bk)
@@ -110,6 +111,8 @@ def make_case(kind: str, n: int, args):
 def worker(args) -> None:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     warm, _, _ = make_case(args.worker, 512, args)
     warm()
@@ -141,6 +144,8 @@ def worker(args) -> None:
 def header(args) -> str:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     return (
         f"# long_context: B={args.batch} H={args.heads} D={args.head_dim} float32, forward+"
         f"backward, best of {args.repeats}\n# window={args.window} global={args.global_tokens} "
@@ -163,7 +168,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--case-budget", type=float, default=20.0,
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--case-budget", type=float, default=10.0,
                         help="skip a case predicted to take longer than this many seconds")
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--ns", type=int, nargs="+", help=argparse.SUPPRESS)

@@ -56,9 +56,9 @@ def no_weights_error(kind: str, instead: str) -> ValueError:
 
 
 _LINEAR_INSTEAD = (
-    "To inspect the token-to-token mixing, use "
-    "qkv.attention.linear.quadratic_linear_attention(..., return_weights=True), which "
-    "materializes the normalized φ(Q)φ(K)ᵀ matrix at O(N²) cost."
+    "To inspect the token-to-token mixing, call quadratic_linear_attention(q, k, v, ..., "
+    "return_weights=True) (from qkv.attention.linear), which materializes the normalized "
+    "φ(Q)φ(K)ᵀ matrix at O(N²) cost."
 )
 
 

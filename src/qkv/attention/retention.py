@@ -24,9 +24,9 @@ from .reference import expand_kv_heads
 FORMS = ("parallel", "chunkwise", "recurrent")
 
 NO_WEIGHTS_HINT = (
-    "What exists instead is the decay matrix D[n, m] = γ^(n-m) "
-    "(qkv.attention.retention.decay_matrix(gamma, n)) and the parallel form's retention "
-    "scores QKᵀ·scale ⊙ D (qkv.attention.retention.retention_scores(q, k, gamma))."
+    "What exists instead is the decay matrix D[n, m] = γ^(n-m), decay_matrix(gamma, n), and "
+    "the parallel form's retention scores QKᵀ·scale ⊙ D, retention_scores(q, k, gamma) (both "
+    "from qkv.attention.retention)."
 )
 
 
