@@ -131,6 +131,12 @@ def test_weights_score_mods_and_masks_refused():
         lin(x, mask=qkv.sliding_window(3))
     with pytest.raises(ValueError, match="no cross-attention form"):
         kind_module("retention", is_cross=True)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int; got 0"):
+        Retention(16, 4, chunk_size=0)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int; got -1"):
+        LinearAttention(16, 4, chunk_size=-1)
+    with pytest.raises(ValueError, match="num_features must be a positive int; got 0"):
+        LinearAttention(16, 4, feature_map="favor", num_features=0)
     with pytest.raises(ValueError, match="similarity must be 'dot'"):
         build_attention("linear", d_model=16, n_head=4, n_kv_head=None, bias=True, dropout=0.0,
                         similarity="l2", rope=None, is_cross=False, layer_index=0)

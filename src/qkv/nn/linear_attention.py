@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from ..attention.linear import (
     LinearState,
+    check_positive_int,
     draw_orthogonal_features,
     linear_attention,
     no_weights_error,
@@ -152,7 +153,8 @@ class LinearAttention(nn.Module):
         if rope is not None and is_cross:
             raise ValueError("rope applies to self-attention only, not to is_cross=True")
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d_model // n_head
-        self.feature_map, self.chunk_size, self.eps = feature_map, chunk_size, eps
+        self.feature_map, self.eps = feature_map, eps
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.redraw_interval, self.calls_since_redraw = redraw_interval, 0
         self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.linear import no_weights_error
+from ..attention.linear import check_positive_int, no_weights_error
 from ..attention.retention import NO_WEIGHTS_HINT, retention, retention_decays
 from .kinds import register_attention_kind
 from .linear_attention import StateCache, causal_and_key_mask, split_heads
@@ -58,7 +58,7 @@ class Retention(nn.Module):
                 "cross-attention form (is_cross=True); use attention='softmax' or 'linear'"
             )
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d_model // n_head
-        self.chunk_size = chunk_size
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
