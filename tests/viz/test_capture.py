@@ -209,6 +209,17 @@ def test_attention_without_weights_is_refused_clearly(kind):
             pass
 
 
+def test_nested_captures_both_record():
+    model = _gpt()
+    idx = torch.randint(0, 20, (1, 5))
+    with capture(model, heads=0) as outer:
+        with capture(model, layers=1, heads=[1, 2]) as inner:
+            model(idx)
+        model(idx)
+    assert len(inner.get(1).calls) == 1 and len(outer.get(1).calls) == 2
+    assert model.blocks[1].self_attn.weights_observer is None
+
+
 def test_observers_are_removed_when_the_forward_pass_fails():
     model = _gpt()
     with pytest.raises(ValueError):

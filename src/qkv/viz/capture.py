@@ -169,8 +169,9 @@ def _observer(site: CapturedMap, previous):
     # ``lse``: a layer that can hand over its engine's saved log-sum-exp passes it, and the
     # chosen heads' weights are then exp(score - lse), with no row reduction.
     def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None, lse=None) -> None:
-        if previous is not None:
-            previous(module, q, k, mask=mask, score_mod=score_mod)
+        if previous is not None:  # an enclosing capture of the same layer
+            extra = {} if lse is None else {"lse": lse}
+            previous(module, q, k, mask=mask, score_mod=score_mod, **extra)
         with torch.no_grad():
             metric = None if module.metric is None else module.metric.detach()
             site.calls.append(head_weights(
@@ -193,7 +194,8 @@ def capture(
         model: any module whose attention layers keep ``layer_index`` and ``is_cross``.
         layers: layer indices within each stack (negative counts from the end); None: all.
         heads: query-head indices; None: all.
-        stacks: limit to these stacks (e.g. "encoder.blocks"; see ``AttentionMaps.stacks``).
+        stacks: limit to these stacks, e.g. "encoder" or "decoder" (the module path up to the
+            layer number; ``AttentionMaps.stacks`` lists them).
         cross: True for cross-attention layers only, False for self-attention only.
 
     Yields:
