@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from qkv.train.config import ConfigError, flatten, parse_value, read_config_file, resolve
+from qkv.train.tasks import TASKS
+
+
+@pytest.fixture
+def lm():
+    return TASKS["lm"]
+
+
+def test_defaults_preset_file_and_overrides_in_order(lm, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\nlr = 0.01\n[model]\npositions = "rope"\n')
+    cfg = resolve(lm.schema, "lm", lm.presets["tiny"], read_config_file(path),
+                  ["train.lr=3e-4", "train.compile=true", "data.tokenizer=bpe"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.train.compile is True
+    assert cfg.model["positions"] == "rope" and cfg.model["d_model"] == 32
+    assert cfg.data.tokenizer == "bpe" and cfg.train.batch_size == 8
+
+
+def test_the_written_config_round_trips(lm):
+    cfg = resolve(lm.schema, "lm", lm.presets["default"], None, ["train.lr=1"])
+    stored = json.loads(json.dumps(cfg.to_dict()))
+    again = resolve(lm.schema, "lm", flatten(stored, "config.json"), None, [])
+    assert again == cfg and isinstance(again.train.lr, float)
+
+
+def test_unknown_key_lists_close_matches(lm):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.setps'.*train.steps"):
+        resolve(lm.schema, "lm", {}, None, ["train.setps=5"])
+    with pytest.raises(ConfigError, match="model.n_head"):
+        resolve(lm.schema, "lm", {}, None, ["model.n_heads=5"])
+    with pytest.raises(ConfigError, match="unknown config key 'trian'"):
+        resolve(lm.schema, "lm", {}, {"trian": {"steps": 1}}, [])
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("train.steps=abc", "train.steps: expected int, got 'abc'"),
+    ("train.steps=1.5", "expected int"),
+    ("train.compile=1", "expected bool"),
+    ("model.n_kv_head=two", "model.n_kv_head: expected int | None"),
+    ("model.vocab_size=9", "set from the data"),
+    ("trainsteps=1", "section.key=value"),
+])
+def test_wrong_values_are_one_line_errors(lm, item, expected):
+    with pytest.raises(ConfigError, match=expected.replace("|", r"\|")) as info:
+        resolve(lm.schema, "lm", {}, None, [item])
+    assert "\n" not in str(info.value)
+
+
+def test_parse_value():
+    assert parse_value("3") == 3 and parse_value("1e-3") == 1e-3 and parse_value("true") is True
+    assert parse_value("[1, 2]") == [1, 2] and parse_value("rope") == "rope"
+    assert parse_value('"007"') == "007"
+
+
+def test_config_file_for_another_task(lm, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"task": "vit", "train": {"steps": 1}}')
+    with pytest.raises(ConfigError, match="for task 'vit'"):
+        resolve(lm.schema, "lm", {}, read_config_file(path), [])
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid"):
+        read_config_file(path)
