@@ -191,6 +191,8 @@ def test_config_round_trips_and_bad_input():
         GPTConfig(10, 8, 1, 4, 16, n_kv_head=3)
     with pytest.raises(ValueError, match="idx"):
         tiny()(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match=r"lengths must lie in \[1, 3\]"):
+        tiny().generate(torch.ones(2, 3, dtype=torch.long), 2, lengths=torch.tensor([3, 4]))
 
 
 def test_training_lowers_the_loss():

@@ -66,6 +66,9 @@ def check_lengths(name: str, lengths: Tensor | None, batch: int, n: int) -> Tens
             f"{name} must be an integer tensor of shape (B,)=({batch},); got "
             f"{tuple(lengths.shape)} {lengths.dtype}"
         )
+    if bool((lengths < 1).any()) or bool((lengths > n).any()):
+        raise ValueError(f"{name} must lie in [1, {n}] (the padded length); got "
+                         f"{lengths.tolist()}")
     return lengths.long()
 
 
