@@ -154,6 +154,7 @@ def run_viz(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- bench
 BENCHMARKS = {"attention": "attention_cpu.py", "train": "train_cpu.py"}
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/cli.py -> repo root
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,7 +164,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``benchmarks/<script>``'s ``main(argv)`` from the source checkout qkv runs from."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / BENCHMARKS[args.name]
+    script = BENCH_DIR / BENCHMARKS[args.name]
     if not script.is_file():
         raise FileNotFoundError(f"`qkv bench` needs a source checkout; {script} is missing")
     spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)

@@ -1,0 +1,159 @@
+"""The ``qkv`` command end to end on tiny presets, and its answers to bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from qkv import cli
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path_factory.getbasetemp() / "qkv-cache"))
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def train_tiny(tmp_path_factory, task, *extra):
+    run_dir = tmp_path_factory.mktemp(task) / "run"
+    argv = ["train", task, "--preset", "tiny", "--run-dir", str(run_dir),
+            "--set", "train.threads=1", *extra]
+    assert cli.main(argv) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def translate_run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, "translate")
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+    return train_tiny(tmp_path_factory, "lm")
+
+
+def test_train_translate_writes_a_complete_run(translate_run):
+    names = {p.name for p in translate_run.iterdir()}
+    assert {"config.json", "model.json", "tokenizer_src.json", "tokenizer_tgt.json",
+            "metrics.jsonl", "checkpoints", "cross_attention.png"} <= names
+    assert json.loads((translate_run / "config.json").read_text())["train"]["steps"] == 6
+    assert (translate_run / "cross_attention.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_and_translate(translate_run, capsys, tmp_path):
+    code, out, _ = run(capsys, "eval", str(translate_run))
+    assert code == 0 and "exact match" in out and "BLEU" in out and "chrF" in out
+    heatmap = tmp_path / "map.png"
+    code, out, _ = run(capsys, "translate", str(translate_run), "zweiundvierzig", "elf",
+                       "--beam-size", "2", "--heatmap", str(heatmap))
+    assert code == 0 and len(out.splitlines()) == 2 and heatmap.exists()
+
+
+def test_train_lm_eval_generate(lm_run, capsys):
+    code, out, _ = run(capsys, "eval", str(lm_run))
+    assert code == 0 and "bits/char" in out
+    code, out, _ = run(capsys, "generate", str(lm_run), "--prompt", "Return", "--max-new-tokens",
+                       "40", "--temperature", "0")
+    assert code == 0 and out.startswith("Return") and len(out.rstrip("\n")) >= 40
+
+
+def test_train_vit_and_eval(tmp_path_factory, capsys):
+    run_dir = train_tiny(tmp_path_factory, "vit")
+    assert "confusion matrix" in capsys.readouterr().out
+    code, out, _ = run(capsys, "eval", str(run_dir))
+    assert code == 0 and "accuracy" in out
+
+
+def test_bench_runs_the_scripts_main(tmp_path, monkeypatch, capsys):
+    (tmp_path / "attention_cpu.py").write_text(
+        "def main(argv):\n    print('bench', argv)\n    return 0\n")
+    monkeypatch.setattr(cli, "BENCH_DIR", tmp_path)
+    code, out, _ = run(capsys, "bench", "attention", "--quick")
+    assert code == 0 and out == "bench ['--quick']\n"
+    code, _, err = run(capsys, "bench", "train")
+    assert code == 2 and "needs a source checkout" in err
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "translate", "bench"])
+def test_help_shows_examples(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    assert info.value.code == 0 and "examples:\n  qkv " in capsys.readouterr().out
+
+
+def one_line_error(capsys, argv, expected):
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("qkv: error: ") and expected in err, err
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "does not exist"), ("", "is empty"), ("eins\tone\nzwei two\n", "line 2 has no tab"),
+])
+def test_bad_data_files(tmp_path, capsys, content, expected):
+    path = tmp_path / "pairs.tsv"
+    if content is not None:
+        path.write_text(content)
+    argv = ["train", "translate", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
+            "--set", f"data.path={path}"]
+    one_line_error(capsys, argv, expected)
+
+
+def test_image_folder_with_one_class(tmp_path, capsys):
+    (tmp_path / "imgs" / "only").mkdir(parents=True)
+    argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
+            "--set", f"data.path={tmp_path / 'imgs'}"]
+    one_line_error(capsys, argv, "1 class folder")
+
+
+@pytest.mark.parametrize("item, expected", [
+    ("train.step=3", "did you mean train.steps"), ("train.steps=many", "expected int"),
+])
+def test_bad_overrides(tmp_path, capsys, item, expected):
+    one_line_error(capsys, ["train", "lm", "--preset", "tiny", "--run-dir", str(tmp_path),
+                            "--set", item], expected)
+
+
+def test_bad_run_directories(tmp_path, capsys, lm_run):
+    one_line_error(capsys, ["train", "lm", "--resume", "--run-dir", str(tmp_path)],
+                   "not a qkv run directory")
+    one_line_error(capsys, ["train", "vit", "--resume", "--run-dir", str(lm_run)],
+                   "holds a 'lm' run, not 'vit'")
+    one_line_error(capsys, ["train", "lm", "--preset", "tiny", "--run-dir", str(lm_run)],
+                   "already holds a run")
+    one_line_error(capsys, ["translate", str(lm_run), "eins"], "needs a translate run")
+    empty = tmp_path / "fresh"
+    empty.mkdir()
+    (empty / "config.json").write_text((lm_run / "config.json").read_text())
+    one_line_error(capsys, ["train", "lm", "--resume", "--run-dir", str(empty)],
+                   "holds no checkpoint")
+
+
+def test_corrupt_checkpoints(tmp_path, capsys, lm_run):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(lm_run, copy)
+    newest, older = sorted((copy / "checkpoints").iterdir(), reverse=True)
+    (newest / "model.safetensors").write_bytes(b"garbage")
+    code, out, err = run(capsys, "eval", str(copy))
+    assert code == 0 and f"{newest} is corrupt" in err and "bits/char" in out
+    (older / "trainer.pt").write_bytes(b"garbage")
+    code, _, err = run(capsys, "eval", str(copy))
+    assert code == 2 and err.splitlines()[-1].startswith("qkv: error: no intact checkpoint")
+
+
+def test_the_installed_command_prints_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "qkv.cli", "train", "translate", "--set",
+         f"data.path={tmp_path / 'missing.tsv'}", "--run-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
