@@ -72,6 +72,15 @@ def check_lengths(name: str, lengths: Tensor | None, batch: int, n: int) -> Tens
     return lengths.long()
 
 
+def key_mask(keep: Tensor) -> Tensor | None:
+    """keep (B, N) bool, True for real tokens -> a key mask (B, 1, 1, N), or None when every
+    token is real, so that the fastest engine (SDPA) may run. While torch.compile or
+    torch.export traces, the mask is always returned: a graph cannot branch on its values."""
+    if not torch.compiler.is_compiling() and bool(keep.all()):
+        return None
+    return keep[:, None, None, :]
+
+
 def left_align(ids: Tensor, lengths: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
     """Right-padded ids (B, N) with lengths (B,) -> left-padded ids and left_pad (B,), so that
     every row's last real token sits in the last column."""

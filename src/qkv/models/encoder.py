@@ -11,7 +11,7 @@ from ..attention import sliding_window
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions
-from .common import check_config, check_ids, check_lengths, init_weights
+from .common import check_config, check_ids, check_lengths, init_weights, key_mask
 
 POOLINGS = ("mean", "cls")
 
@@ -103,9 +103,10 @@ class Encoder(nn.Module):
         pos = torch.arange(x.shape[1], device=ids.device)
         pe = self.positions.embed(pos)
         x = self.drop(x if pe is None else x + pe.to(x.dtype))
-        mask, score_mod = keep[:, None, None, :], self.positions.score_mod()
+        mask, score_mod = key_mask(keep), self.positions.score_mod()
         if self.config.window is not None:
-            mask = sliding_window(self.config.window, self.config.window) & mask
+            local = sliding_window(self.config.window, self.config.window)
+            mask = local if mask is None else local & mask
         for block in self.blocks:
             x = block(x, mask=mask, score_mod=score_mod, positions=pos)
         return (x if self.norm is None else self.norm(x)), keep

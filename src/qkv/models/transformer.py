@@ -12,7 +12,14 @@ from ..attention import causal, padding
 from ..nn.blocks import BlockConfig, DecoderBlock, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions
-from .common import check_config, check_ids, check_lengths, init_weights, token_positions
+from .common import (
+    check_config,
+    check_ids,
+    check_lengths,
+    init_weights,
+    key_mask,
+    token_positions,
+)
 from .generation import ModelCache, decode, eval_mode, stepper
 
 
@@ -128,7 +135,7 @@ class Transformer(nn.Module):
         keep = self.source_keep(src, src_lengths)
         pos = torch.arange(src.shape[1], device=src.device)
         x = self._embed(src, self.src_emb, self.src_positions, pos)
-        mask = _key_mask(keep)
+        mask = key_mask(keep)
         score_mod = self.src_positions.score_mod()
         for block in self.encoder:
             x = block(x, mask=mask, score_mod=score_mod, positions=pos)
@@ -149,7 +156,7 @@ class Transformer(nn.Module):
         x = self._embed(tgt, self.tgt_emb, self.tgt_positions, pos)
         lengths = check_lengths("tgt_lengths", tgt_lengths, *tgt.shape)
         mask = causal() if lengths is None else causal() & padding(lengths)
-        memory_mask = _key_mask(keep)
+        memory_mask = key_mask(keep)
         score_mod = self.tgt_positions.score_mod()
         for i, block in enumerate(self.decoder):
             x = block(
@@ -220,7 +227,3 @@ class Transformer(nn.Module):
 
         return transformer_from_torch(cls, m, src_embedding, tgt_embedding, output, **config)
 
-
-def _key_mask(keep: Tensor):
-    """No mask when every key is real (so the fastest engine may run), else (B, 1, 1, S)."""
-    return None if bool(keep.all()) else keep[:, None, None, :]
