@@ -54,7 +54,7 @@ def cross_attention_png(model, src_tok, tgt_tok, source: str, translation: str, 
     ax.set_yticks(range(len(tgt_ids) + 1), token_labels(tgt_tok, tgt_ids) + ["<eos>"])
     ax.set_xlabel("source")
     ax.set_ylabel("output")
-    ax.set_title("cross-attention, last decoder layer, mean over heads", fontsize=9)
+    ax.set_title("cross-attention\n(last decoder layer, mean of heads)", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
