@@ -20,5 +20,10 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# The main job: train the German->English number Transformer on CPU, print held-out exact
+# match, BLEU and chrF, five translations, and a cross-attention heatmap PNG in the run dir.
+demo: $(STAMP)
+	$(VENV)/bin/qkv train translate --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
