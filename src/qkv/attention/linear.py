@@ -232,17 +232,21 @@ def quadratic_linear_attention(
     return (out, weights) if return_weights else out
 
 
+def pad_to_chunks(t: Tensor, chunks: int, chunk_size: int) -> Tensor:
+    """(B, H, N, X) -> (B, H, chunks, chunk_size, X), zero-padded at the end (a view when no
+    padding is needed)."""
+    pad = chunks * chunk_size - t.shape[2]
+    return (F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(2, (chunks, chunk_size))
+
+
 def _chunked_causal(phi_q, phi_k, v, state: LinearState, chunk_size: int, eps: float):
     """Causal linear attention, N = Nq = Nk, in chunks of C: exact (C, C) products inside a
     chunk, exclusive prefix sums of per-chunk φ(k)vᵀ and Σφ(k) across chunks."""
     b, h, n, m = phi_q.shape
     c = chunk_size
     chunks = math.ceil(n / c)
-    pad = chunks * c - n
     # Zero features on padded keys add nothing; padded query rows are cut off at the end.
-    phi_q, phi_k, v = (
-        F.pad(t, (0, 0, 0, pad)).unflatten(2, (chunks, c)) for t in (phi_q, phi_k, v)
-    )
+    phi_q, phi_k, v = (pad_to_chunks(t, chunks, c) for t in (phi_q, phi_k, v))
     kv_chunk = phi_k.transpose(-1, -2) @ v  # (B, H, C#, M, Dv)
     z_chunk = phi_k.sum(-2)  # (B, H, C#, M)
     kv_before = state.kv.unsqueeze(2) + torch.cumsum(kv_chunk, 2) - kv_chunk

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .linear import check_positive_int, no_weights_error
+from .linear import check_positive_int, no_weights_error, pad_to_chunks
 from .reference import expand_kv_heads
 
 FORMS = ("parallel", "chunkwise", "recurrent")
@@ -113,9 +113,7 @@ def _chunkwise(q, k, v, gamma, state, chunk_size):
     b, h, n, d = q.shape
     c = chunk_size
     chunks = -(-n // c)
-    pad = chunks * c - n
-    q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)).unflatten(2, (chunks, c))
-               for t in (q, k, v))  # (B, H, C#, C, ·)
+    q, k, v = (pad_to_chunks(t, chunks, c) for t in (q, k, v))  # (B, H, C#, C, ·)
     inner = ((q @ k.transpose(-1, -2)) * decay_matrix(gamma, c)[:, None]) @ v
     # Within chunk i, token s reaches the end of the chunk's real tokens with decay
     # γ^(end_i - 1 - s); a chunk of L real tokens decays the incoming state by γ^L.
