@@ -31,6 +31,7 @@ from .tiles import (
     block_sizes,
     dropout_keep,
     group_heads,
+    run_split,
     tile_index,
     tile_plan,
     tile_scores,
@@ -57,40 +58,48 @@ def why_not(p: Problem) -> str | None:
     return None
 
 
-def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key."""
+def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
+    """Online softmax over the key tiles of query block i; writes its rows of out and lse."""
     batch, heads, dv = spec.batch, spec.heads, v.shape[-1]
     hk, hv = fk.shape[1], v.shape[1]
-    out = fq.new_zeros(batch, heads, spec.nq, dv)
-    lse = fq.new_full((batch, heads, spec.nq, 1), float("-inf"))
-    for i, tiles in enumerate(plan):
-        if not tiles:
-            continue
-        q0, q1 = spec.q_range(i)
-        fq_t = group_heads(fq[:, :, q0:q1], hk)
-        row_max = fq.new_full((batch, heads, q1 - q0, 1), float("-inf"))
-        row_max_safe = torch.zeros_like(row_max)
-        row_sum = torch.zeros_like(row_max)
-        acc = fq.new_zeros(batch, hv, (heads // hv) * (q1 - q0), dv)
-        for j, masked in tiles:
-            k0, k1 = spec.k_range(j)
-            idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-            s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-            new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-            # A row with nothing allowed so far keeps max -inf; subtract 0 so exp gives 0, not NaN.
-            new_max_safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
-            p = s.sub_(new_max_safe).exp_()
-            correction = (row_max - new_max_safe).exp_()
-            row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
-            if spec.dropout_p > 0:
-                keep = dropout_keep(spec, i, j, p.shape, fq.device)
-                p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-            acc = group_heads(acc.view(batch, heads, q1 - q0, dv).mul_(correction), hv)
-            acc.add_(group_heads(p, hv) @ v[:, :, k0:k1])
-            row_max, row_max_safe = new_max, new_max_safe
-        acc = acc.view(batch, heads, q1 - q0, dv)
-        out[:, :, q0:q1] = acc / row_sum.masked_fill(row_sum == 0, 1.0)
-        lse[:, :, q0:q1] = row_max_safe + row_sum.log()
+    q0, q1 = spec.q_range(i)
+    fq_t = group_heads(fq[:, :, q0:q1], hk)
+    row_max = fq.new_full((batch, heads, q1 - q0, 1), float("-inf"))
+    row_max_safe = torch.zeros_like(row_max)
+    row_sum = torch.zeros_like(row_max)
+    acc = fq.new_zeros(batch, hv, (heads // hv) * (q1 - q0), dv)
+    for j, masked in tiles:
+        k0, k1 = spec.k_range(j)
+        idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
+        new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+        # A row with nothing allowed so far keeps max -inf; subtract 0 so exp gives 0, not NaN.
+        new_max_safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
+        p = s.sub_(new_max_safe).exp_()
+        correction = (row_max - new_max_safe).exp_()
+        row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
+        if spec.dropout_p > 0:
+            keep = dropout_keep(spec, i, j, p.shape, fq.device)
+            p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+        acc = group_heads(acc.view(batch, heads, q1 - q0, dv).mul_(correction), hv)
+        acc.add_(group_heads(p, hv) @ v[:, :, k0:k1])
+        row_max, row_max_safe = new_max, new_max_safe
+    acc = acc.view(batch, heads, q1 - q0, dv)
+    out[:, :, q0:q1] = acc / row_sum.masked_fill(row_sum == 0, 1.0)
+    lse[:, :, q0:q1] = row_max_safe + row_sum.log()
+
+
+def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key."""
+    out = fq.new_zeros(spec.batch, spec.heads, spec.nq, v.shape[-1])
+    lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
+
+    def rows(blocks):
+        with torch.no_grad():
+            for i in blocks:
+                _forward_block(spec, i, plan[i], fq, fk, v, out, lse)
+
+    run_split(rows, plan)
     return out, lse
 
 
@@ -98,59 +107,81 @@ def _is_plain_dot(spec: TileSpec) -> bool:
     return spec.kernel == "dot" and spec.scale is None and spec.score_mod is None
 
 
-def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
-    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad)."""
+class _Grads:
+    """One worker's gradient sums for the key side and the extra tensors."""
+
+    def __init__(self, fk: Tensor, v: Tensor, count: int):
+        self.fk, self.v = torch.zeros_like(fk), torch.zeros_like(v)
+        self.extras: list[Tensor | None] = [None] * count
+
+    def add_extras(self, grads) -> None:
+        for e, g in enumerate(grads):
+            if g is not None:
+                self.extras[e] = g if self.extras[e] is None else self.extras[e] + g
+
+
+def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras) -> None:
+    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums."""
+    fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
-    dfq, dfk, dv = torch.zeros_like(fq), torch.zeros_like(fk), torch.zeros_like(v)
-    dextras = [None] * len(extras)
+    fast = _is_plain_dot(spec)
+    q0, q1 = spec.q_range(i)
+    n = q1 - q0
+    fq_t = group_heads(fq[:, :, q0:q1], hk)
+    do_t = group_heads(dout[:, :, q0:q1], hv)
+    lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
+    dfq_t = torch.zeros_like(fq_t)
+    for j, masked in tiles:
+        k0, k1 = spec.k_range(j)
+        fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
+        idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+        with torch.set_grad_enabled(not fast):
+            fq_leaf = fq_t if fast else fq_t.detach().requires_grad_()
+            fk_leaf = fk_t if fast else fk_t.detach().requires_grad_()
+            s = tile_scores(spec, fq_leaf, fk_leaf, idx, masked)
+        p = (s.detach() - lse_t).exp_()
+        dp = (do_t @ v_t.transpose(-1, -2)).view(batch, heads, n, k1 - k0)
+        kept = p
+        if spec.dropout_p > 0:
+            keep = dropout_keep(spec, i, j, p.shape, fq.device)
+            kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
+            dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+        grads.v[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
+        ds = p.mul_(dp.sub_(delta_t))
+        if fast:
+            ds = group_heads(ds, hk)
+            dfq_t += ds @ fk_t
+            grads.fk[:, :, k0:k1] += ds.transpose(-1, -2) @ fq_t
+            continue
+        found = torch.autograd.grad(s, (fq_leaf, fk_leaf, *extras), ds, allow_unused=True)
+        dfq_t += found[0]
+        grads.fk[:, :, k0:k1] += found[1]
+        grads.add_extras(found[2:])
+    dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
+
+
+def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
+    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad)."""
     delta = (dout * out).sum(-1, keepdim=True)
     # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
-    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    fast = _is_plain_dot(spec)
-    for i, tiles in enumerate(plan):
-        if not tiles:
-            continue
-        q0, q1 = spec.q_range(i)
-        n = q1 - q0
-        fq_t = group_heads(fq[:, :, q0:q1], hk)
-        do_t = group_heads(dout[:, :, q0:q1], hv)
-        lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
-        dfq_t = torch.zeros_like(fq_t)
-        for j, masked in tiles:
-            k0, k1 = spec.k_range(j)
-            fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
-            idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-            if fast:
-                s = tile_scores(spec, fq_t, fk_t, idx, masked)
-            else:
-                with torch.enable_grad():
-                    fq_leaf = fq_t.detach().requires_grad_()
-                    fk_leaf = fk_t.detach().requires_grad_()
-                    s = tile_scores(spec, fq_leaf, fk_leaf, idx, masked)
-            p = (s.detach() - lse_t).exp_()
-            dp = (do_t @ v_t.transpose(-1, -2)).view(batch, heads, n, k1 - k0)
-            if spec.dropout_p > 0:
-                keep = dropout_keep(spec, i, j, p.shape, fq.device)
-                kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
-                dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-            else:
-                kept = p
-            dv[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
-            ds = p.mul_(dp.sub_(delta_t))
-            if fast:
-                ds = group_heads(ds, hk)
-                dfq_t += ds @ fk_t
-                dfk[:, :, k0:k1] += ds.transpose(-1, -2) @ fq_t
-                continue
-            grads = torch.autograd.grad(s, (fq_leaf, fk_leaf, *extras), ds, allow_unused=True)
-            dfq_t += grads[0]
-            dfk[:, :, k0:k1] += grads[1]
-            for e, g in enumerate(grads[2:]):
-                if g is not None:
-                    dextras[e] = g if dextras[e] is None else dextras[e] + g
-        dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
-    return dfq, dfk, dv, dextras
+    saved = (fq, fk, v, lse.masked_fill(lse == float("-inf"), float("inf")))
+    dfq = torch.zeros_like(fq)
+
+    def rows(blocks):
+        grads = _Grads(fk, v, len(extras))
+        with torch.no_grad():
+            for i in blocks:
+                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, grads, extras)
+        return grads
+
+    parts = run_split(rows, plan)
+    total = parts[0]
+    for part in parts[1:]:
+        total.fk += part.fk
+        total.v += part.v
+        total.add_extras(part.extras)
+    return dfq, total.fk, total.v, total.extras
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -7,6 +7,7 @@ Nothing here restates a similarity, modifier or mask formula.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -140,3 +141,33 @@ def dropout_keep(spec: TileSpec, i: int, j: int, shape, device) -> Tensor:
     draws from its own generator seeded by the call's seed and the tile's position."""
     gen = torch.Generator(device=device).manual_seed(spec.seed + i * spec.k_blocks + j)
     return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def run_split(task, plan) -> list:
+    """Run ``task(blocks)`` on torch's thread count of workers, each given every W-th
+    non-empty query block (interleaved, so causal work stays balanced).
+
+    Each worker runs its ops single-threaded. One parallel region per worker, instead of one
+    per small tile op, keeps both cores busy without a barrier per op; on a shared machine a
+    per-op barrier across cores costs more than the op itself."""
+    global _POOL
+    blocks = [i for i, tiles in enumerate(plan) if tiles]
+    workers = max(1, min(torch.get_num_threads(), len(blocks)))
+    if workers == 1:
+        return [task(blocks)]
+    if _POOL is None or _POOL._max_workers < workers:
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="qkv-fused")
+    threads = torch.get_num_threads()
+
+    def single_threaded(part):
+        torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
+        return task(part)
+
+    try:
+        futures = [_POOL.submit(single_threaded, blocks[w::workers]) for w in range(workers)]
+        return [f.result() for f in futures]
+    finally:
+        torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads

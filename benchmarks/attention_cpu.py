@@ -1,0 +1,363 @@
+"""CPU attention benchmark: qkv versus naive attention, compiled FlexAttention and torch SDPA.
+
+Every figure in one table comes from one run, measured side by side (the machines are shared
+and noisy; ratios are what to read). Setup: B=1, H=8, D=64, float32, torch's thread count.
+Ratios are baseline time / qkv time, so > 1 means qkv is faster.
+
+    python benchmarks/attention_cpu.py                  # N=4096, every variant (a few minutes)
+    python benchmarks/attention_cpu.py --n 1024 4096    # more sizes
+    python benchmarks/attention_cpu.py --large          # N=16384: window and graph speedups, memory
+    python benchmarks/attention_cpu.py --causal-65536   # causal forward+backward at N=65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+B, H, D = 1, 8, 64
+WINDOW = 256
+SOFTCAP = 20.0
+# A baseline that materializes (B, H, N, N) float32 scores runs only below this many bytes.
+DENSE_BUDGET = 6 << 30
+
+
+@dataclass
+class Case:
+    """Inputs and per-engine spellings of one variant at one N. ``flex`` and ``sdpa`` are
+    callables (q, k, v) -> out, or None where that engine cannot express the variant."""
+
+    kwargs: dict
+    flex: Callable | None
+    sdpa: Callable | None
+
+
+def _inputs(n: int, requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(n)
+    return [torch.randn(B, H, n, D, generator=gen).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def _flex_fn():
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None, None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+_FLEX, _BLOCK_MASK = None, None
+
+
+def _flex(score_mod=None, mask_mod=None, n=0, prepare=None, scale=None):
+    """A FlexAttention call (compiled on first use); ``prepare`` maps q, k first."""
+    global _FLEX, _BLOCK_MASK
+    if _FLEX is None:
+        _FLEX, _BLOCK_MASK = _flex_fn()
+    if _FLEX is None:
+        return None
+    block_mask = _BLOCK_MASK(mask_mod, None, None, n, n, device="cpu") if mask_mod else None
+
+    def run(q, k, v):
+        if prepare is not None:
+            q, k = prepare(q, k)
+        return _FLEX(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+
+    return run
+
+
+def _sdpa(n, attn_mask=None, is_causal=False, prepare=None, scale=None):
+    if attn_mask is not None and attn_mask.numel() * 4 > DENSE_BUDGET // 4:
+        return None
+
+    def run(q, k, v):
+        if prepare is not None:
+            q, k = prepare(q, k)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
+
+    return run
+
+
+def _graph_edges(n: int, degree: int = 16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    target = torch.arange(n).repeat_interleave(degree)
+    source = torch.randint(0, n, (n * degree,), generator=gen)
+    return torch.stack([source, target])
+
+
+def _unit(q, k):
+    return F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+
+
+def _l2_flex(n, prepare=None):
+    """-‖q-k‖²/√D as q·k plus norms, which FlexAttention can express through captured norms."""
+    norms = {}
+
+    def prep(q, k):
+        if prepare is not None:
+            q, k = prepare(q, k)
+        norms["q"], norms["k"] = (q * q).sum(-1), (k * k).sum(-1)
+        return q, k
+
+    def score_mod(s, b, h, qi, ki):
+        return (2 * s - norms["q"][b, h, qi] - norms["k"][b, h, ki]) / math.sqrt(D)
+
+    return _flex(score_mod=score_mod, n=n, prepare=prep, scale=1.0)
+
+
+def make_case(name: str, n: int) -> Case:
+    """The variant ``name`` at sequence length ``n``, for qkv and for each baseline."""
+    if name == "dot":
+        return Case({}, _flex(n=n), _sdpa(n))
+    if name == "causal":
+        return Case({"mask": qkv.causal()}, _flex(mask_mod=lambda b, h, q, k: k <= q, n=n),
+                    _sdpa(n, is_causal=True))
+    if name == "alibi":
+        mod = qkv.alibi(H)
+        s = mod.slopes
+        dist = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs().float()
+        bias = -s.view(H, 1, 1) * dist if H * n * n * 4 <= DENSE_BUDGET // 4 else None
+        return Case(
+            {"score_mod": mod},
+            _flex(score_mod=lambda sc, b, h, q, k: sc - s[h] * (q - k).abs(), n=n),
+            _sdpa(n, attn_mask=bias) if bias is not None else None,
+        )
+    if name == "window":
+        mask = torch.ones(n, n, dtype=torch.bool).tril().triu(-WINDOW) if n <= 8192 else None
+        return Case(
+            {"mask": qkv.sliding_window(WINDOW)},
+            _flex(mask_mod=lambda b, h, q, k: (k <= q) & (q - k <= WINDOW), n=n),
+            _sdpa(n, attn_mask=mask) if mask is not None else None,
+        )
+    if name == "softcap":
+        return Case({"score_mod": qkv.softcap(SOFTCAP)},
+                    _flex(score_mod=lambda s, b, h, q, k: SOFTCAP * torch.tanh(s / SOFTCAP), n=n),
+                    None)
+    if name == "segments":
+        ids = torch.arange(n) * 4 // n
+        mask = ids[:, None] == ids[None, :] if n <= 8192 else None
+        return Case({"mask": qkv.segments(ids)},
+                    _flex(mask_mod=lambda b, h, q, k: ids[q] == ids[k], n=n),
+                    _sdpa(n, attn_mask=mask) if mask is not None else None)
+    if name == "cosine":
+        return Case({"similarity": "cosine"}, _flex(n=n, prepare=_unit, scale=math.sqrt(D)),
+                    _sdpa(n, prepare=_unit, scale=math.sqrt(D)))
+    if name == "l2":
+        return Case({"similarity": "l2"}, _l2_flex(n), None)
+    if name == "l1":
+        return Case({"similarity": "l1"}, None, None)
+    if name == "mahalanobis":
+        metric = torch.eye(D) + 0.1 * torch.randn(D, D, generator=torch.Generator().manual_seed(1))
+        return Case({"similarity": "mahalanobis", "metric": metric},
+                    _l2_flex(n, prepare=lambda q, k: (q @ metric.T, k @ metric.T)), None)
+    if name == "graph":
+        edges = _graph_edges(n)
+        adjacency = torch.zeros(n, n, dtype=torch.bool)
+        adjacency[edges[1], edges[0]] = True
+        return Case({"mask": qkv.graph(edges, num_nodes=n)},
+                    _flex(mask_mod=lambda b, h, q, k: adjacency[q, k], n=n),
+                    _sdpa(n, attn_mask=adjacency) if n <= 8192 else None)
+    raise ValueError(f"unknown variant {name!r}")
+
+
+VARIANTS = ["dot", "causal", "alibi", "window", "softcap", "segments", "cosine", "l2", "l1",
+            "mahalanobis", "graph"]
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """Minimum wall time over ``repeat`` runs after one warm-up (the minimum is the least
+    disturbed by other load on a shared machine)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def forward(attn: Callable, n: int) -> Callable[[], object]:
+    q, k, v = _inputs(n)
+
+    def run():
+        with torch.no_grad():
+            return attn(q, k, v)
+
+    return run
+
+
+def forward_backward(attn: Callable, n: int) -> Callable[[], object]:
+    q, k, v = _inputs(n, requires_grad=True)
+    grad = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(2))
+
+    def run():
+        attn(q, k, v).backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    return run
+
+
+_LIBC = None
+
+
+def peak_extra_memory(fn: Callable[[], object]) -> float | None:
+    """Peak resident memory above the level before ``fn``, in bytes (Linux only).
+
+    Large allocations are forced onto mmap (M_MMAP_THRESHOLD = 64 KiB) so that freed
+    tensors leave the resident set, and the kernel's high-water mark is reset first."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.mallopt(-3, 1 << 16)
+        _LIBC.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _proc_status("VmRSS")
+        fn()
+        return _proc_status("VmHWM") - before
+    except OSError:
+        return None
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def _qkv(kwargs, backend="auto"):
+    return lambda q, k, v: qkv.attention(q, k, v, backend=backend, **kwargs)
+
+
+def _engine(kwargs, n: int, backend: str) -> str:
+    from qkv.attention.engines import select
+    from qkv.attention.problem import build_problem
+
+    q, k, v = _inputs(n)
+    args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,
+            "dropout_p": 0.0, "return_weights": False, **kwargs}
+    return select(build_problem(q, k, v, **args), backend).name
+
+
+def _ratio(base: float | None, ours: float) -> str:
+    return "—" if base is None else f"{base / ours:.2f}"
+
+
+def measure(name: str, n: int, repeat: int, backend: str, flex: bool) -> list[str]:
+    case = make_case(name, n)
+    ours = _qkv(case.kwargs, backend)
+    fwd = best_time(forward(ours, n), repeat)
+    fb = best_time(forward_backward(ours, n), repeat)
+    mem = peak_extra_memory(forward_backward(ours, n))
+    naive = _qkv(case.kwargs, "reference") if B * H * n * n * 4 * 6 <= DENSE_BUDGET else None
+    naive_fwd = best_time(forward(naive, n), repeat) if naive else None
+    naive_fb = best_time(forward_backward(naive, n), repeat) if naive else None
+    flex_fwd = best_time(forward(case.flex, n), repeat) if flex and case.flex else None
+    sdpa_fwd = best_time(forward(case.sdpa, n), repeat) if case.sdpa else None
+    sdpa_fb = best_time(forward_backward(case.sdpa, n), repeat) if case.sdpa else None
+    label = name if backend == "auto" else f"{name} ({backend})"
+    return [
+        label, str(n), _engine(case.kwargs, n, backend), f"{fwd * 1e3:.0f}", f"{fb * 1e3:.0f}",
+        "—" if mem is None else f"{mem / 2**20:.0f}",
+        _ratio(naive_fwd, fwd), _ratio(naive_fb, fb), _ratio(flex_fwd, fwd),
+        _ratio(sdpa_fwd, fwd), _ratio(sdpa_fb, fb),
+    ]
+
+
+HEADER = ["variant", "N", "engine", "fwd ms", "fwd+bwd ms", "peak MiB", "× naive fwd",
+          "× naive f+b", "× flex fwd", "× sdpa fwd", "× sdpa f+b"]
+
+
+def print_row(row: list[str]) -> None:
+    print("| " + " | ".join(row) + " |", flush=True)
+
+
+def large_report(repeat: int) -> None:
+    """N=16384: sliding window and sparse graph against full / dense-masked attention, and
+    the peak memory of forward+backward for each variant."""
+    n = 16384
+    full = best_time(forward_backward(_qkv({}, "fused"), n), 1)
+    window = best_time(forward_backward(_qkv({"mask": qkv.sliding_window(WINDOW)}), n), repeat)
+    print(f"\nN={n} fwd+bwd: full dot (fused) {full:.2f} s, sliding window {WINDOW} "
+          f"{window:.2f} s: {full / window:.1f}x faster (target >= 10x)")
+    edges = _graph_edges(n)
+    adjacency = torch.zeros(n, n, dtype=torch.bool)
+    adjacency[edges[1], edges[0]] = True
+    sparse = best_time(forward_backward(_qkv({"mask": qkv.graph(edges, num_nodes=n)}), n), repeat)
+    dense = best_time(forward_backward(_qkv({"mask": adjacency}), n), 1)
+    print(f"N={n} fwd+bwd graph (in-degree 16): gather path {sparse:.3f} s, dense-masked tiles "
+          f"{dense:.2f} s: {dense / sparse:.0f}x faster (target >= 20x)")
+    print(f"\nN={n} peak extra memory of forward+backward (target <= 1024 MiB):")
+    for name in VARIANTS:
+        mem = peak_extra_memory(forward_backward(_qkv(make_case(name, n).kwargs, "fused"), n))
+        print(f"  {name:12s} {'—' if mem is None else f'{mem / 2**20:.0f} MiB'}", flush=True)
+
+
+def causal_65536() -> None:
+    n = 65536
+    run = forward_backward(_qkv({"mask": qkv.causal()}, "fused"), n)
+    start = time.perf_counter()
+    mem = peak_extra_memory(run)
+    print(f"\ncausal N={n} forward+backward (fused): {time.perf_counter() - start:.1f} s, "
+          f"peak extra memory {'—' if mem is None else f'{mem / 2**20:.0f} MiB'}")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[4096], help="sequence lengths")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per cell (min taken)")
+    parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    parser.add_argument("--large", action="store_true", help="N=16384 window/graph/memory report")
+    parser.add_argument("--causal-65536", action="store_true", help="causal fwd+bwd at N=65536")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"qkv CPU attention benchmark: B={B} H={H} D={D} float32, threads "
+          f"{torch.get_num_threads()}, torch {torch.__version__}, {platform.processor() or ''} "
+          f"{_cpu_model()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
+    print_row(HEADER)
+    print_row(["---"] * len(HEADER))
+    for n in args.n:
+        for name in args.variants:
+            print_row(measure(name, n, args.repeat, "auto", not args.no_flex))
+            if name in ("dot", "causal"):  # the fused engine on what auto sends to SDPA
+                print_row(measure(name, n, args.repeat, "fused", False))
+    if args.large:
+        large_report(args.repeat)
+    if args.causal_65536:
+        causal_65536()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()

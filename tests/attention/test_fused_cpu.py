@@ -1,0 +1,150 @@
+"""The fused CPU engine against the float64 reference: forward and every gradient, over every
+similarity x mask kind x score modifier, with tiles small enough that every mask mixes EMPTY,
+PARTIAL and FULL tiles and N is not a multiple of the block size."""
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention.engines import graph_gather, tiles
+
+from .conftest import mask_cases, rand_qkv
+
+B, H, HKV, NQ, NK, D, DV = 2, 4, 2, 37, 45, 8, 5
+SIMILARITIES = ["dot", "cosine", "l2", "l1", "mahalanobis"]
+MASKS = list(mask_cases(B, NQ, NK))
+MODS = ["none", "alibi_softcap", "relative_bias", "closure"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tiles are many tiny ops; on a shared 2-core machine one thread runs them fastest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(tiles, "BLOCK_Q", 8)
+    monkeypatch.setattr(tiles, "BLOCK_K", 16)
+
+
+def make_params(dtype, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "metric": torch.randn(H, D, D, generator=g, dtype=dtype) / D**0.5 + torch.eye(D, dtype=dtype),
+        "slopes": torch.rand(H, generator=g, dtype=dtype),
+        "table": torch.randn(8, H, generator=g, dtype=dtype),
+        "bias": torch.randn(NQ, NK, generator=g, dtype=dtype),
+        "scale": torch.rand(H, generator=g, dtype=dtype) + 0.5,
+    }
+
+
+def make_mod(kind, params):
+    if kind == "none":
+        return None
+    if kind == "alibi_softcap":
+        return [qkv.alibi(slopes=params["slopes"]), qkv.softcap(3.0)]
+    if kind == "relative_bias":
+        return qkv.relative_bias(params["table"], num_buckets=8, max_distance=16)
+    bias = params["bias"]  # captured by the closure: its gradient must come back too
+
+    def closure_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx, kv_idx] * (h + 1)
+
+    return closure_mod
+
+
+def run(backend, q, k, v, params, similarity, mask, mod, **extra):
+    metric = params["metric"] if similarity == "mahalanobis" else None
+    return qkv.attention(
+        q, k, v, mask=mask, score_mod=make_mod(mod, params), similarity=similarity,
+        metric=metric, backend=backend, **extra,
+    )
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def grads_of(out, inputs, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    return [torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads, strict=True)]
+
+
+def compare(similarity, mask, mod, dtype, out_tol, grad_tol, scale=None):
+    """Fused in ``dtype`` against the float64 reference on the same values."""
+    q, k, v = rand_qkv(B, H, HKV, NQ, NK, D, DV, dtype=dtype)
+    params = make_params(dtype)
+    extra = {} if scale is None else {"scale": params["scale"] if scale == "tensor" else scale}
+    results = []
+    for backend, cast in (("fused", dtype), ("reference", torch.float64)):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        p64 = {n: t.detach().to(cast).requires_grad_() for n, t in params.items()}
+        if "scale" in extra and scale == "tensor":
+            extra["scale"] = p64["scale"]
+        out = run(backend, *leaves, p64, similarity, mask, mod, **extra)
+        inputs = leaves + [p64[n] for n in ("metric", "slopes", "table", "bias", "scale")]
+        results.append((out, grads_of(out, inputs)))
+    (out, grads), (ref, ref_grads) = results
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= out_tol
+    names = ["q", "k", "v", "metric", "slopes", "table", "bias", "scale"]
+    for name, g, r in zip(names, grads, ref_grads, strict=True):
+        assert torch.isfinite(g).all(), name
+        if r.norm() > 0:
+            assert rel_err(g, r) <= grad_tol, (name, rel_err(g, r))
+        else:
+            assert g.norm() == 0, name
+
+
+@pytest.mark.parametrize("mod", MODS)
+@pytest.mark.parametrize("mask_name", MASKS)
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+def test_fused_matches_reference_float64(similarity, mask_name, mod):
+    compare(similarity, mask_cases(B, NQ, NK)[mask_name], mod, torch.float64, 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "segments", "graph_edges", "combined"])
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+def test_fused_float32_within_targets(similarity, mask_name):
+    mod = "alibi_softcap" if mask_name != "none" else "relative_bias"
+    compare(similarity, mask_cases(B, NQ, NK)[mask_name], mod, torch.float32, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+def test_fused_bfloat16_within_targets(similarity):
+    compare(similarity, qkv.causal(), "alibi_softcap", torch.bfloat16, 2e-2, 2e-2)
+
+
+@pytest.mark.parametrize("scale", ["tensor", 0.7])
+@pytest.mark.parametrize("similarity", ["dot", "l2"])
+def test_scale_gradients(similarity, scale):
+    compare(similarity, qkv.causal(), "none", torch.float64, 1e-12, 1e-10, scale=scale)
+
+
+@pytest.mark.parametrize("similarity", ["dot", "l1"])
+@pytest.mark.parametrize("mod", ["none", "closure"])
+def test_gather_path_matches_reference(monkeypatch, similarity, mod):
+    """The sparse-graph gather path (forced) against the reference."""
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 20)  # several chunks
+    compare(similarity, mask_cases(B, NQ, NK)["graph_edges"], mod, torch.float64, 1e-12, 1e-10)
+
+
+def test_sparse_graph_takes_gather_path(monkeypatch):
+    n = 200
+    edges = torch.stack([torch.randint(0, n, (4 * n,)), torch.arange(n).repeat_interleave(4)])
+    mask = qkv.graph(edges, num_nodes=n)
+    assert graph_gather.is_sparse(mask, n, n)
+    calls = []
+    original = graph_gather.attention
+    monkeypatch.setattr(graph_gather, "attention", lambda *a: calls.append(1) or original(*a))
+    q, k, v = rand_qkv(1, 2, 2, n, n, 8, 8)
+    qkv.attention(q, k, v, mask=mask)
+    assert calls
