@@ -19,7 +19,7 @@ from ...reference import expand_kv_heads
 from . import kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .trace import MAX_SLOTS
+from .trace import MAX_SLOTS, SLOT_INFO
 from .variant import trace_variant
 
 PAIRWISE_KERNELS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
@@ -44,18 +44,19 @@ class Tiling:
 
 
 def choose_tiling(kernel: int, d_pad: int, on_gpu: bool) -> Tiling:
-    """Tile shapes per kernel kind and padded head dim (not autotuned: the block tables are
-    built for one tiling before launch)."""
+    """Tile shapes per kernel kind and padded head dim. Not autotuned (the block tables are
+    built for one tiling before launch); picked so that sm_90 builds do not spill registers
+    at D = 64, 128 and 256 (checked with the bundled ptxas, not timed on a GPU)."""
     if not on_gpu:  # the interpreter: small tiles, several per axis even on tiny tests
         small = Tiles(16, 16, 1, 1)
         return Tiling(small, small, small, min(d_pad, 64))
     if kernel == 2:
         return Tiling(Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), 4)
     if d_pad <= 64:
-        return Tiling(Tiles(128, 64, 4, 3), Tiles(128, 32, 4, 3), Tiles(32, 128, 4, 3), d_pad)
+        return Tiling(Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 4, 2), d_pad)
     if d_pad <= 128:
-        return Tiling(Tiles(128, 64, 8, 3), Tiles(128, 32, 8, 2), Tiles(32, 128, 8, 2), d_pad)
-    return Tiling(Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 1), Tiles(32, 64, 4, 1), d_pad)
+        return Tiling(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 8, 2), d_pad)
+    return Tiling(Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(32, 32, 8, 2), d_pad)
 
 
 @dataclass
@@ -135,13 +136,15 @@ def _strides(t: Tensor) -> tuple[int, ...]:
 
 
 def _slot_args(slots: list[Tensor], device) -> tuple[list[Tensor], Tensor]:
-    strides = torch.zeros(MAX_SLOTS * 4, dtype=torch.int64)
+    """Slot pointers (padded with a dummy) and their int64 info (strides, numel, bit length)."""
+    info = torch.zeros(MAX_SLOTS, SLOT_INFO, dtype=torch.int64)
     args = []
     for i, t in enumerate(slots):
-        strides[4 * i: 4 * i + t.dim()] = torch.tensor(t.stride(), dtype=torch.int64)
+        info[i, : t.dim()] = torch.tensor(t.stride(), dtype=torch.int64)
+        info[i, 4:] = torch.tensor([t.numel(), t.numel().bit_length()])
         args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
-    strides = strides.to(device)
-    return args + [strides] * (MAX_SLOTS - len(args)), strides
+    info = info.view(-1).to(device)
+    return args + [info] * (MAX_SLOTS - len(args)), info
 
 
 def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-
 
 @triton.jit
 def noop_mask(b, h, q_idx, kv_idx, offset, A0, A1, A2, A3, AS):
@@ -75,9 +73,9 @@ def _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, A
     if KERNEL == 1:
         z = tl.minimum(z, 0.0)
     if HAS_MOD:
-        s = MOD_FN(z * scale, b, h, q_idx, kv_idx, OFFSET, A0, A1, A2, A3, AS) * LOG2E
+        s = MOD_FN(z * scale, b, h, q_idx, kv_idx, OFFSET, A0, A1, A2, A3, AS) * 1.4426950408889634
     else:
-        s = z * (scale * LOG2E)
+        s = z * (scale * 1.4426950408889634)  # log2(e): exp2 below
     if APPLY_MASK:
         allowed = (q_idx >= 0) & (offs_n[None, :] < NK)
         if HAS_MASK:

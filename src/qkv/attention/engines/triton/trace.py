@@ -19,6 +19,8 @@ from torch import Tensor
 
 BOOL, INT, FLOAT = "bool", "int", "float"
 MAX_SLOTS = 4  # the kernels pass this many tensor arguments through to generated code
+# Per slot, the int64 info tensor AS holds 4 strides, the element count and its bit length.
+SLOT_INFO = 6
 
 _UNARY_FLOAT = ("exp", "log", "tanh", "sigmoid", "sqrt", "sin", "cos")
 _COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
@@ -63,6 +65,8 @@ class Graph:
                     f"the mask and score modifier read more than {MAX_SLOTS} tensors; the Triton "
                     f"engine passes at most {MAX_SLOTS}"
                 )
+            if tensor.dim() > 4:
+                raise CompileError(f"a captured tensor has {tensor.dim()} dims; at most 4 compile")
             index = len(self.slots)
             self.slots.append(tensor.to(self.device).contiguous())
             self._slot_of[id(tensor)] = index
@@ -327,8 +331,7 @@ def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **k
         raise CompileError("torch.searchsorted: sorter, out and out_int32 do not compile")
     right = right or side == "right"
     slot = graph.slot(sorted_sequence)
-    args = (slot, graph.lift(values), sorted_sequence.numel(), right)
-    return graph.node("searchsorted", args, INT)
+    return graph.node("searchsorted", (slot, graph.lift(values), right), INT)
 
 
 _TORCH_HANDLERS = {
