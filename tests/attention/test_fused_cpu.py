@@ -33,8 +33,9 @@ def small_tiles(monkeypatch):
 
 def make_params(dtype, seed=3):
     g = torch.Generator().manual_seed(seed)
+    metric = torch.randn(H, D, D, generator=g, dtype=dtype) / D**0.5 + torch.eye(D, dtype=dtype)
     return {
-        "metric": torch.randn(H, D, D, generator=g, dtype=dtype) / D**0.5 + torch.eye(D, dtype=dtype),
+        "metric": metric,
         "slopes": torch.rand(H, generator=g, dtype=dtype),
         "table": torch.randn(8, H, generator=g, dtype=dtype),
         "bias": torch.randn(NQ, NK, generator=g, dtype=dtype),

@@ -1,0 +1,200 @@
+"""The fused CPU engine's own behaviour: tile skipping at block boundaries, empty rows,
+dispatch, dropout, multi-worker runs, returned weights and the O(N) memory property."""
+
+import ctypes
+import sys
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention import EMPTY, FULL
+from qkv.attention.engines import select, tiles
+from qkv.attention.engines.tiles import TileSpec, block_sizes, tile_plan
+from qkv.attention.problem import build_problem
+
+from .conftest import rand_qkv
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def spec_for(mask, nq, nk, block_q, block_k, batch=1, heads=1):
+    return TileSpec("dot", None, None, mask, batch, heads, nq, nk, 0.0, 0, block_q, block_k)
+
+
+def test_causal_plan_skips_empty_and_unmasks_full_tiles():
+    # Nq = Nk = 21 with 4x8 tiles: neither is a multiple of the block size.
+    plan = tile_plan(spec_for(qkv.causal(), 21, 21, 4, 8), "cpu")
+    for i, row in enumerate(plan):
+        last_q = min(21, 4 * (i + 1)) - 1
+        visited = [j for j, _ in row]
+        assert visited == list(range(last_q // 8 + 1))  # tiles right of the diagonal skipped
+        for j, masked in row:
+            last_k = min(21, 8 * (j + 1)) - 1
+            assert masked == (last_k > 4 * i)  # only tiles crossing the diagonal are masked
+
+
+def test_plan_treats_tile_full_only_when_full_for_every_batch_element():
+    mask = qkv.padding([21, 12])  # batch 1 ends mid-way through key block 1
+    states = mask.tile_states(2, 1, 5, 21, 4, 8)
+    assert states[0, 0, 0].tolist() == [FULL, FULL, FULL]
+    assert states[1, 0, 0].tolist() == [FULL, 1, EMPTY]
+    plan = tile_plan(spec_for(mask, 5, 21, 4, 8, batch=2), "cpu")
+    assert plan[0] == [(0, False), (1, True), (2, True)]
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33])
+@pytest.mark.parametrize("block", [(4, 8), (16, 16)])
+def test_mixed_tiles_at_block_boundaries(monkeypatch, n, block):
+    """Segments whose edges fall inside and on tile edges, plus an empty batch element."""
+    monkeypatch.setattr(tiles, "BLOCK_Q", block[0])
+    monkeypatch.setattr(tiles, "BLOCK_K", block[1])
+    ids = torch.arange(n) * 3 // max(n, 1)
+    mask = qkv.segments(ids) & qkv.padding([n, 0]) & qkv.sliding_window(5, 2)
+    q, k, v = rand_qkv(2, 2, 1, n, n, 4, 3, requires_grad=True)
+    out = qkv.attention(q, k, v, mask=mask, score_mod=qkv.alibi(2), backend="fused")
+    ref = qkv.attention(q, k, v, mask=mask, score_mod=qkv.alibi(2), backend="reference")
+    assert rel_err(out, ref) < 1e-12
+    grads = torch.autograd.grad(out.sum() + (out * ref.detach()).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum() + (ref * ref.detach()).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-10
+
+
+def test_rows_without_keys_are_zero_with_zero_gradients():
+    q, k, v = rand_qkv(2, 2, 2, 6, 6, 4, 4, requires_grad=True)
+    out = qkv.attention(q, k, v, mask=qkv.padding([6, 0]), similarity="l2", backend="fused")
+    assert (out[1] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[1] == 0).all() and (k.grad[1] == 0).all() and (v.grad[1] == 0).all()
+
+
+def _engine(**kwargs):
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 4, 4)
+    args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,
+            "dropout_p": 0.0, "return_weights": False, **kwargs}
+    return select(build_problem(q, k, v, **args)).name
+
+
+def test_dispatch_sends_plain_and_causal_dot_to_sdpa_and_the_rest_to_fused():
+    assert _engine() == "sdpa"
+    assert _engine(mask=qkv.causal()) == "sdpa"
+    assert _engine(mask=qkv.sliding_window(2)) == "fused"
+    assert _engine(score_mod=qkv.softcap(5.0)) == "fused"
+    assert _engine(similarity="l1") == "fused"
+    assert _engine(return_weights=True) == "fused"
+
+
+def test_forced_backends():
+    q, k, v = rand_qkv(1, 2, 2, 8, 8, 4, 4, requires_grad=True)
+    fused = qkv.attention(q, k, v, backend="fused")
+    ref = qkv.attention(q, k, v, backend="reference")
+    assert rel_err(fused, ref) < 1e-12
+    with pytest.raises(ValueError, match="backend='fused' cannot run this request"):
+        qkv.attention(q, k, v, return_weights=True, backend="fused")
+
+
+def test_returned_weights_come_from_the_saved_log_sum_exp():
+    q, k, v = rand_qkv(2, 4, 2, 9, 11, 4, 3)
+    mask = qkv.causal() & qkv.padding([11, 5])
+    out, w = qkv.attention(q, k, v, mask=mask, similarity="cosine", return_weights=True)
+    ref_out, ref_w = qkv.attention(
+        q, k, v, mask=mask, similarity="cosine", return_weights=True, backend="reference"
+    )
+    assert rel_err(out, ref_out) < 1e-12 and rel_err(w, ref_w) < 1e-12
+
+
+def _dropout_call(q, k, v, seed=7, **kwargs):
+    torch.manual_seed(seed)
+    return qkv.attention(q, k, v, mask=qkv.causal(), score_mod=qkv.softcap(4.0), dropout_p=0.3,
+                         backend="fused", **kwargs)
+
+
+def test_dropout_is_reproducible_and_matches_its_own_weights():
+    q, k, v = rand_qkv(1, 2, 2, 13, 13, 4, 3)
+    with torch.no_grad():
+        out, w = _dropout_call(q, k, v, return_weights=True)
+        again = _dropout_call(q, k, v)
+        other = _dropout_call(q, k, v, seed=8)
+    assert torch.equal(out, again) and not torch.equal(out, other)
+    assert rel_err(out, w @ v) < 1e-12
+    kept = (w > 0).sum() / torch.ones(13, 13).tril().sum() / 2
+    assert 0.5 < float(kept) < 0.9  # about 1 - p of the allowed weights survive
+
+
+def test_dropout_gradients_match_finite_differences():
+    q, k, v = rand_qkv(1, 2, 1, 6, 6, 3, 2, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: _dropout_call(*t), (q, k, v))
+
+
+def test_several_workers_agree_with_the_reference(monkeypatch):
+    torch.set_num_threads(2)
+    monkeypatch.setattr(tiles, "BLOCK_Q", 4)
+    q, k, v = rand_qkv(2, 4, 2, 19, 23, 4, 3, requires_grad=True)
+    table = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    kwargs = {"mask": qkv.causal(), "score_mod": qkv.relative_bias(table, 8, 16)}
+    out = qkv.attention(q, k, v, backend="fused", **kwargs)
+    ref = qkv.attention(q, k, v, backend="reference", **kwargs)
+    grads = torch.autograd.grad((out * ref.detach()).sum(), (q, k, v, table))
+    ref_grads = torch.autograd.grad((ref * ref.detach()).sum(), (q, k, v, table))
+    assert rel_err(out, ref) < 1e-12
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-10
+
+
+def test_block_sizes_shrink_for_many_heads():
+    bq, bk = block_sizes(64, 32, 4096, 4096)
+    assert 64 * 32 * bq * bk <= tiles.MAX_TILE_ELEMENTS
+    assert block_sizes(1, 1, 5, 3) == (5, 3)
+
+
+def _peak_rss_of(fn) -> int:
+    """Peak resident bytes above the level before ``fn`` (big allocations forced onto mmap so
+    freed tensors leave the resident set; the kernel's high-water mark reset first)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    fn()
+    return _status("VmHWM") - before
+
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_memory_grows_linearly_with_n():
+    """Forward+backward peak memory: ~2x from N to 2N for the fused engine, ~4x for the
+    materializing reference (the control that shows the measurement can see O(N²))."""
+
+    def peak(backend, n):
+        q, k, v = (torch.randn(1, 2, n, 64, requires_grad=True) for _ in range(3))
+        kwargs = {"mask": qkv.causal(), "score_mod": qkv.softcap(5.0), "backend": backend}
+        qkv.attention(q, k, v, **kwargs).sum().backward()  # warm-up: lazy inits stay out
+        return _peak_rss_of(lambda: qkv.attention(q, k, v, **kwargs).sum().backward())
+
+    try:
+        fused = peak("fused", 2048), peak("fused", 4096)
+        reference = peak("reference", 1024), peak("reference", 2048)
+    except OSError as e:  # no /proc/self/clear_refs (a container may forbid it)
+        pytest.skip(f"cannot reset the peak-memory mark: {e}")
+    assert reference[1] / reference[0] > 3.0
+    assert fused[1] / fused[0] < 2.5
+    assert fused[1] < reference[0]
