@@ -195,5 +195,11 @@ def test_other_bad_inputs():
         linear_attention(q, k, v, feature_map="favor")
     with pytest.raises(ValueError, match="Nq == Nk"):
         linear_attention(q[:, :, :3], k, v, causal=True)
+    with pytest.raises(ValueError, match="must agree on B, Hkv and Nk"):
+        linear_attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match="must agree on B and D"):
+        linear_attention(q[..., :3], k, v)
+    with pytest.raises(ValueError, match="H=2 must be a multiple of Hkv=3"):
+        summarize_keys(torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8), 2)
     with pytest.raises(ValueError, match="state does not fit"):
         linear_attention(q, k, v, causal=True, state=LinearState(torch.zeros(1), torch.zeros(1)))

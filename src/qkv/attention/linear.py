@@ -123,21 +123,19 @@ def feature_map_of(x: Tensor, kind: str, projection: Tensor | None, *, is_query:
     raise ValueError(f"feature_map must be one of {FEATURE_MAPS}; got {kind!r}")
 
 
-def _features(q, k, v, kind, projection, key_mask=None):
-    """Validated inputs -> φ(q) (B, H, N, M), φ(k) (B, H, Nk, M), v (B, H, Nk, Dv).
-    Keys where key_mask (B, Nk) is False get φ(k) = 0: they add nothing to any sum."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def _key_features(k, v, heads, kind, projection, key_mask):
+    """φ(k) (B, H, Nk, M) and v (B, H, Nk, Dv) for ``heads`` query heads. Keys where
+    key_mask (B, Nk) is False get φ(k) = 0: they add nothing to any sum."""
+    for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (B, H, N, D)")
-    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+            raise ValueError(f"{name} must be a 4-D tensor (B, Hkv, Nk, ·)")
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"expected q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"k (B, Hkv, Nk, D) and v (B, Hkv, Nk, Dv) must agree on B, Hkv and Nk; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"H={q.shape[1]} must be a multiple of Hkv={k.shape[1]}")
-    heads = q.shape[1]
-    phi_q = feature_map_of(q, kind, projection, is_query=True)
+    if heads % k.shape[1]:
+        raise ValueError(f"H={heads} must be a multiple of Hkv={k.shape[1]}")
     phi_k = expand_kv_heads(feature_map_of(k, kind, projection, is_query=False), heads)
     if key_mask is not None:
         if key_mask.dtype != torch.bool or key_mask.shape != (k.shape[0], k.shape[2]):
@@ -146,7 +144,22 @@ def _features(q, k, v, kind, projection, key_mask=None):
                 f"{key_mask.dtype} {tuple(key_mask.shape)}"
             )
         phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    return phi_q, phi_k, expand_kv_heads(v, heads)
+    return phi_k, expand_kv_heads(v, heads)
+
+
+def _features(q, k, v, kind, projection, key_mask=None):
+    """Validated inputs -> φ(q) (B, H, N, M), φ(k) (B, H, Nk, M), v (B, H, Nk, Dv)."""
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError("q must be a 4-D tensor (B, H, N, D)")
+    if isinstance(k, Tensor) and k.dim() == 4 and (
+        q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]
+    ):
+        raise ValueError(
+            f"q (B, H, Nq, D) and k (B, Hkv, Nk, D) must agree on B and D; got "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    phi_k, v = _key_features(k, v, q.shape[1], kind, projection, key_mask)
+    return feature_map_of(q, kind, projection, is_query=True), phi_k, v
 
 
 def _check_state(state, phi_q: Tensor, v: Tensor) -> LinearState:
@@ -184,9 +197,7 @@ def summarize_keys(
 ) -> LinearState:
     """Σ φ(k) vᵀ and Σ φ(k) over all keys: k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) -> a
     LinearState for ``heads`` query heads. What cross-attention keeps of its memory."""
-    q_like = k[:, :1, :0].expand(k.shape[0], heads, 0, k.shape[3])
-    _, phi_k, v = _features(q_like, k, v, feature_map, projection, key_mask)
-    return _summary(phi_k, v)
+    return _summary(*_key_features(k, v, heads, feature_map, projection, key_mask))
 
 
 def read_state(
