@@ -77,8 +77,10 @@ def draw_orthogonal_features(
     blocks = []
     for _ in range(math.ceil(num_features / head_dim)):
         gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-        q, _ = torch.linalg.qr(gaussian)
-        blocks.append(q.T)
+        q, r = torch.linalg.qr(gaussian)
+        # Fixing the signs of R's diagonal makes Q uniformly distributed (Haar); without it
+        # Householder QR favours some directions and the estimate stops converging.
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)
     directions = torch.cat(blocks)[:num_features]
     gaussian_rows = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
     norms = gaussian_rows.norm(dim=1)
