@@ -254,22 +254,24 @@ def pad_to_chunks(t: Tensor, chunks: int, chunk_size: int) -> Tensor:
 
 def _chunked_causal(phi_q, phi_k, v, state: LinearState, chunk_size: int, eps: float):
     """Causal linear attention, N = Nq = Nk, in chunks of C: exact (C, C) products inside a
-    chunk, exclusive prefix sums of per-chunk φ(k)vᵀ and Σφ(k) across chunks."""
-    b, h, n, m = phi_q.shape
-    c = chunk_size
-    chunks = math.ceil(n / c)
+    chunk, running sums of φ(k)vᵀ and Σφ(k) across chunks. The normalizer rides along as an
+    extra value column of ones, so one product yields numerator and denominator."""
+    b, h, n, _ = phi_q.shape
+    if n == 0:
+        return phi_q.new_zeros(b, h, 0, v.shape[-1]), state
+    chunks = math.ceil(n / chunk_size)
+    v1 = torch.cat([v, v.new_ones(b, h, n, 1)], -1)  # (B, H, N, Dv + 1)
     # Zero features on padded keys add nothing; padded query rows are cut off at the end.
-    phi_q, phi_k, v = (pad_to_chunks(t, chunks, c) for t in (phi_q, phi_k, v))
-    kv_chunk = phi_k.transpose(-1, -2) @ v  # (B, H, C#, M, Dv)
-    z_chunk = phi_k.sum(-2)  # (B, H, C#, M)
-    kv_before = state.kv.unsqueeze(2) + torch.cumsum(kv_chunk, 2) - kv_chunk
-    z_before = state.normalizer.unsqueeze(2) + torch.cumsum(z_chunk, 2) - z_chunk
+    phi_q, phi_k, v1 = (pad_to_chunks(t, chunks, chunk_size) for t in (phi_q, phi_k, v1))
+    carried = torch.cat([state.kv, state.normalizer.unsqueeze(-1)], -1)  # (B, H, M, Dv + 1)
+    before = []
+    for added in (phi_k.transpose(-1, -2) @ v1).unbind(2):
+        before.append(carried)
+        carried = carried + added
     intra = (phi_q @ phi_k.transpose(-1, -2)).tril()  # (B, H, C#, C, C)
-    num = phi_q @ kv_before + intra @ v
-    den = (phi_q @ z_before.unsqueeze(-1)).squeeze(-1) + intra.sum(-1)
-    out = (num / (den.unsqueeze(-1) + eps)).flatten(2, 3)[:, :, :n]
-    final = LinearState(state.kv + kv_chunk.sum(2), state.normalizer + z_chunk.sum(2))
-    return out, final
+    both = phi_q @ torch.stack(before, 2) + intra @ v1
+    out = both[..., :-1] / (both[..., -1:] + eps)
+    return out.flatten(2, 3)[:, :, :n], LinearState(carried[..., :-1], carried[..., -1])
 
 
 def linear_attention(
