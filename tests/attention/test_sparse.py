@@ -1,6 +1,8 @@
 """Sparse patterns: each equals its dense definition, classifies tiles exactly, composes with
 the other masks, and runs through qkv.attention like the reference on the dense bool mask."""
 
+import importlib.util
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.attention.masks import EMPTY, FULL, Mask
+from qkv.attention.problem import build_problem
 from qkv.attention.sparse import (
     block_sparse,
     dilated_window,
@@ -172,3 +175,15 @@ def test_bad_inputs():
     q = torch.zeros(1, 1, 20, 4)
     with pytest.raises(ValueError, match="the layout covers"):
         qkv.attention(q, q, q, mask=PATTERNS["bigbird"][0])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_patterns_compile_for_the_triton_engine(name):
+    """Every rule is plain index arithmetic the Triton tracer compiles (no kernel launch)."""
+    from qkv.attention.engines.triton import unsupported
+
+    q = torch.zeros(1, 2, 16, 16)
+    problem = build_problem(q, q, q, mask=PATTERNS[name][0], score_mod=None, similarity="dot",
+                            scale=None, metric=None, dropout_p=0.0, return_weights=False)
+    assert unsupported(problem) is None

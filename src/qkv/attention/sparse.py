@@ -94,15 +94,18 @@ class FixedMask(Mask):
             raise ValueError(f"summary must be <= block={block}; got {summary}")
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        same_block = torch.div(q_idx + offset, self.block, rounding_mode="floor") == (
-            kv_idx // self.block
-        )
+        # Operands of // and % stay >= 0, where every backend's integer division agrees.
+        pos = q_idx + offset
+        same_block = (pos >= 0) & (pos.clamp(min=0) // self.block == kv_idx // self.block)
         return same_block | (kv_idx % self.block >= self.block - self.summary)
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
         p0, p1, j0, j1 = _tile_positions(nq, nk, block_q, block_k, device)
         n, cut = self.block, self.block - self.summary  # keys with j % n >= cut summarize
-        floor = lambda t: torch.div(t, n, rounding_mode="floor")  # noqa: E731
+
+        def floor(t: Tensor) -> Tensor:  # block index, also for negative positions
+            return torch.div(t, n, rounding_mode="floor")
+
         first_summary = torch.where(j0 % n >= cut, j0, j0 - j0 % n + cut)
         has_summary = (first_summary <= j1) & (self.summary > 0)
         share_block = (floor(p0) <= floor(j1)) & (floor(j0) <= floor(p1))
@@ -132,7 +135,7 @@ class GlobalTokensMask(Mask):
         g = self.positions.to(idx.device)
         if g.numel() == 0:
             return torch.zeros_like(idx, dtype=torch.bool)
-        found = torch.searchsorted(g, idx.contiguous()).clamp(max=g.numel() - 1)
+        found = torch.searchsorted(g, idx).clamp(max=g.numel() - 1)
         return g[found] == idx
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
@@ -191,7 +194,7 @@ class BlockSparseMask(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
         layout = self.layout.to(q_idx.device)
         pos = q_idx + offset
-        row = torch.div(pos.clamp(min=0), self.block_size, rounding_mode="floor")
+        row = pos.clamp(min=0) // self.block_size
         bi = b if layout.shape[0] > 1 else 0
         hi = h if layout.shape[1] > 1 else 0
         return layout[bi, hi, row, kv_idx // self.block_size] & (pos >= 0)
@@ -271,7 +274,10 @@ def global_local(
     and (BigBird) ``random_blocks`` random key blocks of ``block_size`` per query block, over
     sequences up to ``max_len`` (needed for the random layout)."""
     _check_int(window, "window", 0)
-    mask: Mask = SlidingWindowMask(window, window) | global_tokens(global_positions)
+    mask: Mask = SlidingWindowMask(window, window)
+    tokens = global_tokens(global_positions)
+    if tokens.positions.numel():
+        mask = mask | tokens
     if random_blocks:
         if max_len is None:
             raise ValueError("global_local: random_blocks needs max_len (the longest sequence)")
