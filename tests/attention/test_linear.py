@@ -171,6 +171,16 @@ def test_float32_close_to_float64():
     assert max_err(out.double(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["elu", "favor"])
+def test_half_precision_runs_in_float32(kind):
+    q, k, v = (t.to(torch.bfloat16) for t in qkv_tensors(n=70))
+    kw = map_kwargs(kind)
+    out, state = linear_attention(q, k, v, causal=True, chunk_size=16, return_state=True, **kw)
+    ref = linear_attention(q.double(), k.double(), v.double(), causal=True, **kw)
+    assert out.dtype == torch.bfloat16 and state.kv.dtype == torch.float32
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("chunk", [0, -3, 2.0, True])
 def test_chunk_size_must_be_positive(chunk):
     q, k, v = qkv_tensors()

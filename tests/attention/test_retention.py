@@ -137,6 +137,17 @@ def test_float32_close_to_float64():
     assert max_err(out.double(), ref) < 1e-4
 
 
+def test_half_precision_runs_in_float32():
+    """bfloat16 cannot hold γ = 1 - 2^-8 apart from 1; the decays and state run in float32."""
+    q, k, v = (t.to(torch.bfloat16) for t in qkv_tensors(n=300))
+    out, state = retention(q, k, v, GAMMA, chunk_size=32, return_state=True)
+    ref = retention(q.double(), k.double(), v.double(), GAMMA)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    step, _ = retention_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], GAMMA, None)
+    assert step.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("chunk", [0, -1, 1.5])
 def test_chunk_size_must_be_positive(chunk):
     q, k, v = qkv_tensors()

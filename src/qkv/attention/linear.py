@@ -15,8 +15,9 @@ Feature maps (φ applied per token, so every form sees the same features):
   estimate of the softmax kernel exp(q·k/√D). Draw the projection with
   ``draw_orthogonal_features``; redrawing it is the module's job.
 
-Linear attention never forms attention weights; ``quadratic_linear_attention`` materializes
-the normalized φ(Q)φ(K)ᵀ when one wants to look at them.
+Half-precision inputs are computed in float32 (features, sums and states); outputs come back
+in the input dtype. Linear attention never forms attention weights;
+``quadratic_linear_attention`` materializes the normalized φ(Q)φ(K)ᵀ to look at them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import expand_kv_heads
+from .reference import accumulation_dtype, expand_kv_heads
 
 FEATURE_MAPS = ("elu", "favor")
 
@@ -138,7 +139,9 @@ def _key_features(k, v, heads, kind, projection, key_mask):
         )
     if heads % k.shape[1]:
         raise ValueError(f"H={heads} must be a multiple of Hkv={k.shape[1]}")
-    phi_k = expand_kv_heads(feature_map_of(k, kind, projection, is_query=False), heads)
+    acc = accumulation_dtype(k.dtype)
+    phi_k = feature_map_of(k.to(acc), kind, projection, is_query=False)
+    phi_k = expand_kv_heads(phi_k, heads)
     if key_mask is not None:
         if key_mask.dtype != torch.bool or key_mask.shape != (k.shape[0], k.shape[2]):
             raise ValueError(
@@ -146,7 +149,7 @@ def _key_features(k, v, heads, kind, projection, key_mask):
                 f"{key_mask.dtype} {tuple(key_mask.shape)}"
             )
         phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    return phi_k, expand_kv_heads(v, heads)
+    return phi_k, expand_kv_heads(v.to(acc), heads)
 
 
 def _features(q, k, v, kind, projection, key_mask=None):
@@ -161,7 +164,8 @@ def _features(q, k, v, kind, projection, key_mask=None):
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
     phi_k, v = _key_features(k, v, q.shape[1], kind, projection, key_mask)
-    return feature_map_of(q, kind, projection, is_query=True), phi_k, v
+    phi_q = feature_map_of(q.to(accumulation_dtype(q.dtype)), kind, projection, is_query=True)
+    return phi_q, phi_k, v
 
 
 def _check_state(state, phi_q: Tensor, v: Tensor) -> LinearState:
@@ -212,11 +216,12 @@ def read_state(
 ) -> Tensor:
     """Non-causal linear attention of q (B, H, Nq, D) over the keys summarized in ``state``:
     out (B, H, Nq, Dv)."""
-    phi_q = feature_map_of(q, feature_map, projection, is_query=True)
+    phi_q = feature_map_of(q.to(accumulation_dtype(q.dtype)), feature_map, projection,
+                           is_query=True)
     b, h, _, m = phi_q.shape
     if not isinstance(state, LinearState) or state.kv.shape[:3] != (b, h, m):
         raise ValueError("state must be a LinearState for q's batch, heads and feature count")
-    return _read(phi_q, state, eps)
+    return _read(phi_q, state, eps).to(q.dtype)
 
 
 def quadratic_linear_attention(
@@ -241,8 +246,8 @@ def quadratic_linear_attention(
             ~torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq), 0.0
         )
     weights = scores / (scores.sum(-1, keepdim=True) + eps)
-    out = weights @ v
-    return (out, weights) if return_weights else out
+    out = (weights @ v).to(q.dtype)
+    return (out, weights.to(q.dtype)) if return_weights else out
 
 
 def pad_to_chunks(t: Tensor, chunks: int, chunk_size: int) -> Tensor:
@@ -311,7 +316,7 @@ def linear_attention(
     if not causal:
         if state is not None or return_state:
             raise ValueError("state and return_state apply to causal linear attention only")
-        return _read(phi_q, _summary(phi_k, v), eps)
+        return _read(phi_q, _summary(phi_k, v), eps).to(q.dtype)
     if phi_q.shape[2] != phi_k.shape[2]:
         raise ValueError(
             f"causal linear attention needs Nq == Nk (earlier tokens go in state); got "
@@ -319,6 +324,7 @@ def linear_attention(
         )
     state = _check_state(state, phi_q, v)
     out, final = _chunked_causal(phi_q, phi_k, v, state, chunk_size, eps)
+    out = out.to(q.dtype)
     return (out, final) if return_state else out
 
 
@@ -343,7 +349,7 @@ def linear_attention_step(
     state = _check_state(state, phi_q, v)
     added = _summary(phi_k, v)
     state = LinearState(state.kv + added.kv, state.normalizer + added.normalizer)
-    return _read(phi_q, state, eps), state
+    return _read(phi_q, state, eps).to(q.dtype), state
 
 
 def recurrent_linear_attention(

@@ -10,7 +10,8 @@ Three causal forms compute the same numbers:
 - chunkwise: the parallel form inside chunks of C tokens, the recurrent state across them.
 A ``state`` S (B, H, D, Dv) carries every earlier token: with it, out_n gains γ^(n+1) q_n S.
 Multi-scale retention gives each head its own γ (``retention_decays``); the module around
-this core adds the projections, the group norm and the gate.
+this core adds the projections, the group norm and the gate. Half-precision inputs are computed
+in float32 (γ^n and the state need it); outputs come back in the input dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .linear import check_positive_int, no_weights_error, pad_to_chunks
-from .reference import expand_kv_heads
+from .reference import accumulation_dtype, expand_kv_heads
 
 FORMS = ("parallel", "chunkwise", "recurrent")
 
@@ -139,10 +140,12 @@ def retention_step(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, state: Tensor
     Returns out (B, H, 1, Dv) and the new state (B, H, D, Dv)."""
     if q.dim() != 4 or q.shape[2] != 1 or k.dim() != 4 or k.shape[2] != 1:
         raise ValueError(f"retention_step takes one token (B, H, 1, D); got q {tuple(q.shape)}")
+    dtype = q.dtype
+    q, k, v = (t.to(accumulation_dtype(dtype)) for t in (q, k, v))
     k, v, gamma = _prepare(q, k, v, gamma, scale)
     state = _check_state(state, q, v)
     state = gamma.view(1, -1, 1, 1) * state + k.transpose(-1, -2) @ v
-    return q @ state, state
+    return (q @ state).to(dtype), state
 
 
 def _recurrent(q, k, v, gamma, state, scale):
@@ -185,6 +188,13 @@ def retention(
             f"retention needs Nq == Nk (earlier tokens go in state); got Nq={q.shape[2]}, "
             f"Nk={k.shape[2]}"
         )
+    acc = accumulation_dtype(q.dtype)
+    if q.dtype != acc:
+        result = retention(
+            q.to(acc), k.to(acc), v.to(acc), gamma, form=form, causal=causal,
+            chunk_size=chunk_size, scale=scale, state=state, return_state=return_state,
+        )
+        return (result[0].to(q.dtype), result[1]) if return_state else result.to(q.dtype)
     k_scaled, v_heads, gamma = _prepare(q, k, v, gamma, scale)
     if not causal:
         if state is not None or return_state:
