@@ -6,19 +6,31 @@ from .attention import (
     ScoreMod,
     alibi,
     attention,
+    block_sparse,
     causal,
     custom_mask,
+    dilated_window,
+    fixed,
+    global_local,
+    global_tokens,
     graph,
     padding,
     relative_bias,
     segments,
     sliding_window,
     softcap,
+    strided,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "block_sparse",
+    "dilated_window",
+    "fixed",
+    "global_local",
+    "global_tokens",
+    "strided",
     "Mask",
     "ScoreMod",
     "alibi",

@@ -1,6 +1,12 @@
 """The functional core: ``attention``, masks, score modifiers, similarities and engines."""
 
 from .api import attention
+from .linear import (
+    LinearState,
+    draw_orthogonal_features,
+    linear_attention,
+    linear_attention_step,
+)
 from .masks import (
     EMPTY,
     FULL,
@@ -13,10 +19,26 @@ from .masks import (
     segments,
     sliding_window,
 )
+from .retention import decay_matrix, retention, retention_decays, retention_step
 from .scores import ScoreMod, alibi, relative_bias, softcap
 from .similarity import SIMILARITIES
+from .sparse import block_sparse, dilated_window, fixed, global_local, global_tokens, strided
 
 __all__ = [
+    "LinearState",
+    "block_sparse",
+    "decay_matrix",
+    "dilated_window",
+    "draw_orthogonal_features",
+    "fixed",
+    "global_local",
+    "global_tokens",
+    "linear_attention",
+    "linear_attention_step",
+    "retention",
+    "retention_decays",
+    "retention_step",
+    "strided",
     "EMPTY",
     "FULL",
     "PARTIAL",
