@@ -25,9 +25,13 @@ def dot_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 def neg_sqdist_scores(q: Tensor, k: Tensor) -> Tensor:
-    """-‖q-k‖² by the norm expansion ‖q‖² + ‖k‖² - 2q·k (the form fused engines use)."""
-    sq = (q * q).sum(-1, keepdim=True) + (k * k).sum(-1).unsqueeze(-2) - 2 * dot_scores(q, k)
-    return -sq.clamp(min=0)
+    """-‖q-k‖² by the norm expansion 2q·k - ‖q‖² - ‖k‖² (the form fused engines use), as one
+    matrix product of augmented vectors [q, ‖q‖², 1]·[2k, -1, -‖k‖²]: a single pass over the
+    (Nq, Nk) scores instead of four."""
+    ones_q, ones_k = torch.ones_like(q[..., :1]), torch.ones_like(k[..., :1])
+    qa = torch.cat([q, (q * q).sum(-1, keepdim=True), ones_q], dim=-1)
+    ka = torch.cat([2 * k, -ones_k, -(k * k).sum(-1, keepdim=True)], dim=-1)
+    return dot_scores(qa, ka).clamp(max=0)
 
 
 def neg_l1_scores(q: Tensor, k: Tensor) -> Tensor:
