@@ -320,6 +320,3 @@ def bwd_q_kernel(
     if SCALE_GRAD:
         tl.atomic_add(DSCALE + h, tl.sum(dscale, 0))
 
-
-def launch_grid(n: int, block: int, programs: int) -> tuple[int, int]:
-    return (triton.cdiv(n, block), programs)
