@@ -63,7 +63,10 @@ def _compile(kernel, args, kwargs):
         else:
             signature[name] = "i32"
     options = {k: kwargs[k] for k in _LAUNCH_OPTIONS}
-    source = ASTSource(kernel, signature, constexprs)
+    try:
+        source = ASTSource(kernel, signature, constexprs)
+    except TypeError as e:  # a Triton whose internal compile API differs from 3.x's
+        pytest.skip(f"triton.compiler.ASTSource has another signature: {e}")
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
