@@ -65,6 +65,9 @@ CASES = {
     "l1_user_score_mod_head_scale": ({"similarity": "l1", "score_mod": "user", "scale": "heads"},
                                      BASE),
     "dot_decode_one_query": ({"mask": "causal"}, (1, 2, 1, 1, 37, 64, 64)),
+    "dot_not_causal_or_graph": ({"mask": "not_causal_or_graph"}, (1, 2, 1, 20, 20, 16, 16)),
+    "dot_floor_division_mask_batch_mod": ({"mask": "floor_division", "score_mod": "batch"},
+                                          (2, 2, 2, 20, 20, 16, 16)),
 }
 
 
@@ -81,6 +84,11 @@ def _mask(name: str | None, b: int, nq: int, nk: int):
         "dense": lambda: _dense(b, nq, nk),
         "combined": lambda: (qkv.causal() | qkv.sliding_window(0, 2)) & qkv.padding(lengths),
         "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
+        "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk)),
+        # Python's floor semantics on negative operands, whatever the backend's division does.
+        "floor_division": lambda: qkv.custom_mask(
+            lambda b, h, q, kv: (((q - kv) // 3) % 2 == 0) | (q // 4 == kv // 4)
+        ),
     }
     return makers[name]()
 
@@ -107,6 +115,8 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
         return qkv.alibi(slopes=leaves[0])
     if name == "relative_bias":
         return qkv.relative_bias(leaves[0], num_buckets=32, max_distance=20)
+    if name == "batch":
+        return lambda s, b, h, q, kv: s + b * 0.5 - (h == 1) * 0.25
     temperature = leaves[0]
     return lambda s, b, h, q, kv: torch.where(q >= kv, s * temperature, s - 1.0) + torch.tanh(s)
 
