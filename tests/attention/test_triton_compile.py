@@ -39,11 +39,15 @@ def _record_launches(monkeypatch, problem):
     choose = function.choose_tiling
     monkeypatch.setattr(function, "choose_tiling", lambda kernel, d, _: choose(kernel, d, True))
     recorders = {}
-    for name in ("fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel"):
+    for name in ("fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel", "weights_kernel"):
         recorders[name] = _Recorder(getattr(kernels, name))
         monkeypatch.setattr(kernels, name, recorders[name])
-    out = function.run(problem)
-    out.backward(torch.ones_like(out))
+    if problem.return_weights:
+        with torch.no_grad():
+            function.run(problem)
+    else:
+        out = function.run(problem)
+        out.backward(torch.ones_like(out))
     return [(r.kernel, *call) for r in recorders.values() for call in r.calls]
 
 
@@ -70,31 +74,35 @@ def _compile(kernel, args, kwargs):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _problem(similarity, mask, score_mod, dtype, d):
+def _problem(similarity, mask, score_mod, dtype, d, weights):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 200, d, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, h, 200, d, generator=g).to(dtype).requires_grad_(not weights)
+               for h in (4, 2, 2))
     return build_problem(q, k, v, mask=mask, score_mod=score_mod, similarity=similarity,
-                         scale=None, metric=None, dropout_p=0.0, return_weights=False)
+                         scale=None, metric=None, dropout_p=0.0, return_weights=weights)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("similarity", "mask", "learned_mod", "dtype", "d"),
+    ("similarity", "mask", "learned_mod", "dtype", "d", "weights"),
     [
-        ("dot", "causal_padding", "alibi", torch.bfloat16, 128),
-        ("l1", None, None, torch.float32, 40),
+        ("dot", "causal_padding", "alibi", torch.bfloat16, 128, False),
+        ("l1", None, None, torch.float32, 40, False),
+        ("l2", "causal_padding", None, torch.float16, 64, True),
     ],
-    ids=["dot-bf16-d128-causal-padding-learned-alibi", "l1-fp32-d40"],
+    ids=["dot-bf16-d128-causal-padding-learned-alibi", "l1-fp32-d40", "l2-fp16-d64-weights"],
 )
-def test_kernels_compile_for_sm90(monkeypatch, similarity, mask, learned_mod, dtype, d):
+def test_kernels_compile_for_sm90(monkeypatch, similarity, mask, learned_mod, dtype, d, weights):
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default, stated (3.9 warns)
     masks = {None: None, "causal_padding": qkv.causal() & qkv.padding(torch.tensor([200, 150]))}
     mod = qkv.alibi(slopes=torch.rand(4, requires_grad=True)) if learned_mod else None
-    launches = _record_launches(monkeypatch, _problem(similarity, masks[mask], mod, dtype, d))
-    assert [kernel.fn.__name__ for kernel, _, _ in launches] == [
+    problem = _problem(similarity, masks[mask], mod, dtype, d, weights)
+    launches = _record_launches(monkeypatch, problem)
+    expected = ["fwd_kernel", "weights_kernel"] if weights else [
         "fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel"
     ]
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == expected
     for kernel, args, kwargs in launches:
         compiled = _compile(kernel, args, kwargs)
         assert compiled.asm["cubin"], kernel.fn.__name__

@@ -71,6 +71,13 @@ CASES = {
 }
 
 
+# Weights recomputed from the saved log-sum-exp (return_weights=True, no gradient).
+WEIGHT_CASES = {
+    "weights_l1_causal_gqa": ({"similarity": "l1", "mask": "causal"}, (1, 2, 1, 24, 40, 40, 24)),
+    "weights_dot_graph_alibi": ({"mask": "graph", "score_mod": "alibi"}, (1, 2, 2, 40, 40, 16, 16)),
+}
+
+
 def _mask(name: str | None, b: int, nq: int, nk: int):
     lengths = torch.tensor([nk - 3, 5][:b])
     ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 30 + [1] * 10])
@@ -121,9 +128,9 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
     return lambda s, b, h, q, kv: torch.where(q >= kv, s * temperature, s - 1.0) + torch.tanh(s)
 
 
-def build_case(name: str, dtype: torch.dtype):
+def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
     """The problem for a case in ``dtype``, its differentiable inputs and an upstream grad."""
-    spec, (b, h, hkv, nq, nk, d, dv) = CASES[name]
+    spec, (b, h, hkv, nq, nk, d, dv) = {**CASES, **WEIGHT_CASES}[name]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
                for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
@@ -135,7 +142,7 @@ def build_case(name: str, dtype: torch.dtype):
         q, k, v, mask=_mask(spec.get("mask"), b, nq, nk),
         score_mod=_score_mod(spec.get("score_mod"), mod_leaves), similarity=sim,
         scale=scale[0] if scale else None, metric=metric[0] if metric else None,
-        dropout_p=0.0, return_weights=False,
+        dropout_p=0.0, return_weights=return_weights,
     )
     grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
     return problem, [q, k, v, *metric, *mod_leaves, *scale], grad_out
@@ -172,6 +179,21 @@ def run_case(name: str) -> dict:
     }
 
 
+def run_weights_case(name: str) -> dict:
+    """Runs in the interpreter subprocess: errors of output and weights vs float64."""
+    from qkv.attention.engines.triton.function import run as run_triton
+    from qkv.attention.reference import run as run_reference
+
+    with torch.no_grad():
+        problem, _, _ = build_case(name, torch.float32, return_weights=True)
+        reason = triton_engine.unsupported(problem)
+        if reason is not None:
+            return {"error": f"unsupported: {reason}"}
+        out, weights = run_triton(problem)
+        ref_out, ref_weights = run_reference(build_case(name, torch.float64, True)[0])
+    return {"out": _relative_error(out, ref_out), "weights": _relative_error(weights, ref_weights)}
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -196,6 +218,20 @@ def test_matches_float64_reference_forward_and_gradients(interpreter_results, na
     assert result["out"] < TOLERANCE, result
     assert max(result["grads"]) < TOLERANCE, result
     assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", list(WEIGHT_CASES))
+def test_weights_from_saved_lse_match_float64_reference(interpreter_results, name):
+    result = interpreter_results[name]
+    assert "error" not in result, result["error"]
+    assert result["out"] < TOLERANCE and result["weights"] < TOLERANCE, result
+
+
+def test_weights_with_gradients_needed_are_refused_with_a_reason():
+    problem, _, _ = build_case("weights_l1_causal_gqa", torch.float32, return_weights=True)
+    assert "log-sum-exp without a gradient" in triton_engine.unsupported(problem)
 
 
 def test_rows_without_keys_case_really_has_them():
@@ -271,9 +307,10 @@ def test_block_tables_list_partial_then_full_and_never_empty():
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    for case in CASES:
-        try:
-            outcome = run_case(case)
-        except Exception:
-            outcome = {"error": traceback.format_exc()}
-        print("RESULT " + json.dumps([case, outcome]), flush=True)
+    for runner, cases in ((run_case, CASES), (run_weights_case, WEIGHT_CASES)):
+        for case in cases:
+            try:
+                outcome = runner(case)
+            except Exception:
+                outcome = {"error": traceback.format_exc()}
+            print("RESULT " + json.dumps([case, outcome]), flush=True)

@@ -23,8 +23,11 @@ def unsupported(p: Problem) -> str | None:
         return f"the Triton kernels run float32, float16 and bfloat16, not {p.q.dtype}"
     if p.dropout_p > 0:
         return "dropout is not fused in the Triton kernels"
-    if p.return_weights:
-        return "the Triton engine does not return attention weights"
+    if p.return_weights and _needs_grad(p):
+        return (
+            "return_weights=True while gradients are needed: the Triton engine recomputes the "
+            "weights from its log-sum-exp without a gradient; use backend='reference'"
+        )
     if p.nq == 0 or p.nk == 0:
         return "an empty sequence"
     dims = (p.q.shape[-1], p.v.shape[-1])
@@ -38,6 +41,12 @@ def unsupported(p: Problem) -> str | None:
     except CompileError as e:
         return str(e)
     return None
+
+
+def _needs_grad(p: Problem) -> bool:
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in (p.q, p.k, p.v, *p.grad_tensors())
+    )
 
 
 def why_not(p: Problem) -> str | None:

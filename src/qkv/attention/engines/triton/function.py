@@ -173,6 +173,24 @@ def attention_forward(plan: Plan, q, k, v, scale, slots) -> tuple[Tensor, Tensor
     return out, lse
 
 
+def attention_weights(plan: Plan, q, k, lse, scale, slots) -> Tensor:
+    """The weights (B, H, Nq, Nk) that multiplied v, recomputed from the base-2 lse."""
+    batch, heads, nq, _ = q.shape
+    nk = k.shape[2]
+    weights = torch.zeros(batch, heads, nq, nk, dtype=q.dtype, device=q.device)
+    slot_args, info = _slot_args(slots, q.device)
+    t, table = plan.tiling.fwd, plan.fwd_rows
+    common = _common(plan, q, k, k)
+    del common["DV_PAD"]
+    kernels.weights_kernel[(-(-nq // t.block_m), batch * heads)](
+        q, k, weights, lse, scale, table, *slot_args, info,
+        *_strides(q), *_strides(k), *_strides(weights), *_strides(table),
+        heads, nq, nk, plan.offset, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        num_warps=t.num_warps, num_stages=t.num_stages, **common,
+    )
+    return weights
+
+
 def attention_backward(plan: Plan, q, k, v, scale, out, lse, grad_out, slots, need_scale: bool,
                        need_slots: set[int]):
     """dq, dk, dv (input dtypes), dscale (H,) fp32 and fp32 gradients of the slots in
@@ -243,11 +261,17 @@ def scale_per_head(scale, heads: int, device) -> Tensor:
     return torch.full((heads,), float(scale), dtype=torch.float32, device=device)
 
 
-def run(p: Problem) -> Tensor:
-    """Attention for a problem the engine accepts (see ``why_not``)."""
+def run(p: Problem):
+    """Attention for a problem the engine accepts (see ``why_not``): out (B, H, Nq, Dv), or
+    (out, weights) with the weights recomputed from the saved log-sum-exp (no gradient)."""
     variant = compile_variant(p)
     fq, fk = p.similarity.features(p.q, p.k, p.metric)
     v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
     plan = make_plan(p, variant, fq.shape[-1])
     scale = scale_per_head(p.scale, p.heads, p.q.device)
-    return TritonAttention.apply(plan, _rows(fq), _rows(fk), _rows(v), scale, *variant.slots)
+    fq, fk, v = _rows(fq), _rows(fk), _rows(v)
+    if p.return_weights:
+        with torch.no_grad():
+            out, lse = attention_forward(plan, fq, fk, v, scale, variant.slots)
+            return out, attention_weights(plan, fq, fk, lse, scale, variant.slots)
+    return TritonAttention.apply(plan, fq, fk, v, scale, *variant.slots)

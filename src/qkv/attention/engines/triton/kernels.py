@@ -320,3 +320,49 @@ def bwd_q_kernel(
     if SCALE_GRAD:
         tl.atomic_add(DSCALE + h, tl.sum(dscale, 0))
 
+
+
+@triton.jit
+def weights_kernel(
+    Q, K, W, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
+    sqb, sqh, sqm, skb, skh, skn, swb, swh, swm, stb, sth, stm,
+    H, NQ, NK, OFFSET,
+    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (ceil(Nq / BLOCK_M), B·H): the attention weights W (B, H, Nq, Nk) recomputed from
+    the forward's LSE on every listed tile; unlisted (empty) tiles keep W's zeros."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    Qb = Q + b * sqb + h * sqh
+    Kb = K + b * skb + (h // GROUP) * skh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
+    q = _load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
+    lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+    scale = tl.load(SCALE + h)
+    row = TABLE + b * stb + h * sth + pid_m * stm
+    n_partial = tl.load(row)
+    n_full = tl.load(row + 1)
+    for phase in tl.static_range(2):
+        lo = 0 if phase == 0 else n_partial
+        hi = n_partial if phase == 0 else n_partial + n_full
+        for j in range(lo, hi):
+            offs_n = tl.load(row + 2 + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
+            k = q
+            if KERNEL != 2:
+                k = _load_rows(Kb, offs_n, skn, NK, D, offs_d)
+            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, KERNEL, D, D_PAD,
+                             BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+            s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
+                        KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+            p = tl.exp2(s - lse[:, None])
+            keep = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
+            tl.store(W + b * swb + h * swh + offs_m[:, None] * swm + offs_n[None, :],
+                     p.to(W.dtype.element_ty), mask=keep)
