@@ -74,30 +74,33 @@ def _compile(kernel, args, kwargs):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _problem(similarity, mask, score_mod, dtype, d, weights):
+def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 200, d, generator=g).to(dtype).requires_grad_(not weights)
                for h in (4, 2, 2))
     return build_problem(q, k, v, mask=mask, score_mod=score_mod, similarity=similarity,
-                         scale=None, metric=None, dropout_p=0.0, return_weights=weights)
+                         scale=None, metric=None, dropout_p=dropout_p, return_weights=weights)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("similarity", "mask", "learned_mod", "dtype", "d", "weights"),
+    ("similarity", "mask", "learned_mod", "dtype", "d", "weights", "dropout_p"),
     [
-        ("dot", "causal_padding", "alibi", torch.bfloat16, 128, False),
-        ("l1", None, None, torch.float32, 40, False),
-        ("l2", "causal_padding", None, torch.float16, 64, True),
+        ("dot", "causal_padding", "alibi", torch.bfloat16, 128, False, 0.1),
+        ("l1", None, None, torch.float32, 40, False, 0.0),
+        ("l2", "causal_padding", None, torch.float16, 64, True, 0.1),
     ],
-    ids=["dot-bf16-d128-causal-padding-learned-alibi", "l1-fp32-d40", "l2-fp16-d64-weights"],
+    ids=["dot-bf16-d128-causal-padding-learned-alibi-dropout", "l1-fp32-d40",
+         "l2-fp16-d64-weights-dropout"],
 )
-def test_kernels_compile_for_sm90(monkeypatch, similarity, mask, learned_mod, dtype, d, weights):
+def test_kernels_compile_for_sm90(
+    monkeypatch, similarity, mask, learned_mod, dtype, d, weights, dropout_p
+):
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.6's default, stated (3.9 warns)
     masks = {None: None, "causal_padding": qkv.causal() & qkv.padding(torch.tensor([200, 150]))}
     mod = qkv.alibi(slopes=torch.rand(4, requires_grad=True)) if learned_mod else None
-    problem = _problem(similarity, masks[mask], mod, dtype, d, weights)
+    problem = _problem(similarity, masks[mask], mod, dtype, d, weights, dropout_p)
     launches = _record_launches(monkeypatch, problem)
     expected = ["fwd_kernel", "weights_kernel"] if weights else [
         "fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel"

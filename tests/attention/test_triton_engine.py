@@ -194,6 +194,43 @@ def run_weights_case(name: str) -> dict:
     return {"out": _relative_error(out, ref_out), "weights": _relative_error(weights, ref_weights)}
 
 
+def run_dropout_case() -> dict:
+    """Runs in the interpreter subprocess. Dropout draws its own random numbers, so the
+    reference reuses the kernels' keep mask, read from the weights of a run with the same seed:
+    out, weights and gradients must then match float64."""
+    from qkv.attention.engines.triton.function import run as run_triton
+    from qkv.attention.reference import expand_kv_heads, masked_softmax, scores_of
+
+    dropout_p = 0.3
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, h, n, 40, generator=g) for h, n in ((2, 24), (1, 40), (1, 40))]
+
+    def problem(tensors, weights):
+        return build_problem(*tensors, mask=qkv.causal(), score_mod=qkv.alibi(2),
+                             similarity="l2", scale=None, metric=None, dropout_p=dropout_p,
+                             return_weights=weights)
+
+    torch.manual_seed(7)
+    with torch.no_grad():
+        _, weights = run_triton(problem(base, True))
+    torch.manual_seed(7)
+    inputs = [t.clone().requires_grad_() for t in base]
+    out = run_triton(problem(inputs, False))
+    grad_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    ref_inputs = [t.double().requires_grad_() for t in base]
+    probabilities, _ = masked_softmax(scores_of(problem(ref_inputs, False), *ref_inputs[:2]))
+    ref_weights = probabilities * (weights != 0) / (1 - dropout_p)
+    ref = ref_weights @ expand_kv_heads(ref_inputs[2], 2)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
+    return {
+        "kept": (weights != 0)[probabilities > 0].double().mean().item(),
+        "out": _relative_error(out, ref),
+        "weights": _relative_error(weights, ref_weights),
+        "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
+    }
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -227,6 +264,15 @@ def test_weights_from_saved_lse_match_float64_reference(interpreter_results, nam
     result = interpreter_results[name]
     assert "error" not in result, result["error"]
     assert result["out"] < TOLERANCE and result["weights"] < TOLERANCE, result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_dropout_matches_float64_with_the_kernels_keep_mask(interpreter_results):
+    result = interpreter_results["dropout"]
+    assert "error" not in result, result["error"]
+    assert abs(result["kept"] - 0.7) < 0.08, result  # dropout_p = 0.3, a few hundred draws
+    assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
 
 
 def test_weights_with_gradients_needed_are_refused_with_a_reason():
@@ -307,10 +353,12 @@ def test_block_tables_list_partial_then_full_and_never_empty():
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    for runner, cases in ((run_case, CASES), (run_weights_case, WEIGHT_CASES)):
-        for case in cases:
-            try:
-                outcome = runner(case)
-            except Exception:
-                outcome = {"error": traceback.format_exc()}
-            print("RESULT " + json.dumps([case, outcome]), flush=True)
+    runs = [(case, run_case) for case in CASES]
+    runs += [(case, run_weights_case) for case in WEIGHT_CASES]
+    runs.append(("dropout", lambda _: run_dropout_case()))
+    for case, runner in runs:
+        try:
+            outcome = runner(case)
+        except Exception:
+            outcome = {"error": traceback.format_exc()}
+        print("RESULT " + json.dumps([case, outcome]), flush=True)

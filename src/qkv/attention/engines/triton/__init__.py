@@ -21,8 +21,6 @@ def unsupported(p: Problem) -> str | None:
         return "triton is not installed"
     if p.q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the Triton kernels run float32, float16 and bfloat16, not {p.q.dtype}"
-    if p.dropout_p > 0:
-        return "dropout is not fused in the Triton kernels"
     if p.return_weights and _needs_grad(p):
         return (
             "return_weights=True while gradients are needed: the Triton engine recomputes the "

@@ -97,6 +97,8 @@ class Plan:
     dkv_cols: Tensor
     offset: int
     precision: str
+    dropout_p: float
+    seed: int  # dropout's Philox seed, drawn from torch's generator once per call
 
 
 def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
@@ -119,6 +121,8 @@ def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
         dkv_cols=tables(tiling.dkv)[1],
         offset=p.offset,
         precision="ieee" if p.q.dtype == torch.float32 else "tf32",
+        dropout_p=p.dropout_p,
+        seed=int(torch.randint(0, 2**30, ())) if p.dropout_p > 0 else 0,
     )
 
 
@@ -153,6 +157,7 @@ def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:
         DV_PAD=_pad(v.shape[3]), BLOCK_D=plan.tiling.block_d, KERNEL=plan.kernel,
         HAS_MASK=plan.variant.has_mask, MASK_FN=plan.variant.mask_fn,
         HAS_MOD=plan.variant.has_mod, MOD_FN=plan.variant.mod_fn, PRECISION=plan.precision,
+        DROPOUT=plan.dropout_p > 0,
     )
 
 
@@ -167,7 +172,8 @@ def attention_forward(plan: Plan, q, k, v, scale, slots) -> tuple[Tensor, Tensor
     kernels.fwd_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, out, lse, scale, table, *slot_args, strides,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(table),
-        heads, nq, nk, plan.offset, DV=dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, DV=dv, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
         num_warps=t.num_warps, num_stages=t.num_stages, **_common(plan, q, k, v),
     )
     return out, lse
@@ -185,7 +191,8 @@ def attention_weights(plan: Plan, q, k, lse, scale, slots) -> Tensor:
     kernels.weights_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, weights, lse, scale, table, *slot_args, info,
         *_strides(q), *_strides(k), *_strides(weights), *_strides(table),
-        heads, nq, nk, plan.offset, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
         num_warps=t.num_warps, num_stages=t.num_stages, **common,
     )
     return weights
@@ -217,13 +224,14 @@ def attention_backward(plan: Plan, q, k, v, scale, out, lse, grad_out, slots, ne
     kernels.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
         q, k, v, grad_out, lse, delta, scale, table, dk, dvv, *slot_args, strides,
         *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
+        plan.seed, plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         **common,
     )
     t, table = plan.tiling.dq, plan.dq_rows
     kernels.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, scale, table, dq, dscale, *slot_args, strides, *grad_args,
-        *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset,
+        *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed, plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         MOD_GRAD=bool(need_slots), SCALE_GRAD=need_scale, **common,
     )

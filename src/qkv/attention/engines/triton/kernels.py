@@ -85,6 +85,13 @@ def _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, A
 
 
 @triton.jit
+def _dropout_keep(seed, bh, offs_m, offs_n, NK, DROPOUT_P):
+    """Dropout's keep mask for a tile: one Philox stream per (batch, query head), one draw per
+    score, so the forward, both backward kernels and the weights kernel agree."""
+    return tl.rand(seed + bh, offs_m[:, None] * NK + offs_n[None, :]) >= DROPOUT_P
+
+
+@triton.jit
 def _l1_grad_rows(dz, Xb, Yb, offs_x, offs_y, sx, sy, NX, NY, OUT, so, sign,
                   D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
     """OUT[x] += sign · Σ_y dz[x, y] · sign(X[x] - Y[y]) for neg_l1, chunk by chunk over D
@@ -105,11 +112,11 @@ def _l1_grad_rows(dz, Xb, Yb, offs_x, offs_y, sx, sy, NX, NY, OUT, so, sign,
 def fwd_kernel(
     Q, K, V, O, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, stb, sth, stm,
-    H, NQ, NK, OFFSET,
+    H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H). Writes O (B, H, Nq, Dv) and base-2 LSE (B, H, Nq)."""
     pid_m = tl.program_id(0)
@@ -150,6 +157,9 @@ def fwd_kernel(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                keep = _dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+                p = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
     empty = l_i == 0.0
@@ -166,12 +176,12 @@ def fwd_kernel(
 def bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, SCALE, TABLE, DK, DV, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
-    H, HKV, NQ, NK, OFFSET,
+    H, HKV, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (ceil(Nk / BLOCK_N), B·Hkv): dK, dV (fp32, contiguous) for one key tile, summed
     over the query heads of its group and the query tiles of its column table."""
@@ -214,8 +224,14 @@ def bwd_kv_kernel(
                 s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3,
                             AS, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
                 p = tl.exp2(s - lse[:, None])
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
                 dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+                if DROPOUT:
+                    keep = _dropout_keep(SEED, b * H + h, offs_m, offs_n, NK, DROPOUT_P)
+                    p_kept = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
+                    dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do, input_precision=PRECISION)
+                    dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
+                else:
+                    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
                 ds = p * (dp - delta[:, None])
                 if HAS_MOD:
                     zc = tl.minimum(z, 0.0) if KERNEL == 1 else z
@@ -244,12 +260,13 @@ def bwd_kv_kernel(
 def bwd_q_kernel(
     Q, K, V, DO, LSE, DELTA, SCALE, TABLE, DQ, DSCALE, A0, A1, A2, A3, AS, G0, G1, G2, G3,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
-    H, NQ, NK, OFFSET,
+    H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-    MOD_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+    MOD_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H): dQ (fp32, contiguous) for one query tile; also the
     gradients of the scale (DSCALE, (H,)) and of the score modifier's tensors (G0..G3)."""
@@ -293,6 +310,9 @@ def bwd_q_kernel(
                         KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            if DROPOUT:
+                keep = _dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+                dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
             ds = p * (dp - delta[:, None])
             zc = z
             if KERNEL == 1:
@@ -326,11 +346,11 @@ def bwd_q_kernel(
 def weights_kernel(
     Q, K, W, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, swb, swh, swm, stb, sth, stm,
-    H, NQ, NK, OFFSET,
+    H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H): the attention weights W (B, H, Nq, Nk) recomputed from
     the forward's LSE on every listed tile; unlisted (empty) tiles keep W's zeros."""
@@ -363,6 +383,9 @@ def weights_kernel(
             s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                         KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
-            keep = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
+            if DROPOUT:
+                kept = _dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+                p = tl.where(kept, p / (1.0 - DROPOUT_P), 0.0)
+            inside = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
             tl.store(W + b * swb + h * swh + offs_m[:, None] * swm + offs_n[None, :],
-                     p.to(W.dtype.element_ty), mask=keep)
+                     p.to(W.dtype.element_ty), mask=inside)
