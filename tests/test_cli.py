@@ -63,8 +63,9 @@ def test_train_lm_eval_generate(lm_run, capsys):
     assert code == 0 and out.startswith("Return") and len(out.rstrip("\n")) >= 40
 
 
-def test_train_vit_and_eval(tmp_path_factory, capsys):
-    run_dir = train_tiny(tmp_path_factory, "vit")
+def test_train_vit_bf16_accumulated_and_eval(tmp_path_factory, capsys):
+    run_dir = train_tiny(tmp_path_factory, "vit", "--set", "train.precision=bf16",
+                         "--set", "train.accumulate=2")
     assert "confusion matrix" in capsys.readouterr().out
     code, out, _ = run(capsys, "eval", str(run_dir))
     assert code == 0 and "accuracy" in out

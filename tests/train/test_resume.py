@@ -12,15 +12,22 @@ from qkv.cli import main
 from .conftest import losses, tiny_lm
 
 
+def last_step(metrics) -> int:
+    """The newest step in metrics.jsonl, ignoring a line still being written."""
+    steps = [0]
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            steps.append(json.loads(line).get("step", 0))
+        except json.JSONDecodeError:
+            pass
+    return max(steps)
+
+
 def wait_for_step(run_dir, proc, step: int, timeout: float = 120.0) -> None:
-    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists():
-            lines = metrics.read_text().splitlines()
-            if lines and json.loads(lines[-1] if lines[-1].endswith("}") else lines[-2]).get(
-                    "step", 0) >= step:
-                return
+        if last_step(run_dir / "metrics.jsonl") >= step:
+            return
         time.sleep(0.002)
     raise AssertionError(f"the run ended or stalled before step {step}")
 
