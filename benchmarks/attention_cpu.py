@@ -52,6 +52,9 @@ def _flex_fn():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None, None
+    # One compiled kernel per variant; past the default limit of 8, dynamo would silently fall
+    # back to Flex's unfused, materializing path.
+    torch._dynamo.config.recompile_limit = 64
     return torch.compile(flex_attention, dynamic=False), create_block_mask
 
 
@@ -344,6 +347,7 @@ def _parse(argv):
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--large", action="store_true", help="N=16384 window/graph/memory report")
     parser.add_argument("--causal-65536", action="store_true", help="causal fwd+bwd at N=65536")
+    parser.add_argument("--no-table", action="store_true", help="only the --large/65536 reports")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     return parser.parse_args(argv)
 
@@ -355,9 +359,10 @@ def main(argv=None) -> None:
     print(f"qkv CPU attention benchmark: B={B} H={H} D={D} float32, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}, {platform.processor() or ''} "
           f"{_cpu_model()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
-    print_row(HEADER)
-    print_row(["---"] * len(HEADER))
-    for n in args.n:
+    if not args.no_table:
+        print_row(HEADER)
+        print_row(["---"] * len(HEADER))
+    for n in [] if args.no_table else args.n:
         for name in args.variants:
             print_row(measure(name, n, args.repeat, "auto", not args.no_flex))
             if name in ("dot", "causal"):  # the fused engine on what auto sends to SDPA

@@ -26,7 +26,7 @@ from .tiles import TileSpec
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
-_CHUNK_EDGES = 1 << 15
+_CHUNK_EDGES = 1 << 13
 
 
 def is_sparse(mask: GraphMask, nq: int, nk: int) -> bool:
