@@ -73,6 +73,7 @@ def test_train_vit_bf16_accumulated_and_eval(tmp_path_factory, capsys):
 
 def test_bench_runs_the_scripts_main(tmp_path, monkeypatch, capsys):
     (tmp_path / "attention_cpu.py").write_text(
+        "from dataclasses import dataclass\n@dataclass\nclass Case:\n    n: int\n"
         "def main(argv):\n    print('bench', argv)\n    return 0\n")
     monkeypatch.setattr(cli, "BENCH_DIR", tmp_path)
     code, out, _ = run(capsys, "bench", "attention", "--quick")

@@ -169,6 +169,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"`qkv bench` needs a source checkout; {script} is missing")
     spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return module.main(args.bench_args) or 0
 
