@@ -93,6 +93,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
+        self.micro_step = 0  # the data position: micro-batches drawn from the stream so far
         self.metrics = MetricsLog(self.run_dir, env.is_main)
         # Each rank gets its own dropout stream; rank 0 keeps the plain seed.
         torch.manual_seed(t.seed + env.rank)
@@ -104,7 +105,7 @@ class Trainer:
         found.load_weights(self.model)
         state = found.trainer_state
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
+        self.step, self.micro_step = state["step"], state["micro_step"]
         rngs = state["rng"]
         set_rng_state(rngs[self.env.rank] if self.env.rank < len(rngs) else rngs[0])
         self.metrics.truncate_after(self.step)
@@ -115,7 +116,7 @@ class Trainer:
             state = {
                 "optimizer": self.optimizer.state_dict(),
                 "step": self.step,
-                "micro_step": self.step * self.cfg.train.accumulate,
+                "micro_step": self.micro_step,
                 "rng": rngs,
             }
             checkpoint.save(
@@ -147,7 +148,8 @@ class Trainer:
     def train_step(self, model: torch.nn.Module) -> tuple[float, int]:
         """One optimizer step over ``accumulate`` micro-batches; returns (loss, local units)."""
         t, env = self.cfg.train, self.env
-        batches = [self.stream.indices(self.step * t.accumulate + m) for m in range(t.accumulate)]
+        batches = [self.stream.indices(self.micro_step + m) for m in range(t.accumulate)]
+        self.micro_step += t.accumulate
         weight = sum(self.data.weight(ix) for ix in batches)
         total = torch.zeros((), device=env.device)
         units = 0
