@@ -159,3 +159,18 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "does not exist" in result.stderr
+
+
+def test_train_on_user_files(tmp_path_factory, tmp_path, capsys):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("".join(f"{i} Äpfel\t{i} apples\n" for i in range(40)), encoding="utf-8")
+    run_dir = train_tiny(tmp_path_factory, "translate", "--set", f"data.path={pairs}",
+                         "--set", "data.tokenizer=char")
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["data"]["path"] == str(pairs)
+    assert "Ä" in json.loads((run_dir / "tokenizer_src.json").read_text())["chars"]
+    text = tmp_path / "story.txt"
+    text.write_text("Once upon a time there was a model. " * 60, encoding="utf-8")
+    run_dir = train_tiny(tmp_path_factory, "lm", "--set", f"data.path={text}")
+    code, out, _ = run(capsys, "eval", str(run_dir))
+    assert code == 0 and "bits/char" in out
