@@ -9,16 +9,15 @@ nodes are one contiguous slice. Each slice of targets is one chunk:
   (target, source) indices;
 - softmax over each target's edges (the chunk holds all of them, so no online rescaling);
 - sum the weighted values per target.
-Chunks run under activation checkpointing: the backward pass recomputes one chunk at a time,
-so memory stays O(chunk edges·H·D) beyond the O(N·D) inputs and outputs.
+The backward pass recomputes one chunk at a time, so memory stays O(chunk edges·H·D) beyond
+the O(N·D) inputs and outputs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
 from ..similarity import KERNELS
@@ -56,11 +55,11 @@ def _expand_heads(t: Tensor, heads: int) -> Tensor:
     return t.unsqueeze(3).expand(b, e, hkv, heads // hkv, x).reshape(b, e, heads, x)
 
 
-def _chunk(spec, fq_rows, fk_rows, v_rows, target, source, first, count, *extras):
-    """Output (B, count, H, Dv) and lse (B, count, H, 1) of targets first ... first+count-1."""
-    fq_e = fq_rows.index_select(1, target)
-    fk_e = _expand_heads(fk_rows.index_select(1, source), spec.heads)
-    v_e = _expand_heads(v_rows.index_select(1, source), spec.heads)
+def _chunk(spec, c: int, fq_e, fk_e, v_e, target, source, first, count):
+    """Output (B, count, H, Dv) and lse (B, count, H, 1) of targets first ... first+count-1,
+    from the features gathered along the chunk's edges: fq_e (B, E, H, D), fk_e (B, E, Hkv, D),
+    v_e (B, E, Hkv, Dv)."""
+    fk_e, v_e = _expand_heads(fk_e, spec.heads), _expand_heads(v_e, spec.heads)
     s = _edge_scores(spec, fq_e, fk_e, target, source)
     local = target - first
     shape = (s.shape[0], count, spec.heads, 1)
@@ -69,34 +68,87 @@ def _chunk(spec, fq_rows, fk_rows, v_rows, target, source, first, count, *extras
     row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
     p = torch.exp(s - row_max.index_select(1, local))
     row_sum = s.new_zeros(shape).index_add(1, local, p)
-    weighted = F.dropout(p, spec.dropout_p) if spec.dropout_p > 0 else p
+    weighted = p
+    if spec.dropout_p > 0:  # chunk c's own generator: the backward pass redraws the same mask
+        gen = torch.Generator(device=p.device).manual_seed(spec.seed + c)
+        keep = torch.rand(p.shape, generator=gen, device=p.device) >= spec.dropout_p
+        weighted = p * keep / (1.0 - spec.dropout_p)
     out = v_e.new_zeros(shape[:3] + (v_e.shape[-1],)).index_add(1, local, weighted * v_e)
     out = out / row_sum.masked_fill(row_sum == 0, 1.0)
     return out, row_max + row_sum.log()
+
+
+def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:
+    """(first target, target count, first edge, end edge) of chunks of about _CHUNK_EDGES."""
+    row_start = torch.searchsorted(target, torch.arange(nq + 1, device=target.device)).tolist()
+    chunks, first = [], 0
+    while first < nq:
+        last = first + 1  # grow the chunk of targets while its edges fit the budget
+        while last < nq and row_start[last + 1] - row_start[first] <= _CHUNK_EDGES:
+            last += 1
+        chunks.append((first, last - first, row_start[first], row_start[last]))
+        first = last
+    return chunks
+
+
+def _gather(rows: Tensor, index: Tensor) -> Tensor:
+    return rows.index_select(1, index)
+
+
+class _GraphAttention(torch.autograd.Function):
+    """Forward chunk by chunk without a graph; the backward pass recomputes each chunk under
+    a local autograd graph and scatters its gradients into one buffer per input, so the
+    total cost stays ∝ edges (a per-chunk autograd checkpoint would allocate a full-size
+    gradient for every chunk)."""
+
+    @staticmethod
+    def forward(ctx, spec, graph, fq_rows, fk_rows, v_rows, *extras):
+        target, source, chunks = graph
+        outs, lses = [], []
+        for c, (first, count, e0, e1) in enumerate(chunks):
+            t, s = target[e0:e1], source[e0:e1]
+            out, lse = _chunk(spec, c, _gather(fq_rows, t), _gather(fk_rows, s),
+                              _gather(v_rows, s), t, s, first, count)
+            outs.append(out)
+            lses.append(lse)
+        ctx.spec, ctx.graph, ctx.extras = spec, graph, extras
+        ctx.save_for_backward(fq_rows, fk_rows, v_rows)
+        lse = torch.cat(lses, 1)
+        ctx.mark_non_differentiable(lse)
+        return torch.cat(outs, 1), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, _dlse):
+        spec, (target, source, chunks) = ctx.spec, ctx.graph
+        fq_rows, fk_rows, v_rows = ctx.saved_tensors
+        wanted = [e for e in ctx.extras if e.requires_grad]
+        dq, dk, dv = (torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows))
+        dwanted: list[Tensor | None] = [None] * len(wanted)
+        for c, (first, count, e0, e1) in enumerate(chunks):
+            t, s = target[e0:e1], source[e0:e1]
+            with torch.enable_grad():
+                leaves = [_gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s)]
+                leaves = [x.requires_grad_() for x in leaves]
+                out, _ = _chunk(spec, c, *leaves, t, s, first, count)
+            grads = torch.autograd.grad(
+                out, (*leaves, *wanted), dout[:, first:first + count], allow_unused=True
+            )
+            dq.index_add_(1, t, grads[0])
+            dk.index_add_(1, s, grads[1])
+            dv.index_add_(1, s, grads[2])
+            for e, g in enumerate(grads[3:]):
+                if g is not None:
+                    dwanted[e] = g if dwanted[e] is None else dwanted[e] + g
+        found = iter(dwanted)
+        dextras = [next(found) if e.requires_grad else None for e in ctx.extras]
+        return (None, None, dq, dk, dv, *dextras)
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:
     """out (B, H, Nq, Dv) and lse (B, H, Nq, 1) along the graph's edges."""
     fq_rows, fk_rows, v_rows = (t.transpose(1, 2).contiguous() for t in (fq, fk, v))
     target, source = mask.target.to(fq.device), mask.source.to(fq.device)
-    row_start = torch.searchsorted(target, torch.arange(spec.nq + 1, device=fq.device)).tolist()
-    grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (fq_rows, fk_rows, v_rows, *extras)
-    )
-    outs, lses, first = [], [], 0
-    while first < spec.nq:
-        last = first + 1  # grow the chunk of targets while its edges fit the budget
-        while last < spec.nq and row_start[last + 1] - row_start[first] <= _CHUNK_EDGES:
-            last += 1
-        e0, e1 = row_start[first], row_start[last]
-        args = (spec, fq_rows, fk_rows, v_rows, target[e0:e1], source[e0:e1], first, last - first)
-        if grad:
-            out, lse = checkpoint(_chunk, *args, *extras, use_reentrant=False)
-        else:
-            out, lse = _chunk(*args)
-        outs.append(out)
-        lses.append(lse)
-        first = last
-    out = torch.cat(outs, 1).transpose(1, 2)
-    lse = torch.cat(lses, 1).transpose(1, 2).detach()
-    return out, lse
+    graph = (target, source, _chunks(target, spec.nq))
+    out, lse = _GraphAttention.apply(spec, graph, fq_rows, fk_rows, v_rows, *extras)
+    return out.transpose(1, 2), lse.transpose(1, 2)
