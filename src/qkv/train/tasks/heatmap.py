@@ -12,27 +12,19 @@ from ...data.tokenizers import BOS_ID
 
 def cross_attention_weights(model, src_ids: list[int], tgt_ids: list[int]) -> list[torch.Tensor]:
     """Per decoder layer, the cross-attention weights (H, T, S) of a teacher-forced pass with
-    target input [bos] + tgt_ids (T = len(tgt_ids) + 1 rows: each output token and eos)."""
-    cross = sorted(
-        (m for m in model.modules() if getattr(m, "is_cross", False)),
-        key=lambda m: m.layer_index or 0,
-    )
-    if not cross:
-        raise ValueError("the model has no cross-attention layer (is_cross=True)")
+    target input [bos] + tgt_ids (T = len(tgt_ids) + 1 rows: each output token and eos).
+
+    Captured with ``qkv.viz.capture``: the layers keep their fast engine, and an attention kind
+    without weights (linear attention) raises a ValueError that says so."""
+    from ...viz import capture
+
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)
     tgt = torch.tensor([[BOS_ID] + tgt_ids], device=device)
-    for m in cross:
-        m.capture_weights = True
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(src, tgt)
-        return [m.last_weights[0].float().cpu() for m in cross]
-    finally:
-        for m in cross:
-            m.capture_weights = False
-            m.last_weights = None
+    model.eval()
+    with capture(model, cross=True) as maps, torch.no_grad():
+        model(src, tgt)
+    return [site.weights[0].float().cpu() for site in maps.select(cross=True)]
 
 
 def token_labels(tokenizer, ids: list[int]) -> list[str]:

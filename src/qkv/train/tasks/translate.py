@@ -207,6 +207,11 @@ class TranslateTask:
             mark = "ok " if hyp == ref else "ERR"
             print(f"  {mark} {src} -> {hyp}" + ("" if hyp == ref else f"   (expected {ref})"),
                   file=out)
+        kind = getattr(model.config, "attention", "softmax")
+        if kind != "softmax":
+            print(f"no cross-attention heatmap: attention={kind!r} forms no attention weights",
+                  file=out)
+            return
         path = cross_attention_png(model, data.src_tok, data.tgt_tok, pairs[0][0], hyps[0],
                                    run_dir / "cross_attention.png")
         print(f"cross-attention heatmap: {path}", file=out)
