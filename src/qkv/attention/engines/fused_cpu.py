@@ -31,9 +31,11 @@ from .tiles import (
     block_sizes,
     dropout_keep,
     group_heads,
+    modify_scores,
     run_split,
     tile_index,
     tile_plan,
+    tile_raw,
     tile_scores,
 )
 
@@ -58,6 +60,16 @@ def why_not(p: Problem) -> str | None:
     return None
 
 
+_LOG2E = 1.4426950408889634
+
+
+def _exp_(x: Tensor) -> Tensor:
+    """exp(x) in place, as exp2(x·log2 e). torch's exp takes a slow path (about 30x) on inputs
+    below about -88, which far ALiBi keys and masked -inf fill on much of a tile; exp2 does
+    not, and is faster on ordinary inputs too."""
+    return x.mul_(_LOG2E).exp2_()
+
+
 def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
     """Online softmax over the key tiles of query block i; writes its rows of out and lse."""
     batch, heads, dv = spec.batch, spec.heads, v.shape[-1]
@@ -75,7 +87,7 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
         new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
         # A row with nothing allowed so far keeps max -inf; subtract 0 so exp gives 0, not NaN.
         new_max_safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
-        p = s.sub_(new_max_safe).exp_()
+        p = _exp_(s.sub_(new_max_safe))
         correction = (row_max - new_max_safe).exp_()
         row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
         if spec.dropout_p > 0:
@@ -103,10 +115,6 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-def _is_plain_dot(spec: TileSpec) -> bool:
-    return spec.kernel == "dot" and spec.scale is None and spec.score_mod is None
-
-
 class _Grads:
     """One worker's gradient sums for the key side and the extra tensors."""
 
@@ -120,12 +128,38 @@ class _Grads:
                 self.extras[e] = g if self.extras[e] is None else self.extras[e] + g
 
 
+def _elementwise_needs_grad(spec: TileSpec) -> bool:
+    return spec.score_mod is not None or isinstance(spec.scale, Tensor)
+
+
+def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of the pairwise kernel for the query and key tile, by matmuls, from
+    draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
+
+    The engine's one restatement of the core: the analytic derivatives of the two matmul
+    kernels. dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
+    dq = 2(dS·k - rowsum(dS)·q), dk = 2(dSᵀ·q - colsum(dS)·k). The kernel's clamp at 0 only
+    touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone."""
+    dq = draw @ fk_t
+    dk = draw.transpose(-1, -2) @ fq_t
+    if kernel == "neg_sqdist":
+        dq = dq.sub_(draw.sum(-1, keepdim=True) * fq_t).mul_(2.0)
+        dk = dk.sub_(draw.sum(-2).unsqueeze(-1) * fk_t).mul_(2.0)
+    return dq, dk
+
+
 def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras) -> None:
-    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums."""
+    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums.
+
+    The dot and neg_sqdist kernels stay out of autograd: only the elementwise part (scale,
+    score modifier, mask) runs under autograd when it has anything to differentiate, giving
+    d(loss)/d(raw scores) and the modifier's tensor gradients; the kernel's gradients are two
+    matmuls (``_kernel_grads``). The L1 kernel (cdist) is differentiated by autograd."""
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
-    fast = _is_plain_dot(spec)
+    by_autograd = spec.kernel not in ("dot", "neg_sqdist")
+    elementwise_grad = _elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
     fq_t = group_heads(fq[:, :, q0:q1], hk)
@@ -136,12 +170,21 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
         k0, k1 = spec.k_range(j)
         fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-        with torch.set_grad_enabled(not fast):
-            fq_leaf = fq_t if fast else fq_t.detach().requires_grad_()
-            fk_leaf = fk_t if fast else fk_t.detach().requires_grad_()
-            s = tile_scores(spec, fq_leaf, fk_leaf, idx, masked)
-        p = (s.detach() - lse_t).exp_()
-        dp = (do_t @ v_t.transpose(-1, -2)).view(batch, heads, n, k1 - k0)
+        shape = (batch, heads, n, k1 - k0)
+        if by_autograd:
+            with torch.enable_grad():
+                leaves = (fq_t.detach().requires_grad_(), fk_t.detach().requires_grad_())
+                s = tile_scores(spec, *leaves, idx, masked)
+        elif elementwise_grad:
+            raw = tile_raw(spec, fq_t, fk_t).view(shape).requires_grad_()
+            leaves = (raw,)
+            with torch.enable_grad():
+                s = modify_scores(spec, raw, idx, masked)
+        else:
+            s = modify_scores(spec, tile_raw(spec, fq_t, fk_t).view(shape), idx, masked)
+        graph = by_autograd or elementwise_grad
+        p = _exp_(s.detach() - lse_t if graph else s.sub_(lse_t))
+        dp = (do_t @ v_t.transpose(-1, -2)).view(shape)
         kept = p
         if spec.dropout_p > 0:
             keep = dropout_keep(spec, i, j, p.shape, fq.device)
@@ -149,15 +192,24 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
         grads.v[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
         ds = p.mul_(dp.sub_(delta_t))
-        if fast:
-            ds = group_heads(ds, hk)
-            dfq_t += ds @ fk_t
-            grads.fk[:, :, k0:k1] += ds.transpose(-1, -2) @ fq_t
-            continue
-        found = torch.autograd.grad(s, (fq_leaf, fk_leaf, *extras), ds, allow_unused=True)
-        dfq_t += found[0]
-        grads.fk[:, :, k0:k1] += found[1]
-        grads.add_extras(found[2:])
+        if graph:
+            if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
+                continue
+            found = torch.autograd.grad(s, (*leaves, *extras), ds, allow_unused=True)
+            grads.add_extras(found[len(leaves):])
+            if by_autograd:
+                if found[0] is not None:
+                    dfq_t += found[0]
+                    grads.fk[:, :, k0:k1] += found[1]
+                continue
+            ds = found[0]
+            if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
+                continue
+        elif spec.scale is not None:
+            ds = ds.mul_(spec.scale)
+        dq, dk = _kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t)
+        dfq_t += dq
+        grads.fk[:, :, k0:k1] += dk
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -216,7 +268,7 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
             k0, k1 = spec.k_range(j)
             idx = tile_index(spec, q0, q1, k0, k1, fq.device)
             s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-            p = s.sub_(lse[:, :, q0:q1]).exp_()
+            p = _exp_(s.sub_(lse[:, :, q0:q1]))
             if spec.dropout_p > 0:
                 keep = dropout_keep(spec, i, j, p.shape, fq.device)
                 p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)

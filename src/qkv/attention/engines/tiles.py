@@ -7,6 +7,7 @@ Nothing here restates a similarity, modifier or mask formula.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -106,34 +107,58 @@ class TileIndex:
 
 def tile_index(spec: TileSpec, q0: int, q1: int, k0: int, k1: int, device) -> TileIndex:
     return TileIndex(
-        torch.arange(spec.batch, device=device).view(-1, 1, 1, 1),
-        torch.arange(spec.heads, device=device).view(1, -1, 1, 1),
-        torch.arange(q0, q1, device=device).view(1, 1, -1, 1),
-        torch.arange(k0, k1, device=device).view(1, 1, 1, -1),
+        _arange(0, spec.batch, device).view(-1, 1, 1, 1),
+        _arange(0, spec.heads, device).view(1, -1, 1, 1),
+        _arange(q0, q1, device).view(1, 1, -1, 1),
+        _arange(k0, k1, device).view(1, 1, 1, -1),
     )
 
 
-def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool) -> Tensor:
-    """Scores (B, H, bq, bk) of one tile, -inf where the mask forbids.
+@functools.lru_cache(maxsize=1024)
+def _arange(start: int, end: int, device) -> Tensor:
+    # Tiles repeat the same few ranges in every call and in the backward; a modifier only reads
+    # these (never writes them), so one tensor per range is shared. A normal tensor even when
+    # first made under inference mode, so a later call may save it for backward.
+    with torch.inference_mode(False):
+        return torch.arange(start, end, device=device)
 
-    fq_t: (B, Hk, (H/Hk)·bq, D) query features grouped by key head; fk_t: (B, Hk, bk, D).
-    Outside autograd the scale and the mask are applied in place."""
+
+def tile_shape(spec: TileSpec, idx: TileIndex, batch: int) -> tuple[int, int, int, int]:
+    return batch, spec.heads, idx.q.shape[2], idx.kv.shape[3]
+
+
+def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor) -> Tensor:
+    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk)."""
+    return KERNELS[spec.kernel](fq_t, fk_t)
+
+
+def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:
+    """The elementwise part of a tile's scores: scale, score modifier, mask (-inf where it
+    forbids). raw: (B, H, bq, bk). Outside autograd the scale and the mask are applied in
+    place."""
     inplace = not torch.is_grad_enabled()
-    bq, bk = idx.q.shape[2], idx.kv.shape[3]
-    shape = (fq_t.shape[0], spec.heads, bq, bk)
-    s = KERNELS[spec.kernel](fq_t, fk_t).reshape(shape)
+    shape = raw.shape
+    s = raw
     if spec.scale is not None:
         s = s.mul_(spec.scale) if inplace and not isinstance(spec.scale, Tensor) else s * spec.scale
     if spec.score_mod is not None:
         s = spec.score_mod(s, idx.b, idx.h, idx.q, idx.kv, spec.offset)
         if s.shape != shape:
             s = s.expand(shape)
-        s = s.to(fq_t.dtype).contiguous()
+        s = s.to(raw.dtype).contiguous()
     if masked:
         allowed = torch.as_tensor(spec.mask.mask_mod(idx.b, idx.h, idx.q, idx.kv, spec.offset))
         fill = s.masked_fill_ if inplace else s.masked_fill
         s = fill(~allowed, float("-inf"))
     return s
+
+
+def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool) -> Tensor:
+    """Scores (B, H, bq, bk) of one tile, -inf where the mask forbids.
+
+    fq_t: (B, Hk, (H/Hk)·bq, D) query features grouped by key head; fk_t: (B, Hk, bk, D)."""
+    raw = tile_raw(spec, fq_t, fk_t).reshape(tile_shape(spec, idx, fq_t.shape[0]))
+    return modify_scores(spec, raw, idx, masked)
 
 
 def dropout_keep(spec: TileSpec, i: int, j: int, shape, device) -> Tensor:
