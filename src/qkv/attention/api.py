@@ -64,3 +64,20 @@ def attention(
         return_weights=return_weights,
     )
     return engines.select(problem, backend).run(problem)
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, **kwargs):
+    """``attention(q, k, v, **kwargs)`` and the log-sum-exp (B, H, Nq, 1) of its softmax rows
+    when the engine that ran it saved one (the fused engines do), else None. Capture tools use
+    it to rebuild chosen heads' weights as exp(score - lse) without another pass over keys."""
+    backend = kwargs.pop("backend", "auto")
+    problem = build_problem(q, k, v, **{**_DEFAULTS, **kwargs})
+    problem.lse_sink = []
+    result = engines.select(problem, backend).run(problem)
+    return result, (problem.lse_sink[0] if problem.lse_sink else None)
+
+
+_DEFAULTS = dict(
+    mask=None, score_mod=None, similarity="dot", scale=None, metric=None, dropout_p=0.0,
+    return_weights=False,
+)

@@ -31,6 +31,9 @@ class Problem:
     metric: Tensor | None
     dropout_p: float
     return_weights: bool
+    # An engine that saves the log-sum-exp (B, H, Nq, 1) appends it here when this is a list,
+    # so attention maps can be rebuilt from it (``attention_with_lse``).
+    lse_sink: list | None = None
 
     @property
     def batch(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention import attention
+from ..attention.api import attention, attention_with_lse
 from .positions import RotaryEmbedding
 
 
@@ -73,7 +73,7 @@ class MultiHeadAttention(nn.Module):
 
     Set ``capture_weights = True`` to keep the last call's weights (B, H, Nq, Nk), detached,
     in ``last_weights``. ``weights_observer``, when set, is called on every forward as
-    ``observer(module, q, k, mask=..., score_mod=...)`` with the q (B, H, Nq, D) and k
+    ``observer(module, q, k, mask=..., score_mod=..., lse=...)`` with the q (B, H, Nq, D) and k
     (B, Hkv, Nk, D) that reach ``qkv.attention`` (``qkv.viz.capture`` uses it to recompute only
     the heads it was asked for, while the call itself keeps its fast engine).
     """
@@ -148,14 +148,19 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rope(q, positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)
-        if self.weights_observer is not None:
-            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod)
         want_weights = return_weights or self.capture_weights
-        result = attention(
-            q, k, v, mask=mask, score_mod=score_mod, similarity=self.similarity,
-            scale=self.scale, metric=self.metric, return_weights=want_weights,
+        kwargs = dict(
+            mask=mask, score_mod=score_mod, similarity=self.similarity, scale=self.scale,
+            metric=self.metric, return_weights=want_weights,
             dropout_p=self.dropout if self.training else 0.0,
         )
+        if self.weights_observer is None:
+            result = attention(q, k, v, **kwargs)
+        else:
+            # The call keeps its engine; a saved log-sum-exp lets the observer rebuild the
+            # chosen heads' weights without another pass over the keys.
+            result, lse = attention_with_lse(q, k, v, **kwargs)
+            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod, lse=lse)
         out, weights = result if want_weights else (result, None)
         if self.capture_weights:
             self.last_weights = weights.detach()
