@@ -73,6 +73,32 @@ def test_mixed_tiles_at_block_boundaries(monkeypatch, n, block):
         assert rel_err(g, r) < 1e-10
 
 
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+@pytest.mark.parametrize("reads_tensor", [False, True])
+def test_modifier_that_ignores_the_score(monkeypatch, similarity, reads_tensor):
+    """The backward differentiates only the elementwise part of a tile: a modifier that drops
+    the score leaves q and k with exactly zero gradient (reached through v only for none)."""
+    monkeypatch.setattr(tiles, "BLOCK_Q", 4)
+    monkeypatch.setattr(tiles, "BLOCK_K", 8)
+    weight = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=reads_tensor)
+
+    def distance_only(score, b, h, q_idx, kv_idx):
+        return -weight[h] * (q_idx - kv_idx).abs()
+
+    q, k, v = rand_qkv(1, 2, 1, 9, 13, 4, 3, requires_grad=True)
+    grads = {}
+    for backend in ("fused", "reference"):
+        out = qkv.attention(q, k, v, similarity=similarity, score_mod=distance_only,
+                            mask=qkv.causal(), backend=backend)
+        wanted = (q, k, v, weight) if reads_tensor else (q, k, v)
+        found = torch.autograd.grad((out * out).sum(), wanted, allow_unused=True)
+        pairs = zip(wanted, found, strict=True)
+        grads[backend] = [torch.zeros_like(t) if g is None else g for t, g in pairs]
+    assert (grads["fused"][0] == 0).all() and (grads["fused"][1] == 0).all()
+    for g, r in zip(grads["fused"], grads["reference"], strict=True):
+        assert rel_err(g, r) < 1e-10
+
+
 def test_rows_without_keys_are_zero_with_zero_gradients():
     q, k, v = rand_qkv(2, 2, 2, 6, 6, 4, 4, requires_grad=True)
     out = qkv.attention(q, k, v, mask=qkv.padding([6, 0]), similarity="l2", backend="fused")
