@@ -311,6 +311,8 @@ def run(p: Problem):
         out, lse = graph_gather.attention(spec, p.mask, fq, fk, v, extras)
     else:
         out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
+    if p.lse_sink is not None:
+        p.lse_sink.append(lse.detach())
     out = out.to(p.q.dtype)
     if not p.return_weights:
         return out
