@@ -46,3 +46,12 @@ def mask_cases(b, nq, nk):
 @pytest.fixture
 def qkv_f64():
     return rand_qkv()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tiles are many tiny ops; on a shared 2-core machine one thread runs them fastest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -16,13 +16,7 @@ MASKS = list(mask_cases(B, NQ, NK))
 MODS = ["none", "alibi_softcap", "relative_bias", "closure"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tiles are many tiny ops; on a shared 2-core machine one thread runs them fastest."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

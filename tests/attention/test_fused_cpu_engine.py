@@ -16,13 +16,7 @@ from qkv.attention.problem import build_problem
 
 from .conftest import rand_qkv
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(a, b):
