@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..data.atomic import write_text_atomic
 from .page_script import SCRIPT, STYLE
 
 MODES = ("gpt", "encoder", "seq2seq", "vit")
@@ -141,8 +142,6 @@ def render_page(views: list[PageView], *, mode: str, title: str = "qkv attention
 
 
 def write_page(path, views: list[PageView], **kwargs) -> Path:
-    """Write ``render_page(views, **kwargs)`` to ``path`` (UTF-8)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_page(views, **kwargs), encoding="utf-8")
-    return path
+    """Write ``render_page(views, **kwargs)`` to ``path`` (UTF-8), atomically: an interrupted
+    write leaves the previous page, never half of one."""
+    return write_text_atomic(path, render_page(views, **kwargs))

@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from ..data.atomic import write_atomic  # noqa: E402
+
 FORMATS = (".png", ".svg")
 
 
@@ -147,11 +149,12 @@ def plot_image_relevance(image, relevance, *, title: str = "attention rollout") 
 
 
 def save_figure(fig: Figure, path) -> Path:
-    """Write ``fig`` as PNG or SVG (by the suffix of ``path``) and close it."""
+    """Write ``fig`` as PNG or SVG (by the suffix of ``path``), atomically, and close it."""
     path = Path(path)
-    if path.suffix.lower() not in FORMATS:
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
         raise ValueError(f"figure path must end in .png or .svg; got {str(path)!r}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    try:
+        return write_atomic(path, lambda temp: fig.savefig(temp, format=suffix[1:], dpi=120))
+    finally:
+        plt.close(fig)

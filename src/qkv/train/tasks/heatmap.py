@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from ...data.atomic import write_atomic
 from ...data.tokenizers import BOS_ID
 
 
@@ -33,23 +32,12 @@ def token_labels(tokenizer, ids: list[int]) -> list[str]:
 
 def cross_attention_png(model, src_tok, tgt_tok, source: str, translation: str, path) -> Path:
     """Plot the last decoder layer's cross-attention, averaged over heads, for one pair."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ...viz.plots import plot_alignment, save_figure
 
     src_ids, tgt_ids = src_tok.encode(source), tgt_tok.encode(translation)
     weights = cross_attention_weights(model, src_ids, tgt_ids)[-1].mean(0)  # (T, S)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.5 * len(src_ids), 1.2 + 0.35 * (len(tgt_ids) + 1)))
-    ax.imshow(weights.numpy(), cmap="viridis", aspect="auto", vmin=0.0)
-    ax.set_xticks(range(len(src_ids)), token_labels(src_tok, src_ids), rotation=60, ha="right")
-    ax.set_yticks(range(len(tgt_ids) + 1), token_labels(tgt_tok, tgt_ids) + ["<eos>"])
-    ax.set_xlabel("source")
-    ax.set_ylabel("output")
-    ax.set_title("cross-attention\n(last decoder layer, mean of heads)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    write_atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-    return path
-
+    fig = plot_alignment(
+        weights, token_labels(src_tok, src_ids), token_labels(tgt_tok, tgt_ids) + ["<eos>"],
+        title="cross-attention\n(last decoder layer, mean of heads)",
+    )
+    return save_figure(fig, path)
