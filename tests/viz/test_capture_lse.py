@@ -14,18 +14,12 @@ from qkv.viz import capture
 capture_module = importlib.import_module("qkv.viz.capture")  # the module, not the function
 
 
-def _problem(q, k, v, **kw):
-    args = dict(mask=None, score_mod=None, similarity="dot", scale=None, metric=None,
-                dropout_p=0.0, return_weights=False)
-    return build_problem(q, k, v, **{**args, **kw})
-
-
 def test_attention_with_lse_hands_over_the_fused_engines_lse():
     q, k, v = (torch.randn(2, 4, 37, 8, dtype=torch.float64) for _ in range(3))
     kw = dict(similarity="l2", mask=qkv.causal() & qkv.padding([37, 0]))
     out, lse = attention_with_lse(q, k, v, **kw)
     assert lse is not None and lse.shape == (2, 4, 37, 1)
-    ref_out, _, ref_lse = reference_attention(_problem(q, k, v, **kw))
+    ref_out, _, ref_lse = reference_attention(build_problem(q, k, v, **kw))
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse.squeeze(-1), ref_lse)  # -inf on the empty rows, too
 

@@ -71,13 +71,7 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, **kwargs):
     when the engine that ran it saved one (the fused engines do), else None. Capture tools use
     it to rebuild chosen heads' weights as exp(score - lse) without another pass over keys."""
     backend = kwargs.pop("backend", "auto")
-    problem = build_problem(q, k, v, **{**_DEFAULTS, **kwargs})
+    problem = build_problem(q, k, v, **kwargs)
     problem.lse_sink = []
     result = engines.select(problem, backend).run(problem)
     return result, (problem.lse_sink[0] if problem.lse_sink else None)
-
-
-_DEFAULTS = dict(
-    mask=None, score_mod=None, similarity="dot", scale=None, metric=None, dropout_p=0.0,
-    return_weights=False,
-)

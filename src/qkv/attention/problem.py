@@ -163,7 +163,8 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
 
 
 def build_problem(
-    q, k, v, *, mask, score_mod, similarity, scale, metric, dropout_p, return_weights
+    q, k, v, *, mask=None, score_mod=None, similarity="dot", scale=None, metric=None,
+    dropout_p=0.0, return_weights=False,
 ) -> Problem:
     _check_qkv(q, k, v)
     sim = get_similarity(similarity)
