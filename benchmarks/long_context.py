@@ -104,7 +104,7 @@ def make_case(kind: str, n: int, args):
                                 scale=None, metric=None, dropout_p=0.0, return_weights=False)
         engine = engines.select(problem, backend).name
         if engine == "fused":  # the engine that skips tiles
-            bq, bk = block_sizes(args.batch, args.heads, n, n)
+            bq, bk, _ = block_sizes(args.batch, args.heads, n, n)
             states = mask.tile_states(args.batch, args.heads, n, n, bq, bk)
             tiles = (states != 0).float().mean().item()
 

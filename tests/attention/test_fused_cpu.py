@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "BLOCK_Q", 8)
-    monkeypatch.setattr(tiles, "BLOCK_K", 16)
+    monkeypatch.setattr(tiles, "BLOCK_K", 8)
+    monkeypatch.setattr(tiles, "SPAN_K", 16)  # runs of two key blocks merge
 
 
 def make_params(dtype, seed=3):

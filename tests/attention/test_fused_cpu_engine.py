@@ -33,11 +33,24 @@ def test_causal_plan_skips_empty_and_unmasks_full_tiles():
     plan = tile_plan(spec_for(qkv.causal(), 21, 21, 4, 8), "cpu")
     for i, row in enumerate(plan):
         last_q = min(21, 4 * (i + 1)) - 1
-        visited = [j for j, _ in row]
-        assert visited == list(range(last_q // 8 + 1))  # tiles right of the diagonal skipped
-        for j, masked in row:
-            last_k = min(21, 8 * (j + 1)) - 1
-            assert masked == (last_k > 4 * i)  # only tiles crossing the diagonal are masked
+        assert [k0 for k0, _, _ in row] == list(range(0, last_q + 1, 8))  # right of it: skipped
+        for k0, k1, masked in row:
+            assert k1 == min(21, k0 + 8)
+            assert masked == (k1 - 1 > 4 * i)  # only tiles crossing the diagonal are masked
+
+
+def test_plan_merges_neighbouring_blocks_in_the_same_state_up_to_the_span():
+    # Causal, Nq = Nk = 40, 8x8 blocks, spans up to 16: query block 4 (rows 32-39) sees key
+    # blocks 0-3 full and block 4 on the diagonal.
+    spec = spec_for(qkv.causal(), 40, 40, 8, 8)
+    spec.span_k = 16
+    assert tile_plan(spec, "cpu")[4] == [(0, 16, False), (16, 32, False), (32, 40, True)]
+    window = spec_for(qkv.sliding_window(16), 40, 40, 8, 8)
+    window.span_k = 32  # rows 32-39 see keys 16-39: block 2 partial, 3 full, 4 diagonal
+    assert tile_plan(window, "cpu")[4] == [(16, 24, True), (24, 32, False), (32, 40, True)]
+    unmasked = spec_for(None, 8, 40, 8, 8)
+    unmasked.span_k = 16
+    assert tile_plan(unmasked, "cpu")[0] == [(0, 16, False), (16, 32, False), (32, 40, False)]
 
 
 def test_plan_treats_tile_full_only_when_full_for_every_batch_element():
@@ -46,7 +59,7 @@ def test_plan_treats_tile_full_only_when_full_for_every_batch_element():
     assert states[0, 0, 0].tolist() == [FULL, FULL, FULL]
     assert states[1, 0, 0].tolist() == [FULL, 1, EMPTY]
     plan = tile_plan(spec_for(mask, 5, 21, 4, 8, batch=2), "cpu")
-    assert plan[0] == [(0, False), (1, True), (2, True)]
+    assert plan[0] == [(0, 8, False), (8, 16, True), (16, 21, True)]
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33])
@@ -55,6 +68,7 @@ def test_mixed_tiles_at_block_boundaries(monkeypatch, n, block):
     """Segments whose edges fall inside and on tile edges, plus an empty batch element."""
     monkeypatch.setattr(tiles, "BLOCK_Q", block[0])
     monkeypatch.setattr(tiles, "BLOCK_K", block[1])
+    monkeypatch.setattr(tiles, "SPAN_K", 2 * block[1])
     ids = torch.arange(n) * 3 // max(n, 1)
     mask = qkv.segments(ids) & qkv.padding([n, 0]) & qkv.sliding_window(5, 2)
     q, k, v = rand_qkv(2, 2, 1, n, n, 4, 3, requires_grad=True)
@@ -177,9 +191,10 @@ def test_several_workers_agree_with_the_reference(monkeypatch):
 
 
 def test_block_sizes_shrink_for_many_heads():
-    bq, bk = block_sizes(64, 32, 4096, 4096)
-    assert 64 * 32 * bq * bk <= tiles.MAX_TILE_ELEMENTS
-    assert block_sizes(1, 1, 5, 3) == (5, 3)
+    bq, bk, span = block_sizes(64, 32, 4096, 4096)
+    assert 64 * 32 * bq * span <= tiles.MAX_TILE_ELEMENTS
+    assert bk <= span
+    assert block_sizes(1, 1, 5, 3) == (5, 3, 3)
 
 
 # Runs in a child process: forcing large allocations onto mmap (so freed tensors leave the

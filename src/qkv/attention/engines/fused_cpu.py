@@ -6,9 +6,10 @@ similarity, mask and score modifier.
   save only the output and the log-sum-exp. No (Nq, Nk) tensor is held: extra memory is
   O((Nq + Nk)·D) plus one tile of scores.
 - Backward: recompute each tile's scores from the same definitions and the saved
-  log-sum-exp. The dot kernel without a modifier uses two matmuls; everything else builds a
-  small autograd graph per tile, so gradients reach the score modifier's tensors (ALiBi
-  slopes, bias tables, tensors captured by user callables) and a tensor scale.
+  log-sum-exp. The kernels' own gradients are by hand (matmuls for dot and L2, C for L1);
+  the elementwise part (scale, modifier, mask) runs under a small autograd graph per tile
+  when it has anything to differentiate, so gradients reach the score modifier's tensors
+  (ALiBi slopes, bias tables, tensors captured by user callables) and a tensor scale.
 - Similarity features (unit-normalize, the Mahalanobis map) are O(N·D) and run outside the
   tile loop under ordinary autograd, so gradients reach q, k and the metric.
 - Sparse graph masks go to the gather path in ``graph_gather`` instead of tiles.
@@ -25,9 +26,10 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
-from . import graph_gather
+from . import graph_gather, native_l1
 from .tiles import (
     TileSpec,
+    analytic_kernel,
     block_sizes,
     dropout_keep,
     group_heads,
@@ -80,8 +82,7 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
     row_max_safe = torch.zeros_like(row_max)
     row_sum = torch.zeros_like(row_max)
     acc = fq.new_zeros(batch, hv, (heads // hv) * (q1 - q0), dv)
-    for j, masked in tiles:
-        k0, k1 = spec.k_range(j)
+    for k0, k1, masked in tiles:
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
         s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
         new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
@@ -91,7 +92,7 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
         correction = (row_max - new_max_safe).exp_()
         row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
         if spec.dropout_p > 0:
-            keep = dropout_keep(spec, i, j, p.shape, fq.device)
+            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
         acc = group_heads(acc.view(batch, heads, q1 - q0, dv).mul_(correction), hv)
         acc.add_(group_heads(p, hv) @ v[:, :, k0:k1])
@@ -133,13 +134,16 @@ def _elementwise_needs_grad(spec: TileSpec) -> bool:
 
 
 def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of the pairwise kernel for the query and key tile, by matmuls, from
+    """Gradients of the pairwise kernel for the query and key tile from
     draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
 
-    The engine's one restatement of the core: the analytic derivatives of the two matmul
-    kernels. dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
+    The engine's one restatement of the core: the analytic derivatives of the kernels.
+    dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
     dq = 2(dS·k - rowsum(dS)·q), dk = 2(dSᵀ·q - colsum(dS)·k). The kernel's clamp at 0 only
-    touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone."""
+    touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone.
+    neg_l1 -Σ|q-k|: the C kernel (``native_l1.grads``)."""
+    if kernel == "neg_l1":
+        return native_l1.grads(draw, fq_t, fk_t)
     dq = draw @ fk_t
     dk = draw.transpose(-1, -2) @ fq_t
     if kernel == "neg_sqdist":
@@ -151,14 +155,14 @@ def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tupl
 def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras) -> None:
     """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums.
 
-    The dot and neg_sqdist kernels stay out of autograd: only the elementwise part (scale,
-    score modifier, mask) runs under autograd when it has anything to differentiate, giving
-    d(loss)/d(raw scores) and the modifier's tensor gradients; the kernel's gradients are two
-    matmuls (``_kernel_grads``). The L1 kernel (cdist) is differentiated by autograd."""
+    The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
+    runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
+    and the modifier's tensor gradients; the kernel's gradients are matmuls or C
+    (``_kernel_grads``). L1 without its C kernel (cdist) is differentiated by autograd."""
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
-    by_autograd = spec.kernel not in ("dot", "neg_sqdist")
+    by_autograd = not analytic_kernel(spec, fq.dtype)
     elementwise_grad = _elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
@@ -166,8 +170,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
     do_t = group_heads(dout[:, :, q0:q1], hv)
     lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
     dfq_t = torch.zeros_like(fq_t)
-    for j, masked in tiles:
-        k0, k1 = spec.k_range(j)
+    for k0, k1, masked in tiles:
         fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
         shape = (batch, heads, n, k1 - k0)
@@ -187,7 +190,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
         dp = (do_t @ v_t.transpose(-1, -2)).view(shape)
         kept = p
         if spec.dropout_p > 0:
-            keep = dropout_keep(spec, i, j, p.shape, fq.device)
+            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
         grads.v[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
@@ -264,25 +267,24 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     for i, tiles in enumerate(tile_plan(spec, fq.device)):
         q0, q1 = spec.q_range(i)
         fq_t = group_heads(fq[:, :, q0:q1], fk.shape[1])
-        for j, masked in tiles:
-            k0, k1 = spec.k_range(j)
+        for k0, k1, masked in tiles:
             idx = tile_index(spec, q0, q1, k0, k1, fq.device)
             s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
             p = _exp_(s.sub_(lse[:, :, q0:q1]))
             if spec.dropout_p > 0:
-                keep = dropout_keep(spec, i, j, p.shape, fq.device)
+                keep = dropout_keep(spec, i, k0, p.shape, fq.device)
                 p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
             weights[:, :, q0:q1, k0:k1] = p
     return weights
 
 
 def _spec(p: Problem, scale) -> TileSpec:
-    block_q, block_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
+    block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(
         kernel=p.similarity.kernel, scale=scale, score_mod=p.score_mod, mask=p.mask,
         batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k,
+        block_q=block_q, block_k=block_k, span_k=span_k,
     )
 
 

@@ -17,9 +17,14 @@ from torch import Tensor
 from ..masks import EMPTY, FULL, Mask
 from ..scores import ScoreMod
 from ..similarity import KERNELS
+from . import native_l1
 
 BLOCK_Q = 128
-BLOCK_K = 512
+# Masks are classified in key blocks of BLOCK_K; runs of visited blocks in the same state are
+# then merged into spans of up to SPAN_K keys, so a sliding window visits about w keys per
+# row while unmasked attention still multiplies wide tiles.
+BLOCK_K = 128
+SPAN_K = 512
 # Cap on the elements of one (B, H, block_q, block_k) score tile: many heads get smaller tiles.
 MAX_TILE_ELEMENTS = 1 << 23
 
@@ -43,6 +48,7 @@ class TileSpec:
     seed: int
     block_q: int
     block_k: int
+    span_k: int = 0  # the widest merged key span; 0 means block_k
 
     @property
     def offset(self) -> int:
@@ -51,40 +57,52 @@ class TileSpec:
     def q_range(self, i: int) -> tuple[int, int]:
         return i * self.block_q, min(self.nq, (i + 1) * self.block_q)
 
-    def k_range(self, j: int) -> tuple[int, int]:
-        return j * self.block_k, min(self.nk, (j + 1) * self.block_k)
 
-    @property
-    def k_blocks(self) -> int:
-        return -(-self.nk // self.block_k)
-
-
-def block_sizes(batch: int, heads: int, nq: int, nk: int) -> tuple[int, int]:
-    """Tile sizes: the default, shrunk for small N and for many (batch, head) pairs."""
-    block_q, block_k = min(BLOCK_Q, nq), min(BLOCK_K, nk)
-    while batch * heads * block_q * block_k > MAX_TILE_ELEMENTS and block_q > 16:
+def block_sizes(batch: int, heads: int, nq: int, nk: int) -> tuple[int, int, int]:
+    """(block_q, block_k, span_k): the defaults, shrunk for small N and for many
+    (batch, head) pairs."""
+    block_q, span_k = min(BLOCK_Q, nq), min(SPAN_K, nk)
+    while batch * heads * block_q * span_k > MAX_TILE_ELEMENTS and block_q > 16:
         block_q //= 2
-    while batch * heads * block_q * block_k > MAX_TILE_ELEMENTS and block_k > 64:
-        block_k //= 2
-    return max(1, block_q), max(1, block_k)
+    while batch * heads * block_q * span_k > MAX_TILE_ELEMENTS and span_k > 64:
+        span_k //= 2
+    return max(1, block_q), max(1, min(BLOCK_K, span_k)), max(1, span_k)
 
 
-def tile_plan(spec: TileSpec, device) -> list[list[tuple[int, bool]]]:
-    """For each query block, the key blocks to visit and whether the mask must be evaluated.
+Span = tuple[int, int, bool]
 
-    A tile EMPTY for every (batch, head) is skipped; one FULL for every (batch, head) skips
-    the mask; anything else evaluates the mask rule on the tile."""
-    qb = -(-spec.nq // spec.block_q)
+
+def tile_plan(spec: TileSpec, device) -> list[list[Span]]:
+    """For each query block, the key spans (k0, k1, masked) to visit.
+
+    A key block EMPTY for every (batch, head) is skipped; one FULL for every (batch, head)
+    skips the mask; anything else evaluates the mask rule. Neighbouring visited blocks in the
+    same state merge into spans of up to ``span_k`` keys."""
+    qb, kb = -(-spec.nq // spec.block_q), -(-spec.nk // spec.block_k)
     if spec.mask is None:
-        return [[(j, False) for j in range(spec.k_blocks)] for _ in range(qb)]
-    states = spec.mask.tile_states(
-        spec.batch, spec.heads, spec.nq, spec.nk, spec.block_q, spec.block_k, device
-    ).flatten(0, 1)
-    visit = (states != EMPTY).any(0).tolist()
-    full = (states == FULL).all(0).tolist()
-    return [
-        [(j, not full[i][j]) for j in range(spec.k_blocks) if visit[i][j]] for i in range(qb)
-    ]
+        visit, masked = [[True] * kb] * qb, [[False] * kb] * qb
+    else:
+        states = spec.mask.tile_states(
+            spec.batch, spec.heads, spec.nq, spec.nk, spec.block_q, spec.block_k, device
+        ).flatten(0, 1)
+        visit = (states != EMPTY).any(0).tolist()
+        masked = (states != FULL).any(0).tolist()
+    return [_spans(spec, visit[i], masked[i]) for i in range(qb)]
+
+
+def _spans(spec: TileSpec, visit: list[bool], masked: list[bool]) -> list[Span]:
+    width = max(spec.span_k, spec.block_k)
+    spans: list[Span] = []
+    for j, (seen, needs_mask) in enumerate(zip(visit, masked, strict=True)):
+        if not seen:
+            continue
+        k0, k1 = j * spec.block_k, min(spec.nk, (j + 1) * spec.block_k)
+        start, end, state = spans[-1] if spans else (0, -1, False)
+        if end == k0 and state == needs_mask and k1 - start <= width:
+            spans[-1] = (start, k1, needs_mask)
+        else:
+            spans.append((k0, k1, needs_mask))
+    return spans
 
 
 def group_heads(t: Tensor, groups: int) -> Tensor:
@@ -127,8 +145,20 @@ def tile_shape(spec: TileSpec, idx: TileIndex, batch: int) -> tuple[int, int, in
     return batch, spec.heads, idx.q.shape[2], idx.kv.shape[3]
 
 
+def analytic_kernel(spec: TileSpec, dtype: torch.dtype) -> bool:
+    """Whether the engine has the kernel's gradients by hand (matmuls for dot and neg_sqdist,
+    the C kernel for neg_l1), rather than by autograd through ``KERNELS``."""
+    return spec.kernel in ("dot", "neg_sqdist") or (
+        spec.kernel == "neg_l1" and native_l1.available(dtype)
+    )
+
+
 def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor) -> Tensor:
-    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk)."""
+    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk). L1 runs in C when it
+    can (the same formula, vectorized across keys; see ``native_l1``)."""
+    if spec.kernel == "neg_l1" and native_l1.available(fq_t.dtype):
+        if not (torch.is_grad_enabled() and (fq_t.requires_grad or fk_t.requires_grad)):
+            return native_l1.scores(fq_t, fk_t)
     return KERNELS[spec.kernel](fq_t, fk_t)
 
 
@@ -161,10 +191,11 @@ def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, mask
     return modify_scores(spec, raw, idx, masked)
 
 
-def dropout_keep(spec: TileSpec, i: int, j: int, shape, device) -> Tensor:
-    """The keep mask of tile (i, j), regenerated bit for bit by the backward pass: each tile
-    draws from its own generator seeded by the call's seed and the tile's position."""
-    gen = torch.Generator(device=device).manual_seed(spec.seed + i * spec.k_blocks + j)
+def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
+    """The keep mask of the tile of query block i whose keys start at k0, regenerated bit for
+    bit by the backward pass: each tile draws from its own generator seeded by the call's seed
+    and the tile's position."""
+    gen = torch.Generator(device=device).manual_seed(spec.seed + i * spec.nk + k0)
     return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
 
 

@@ -1,0 +1,117 @@
+"""The C L1 kernel: values and gradients equal torch.cdist's, it is built once per cache
+directory, and without a compiler the engine falls back to cdist with a warning."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import qkv
+from qkv.attention.engines import native_l1
+
+pytestmark = pytest.mark.skipif(
+    not native_l1.available(torch.float32), reason="no C compiler on this machine"
+)
+
+
+def cdist_reference(q, k, ds):
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    scores = -torch.cdist(q, k, p=1)
+    return scores.detach(), *torch.autograd.grad(scores, (q, k), ds)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("m,n,d", [(1, 1, 1), (37, 70, 40), (5, 64, 64), (129, 3, 17)])
+def test_scores_and_gradients_equal_cdist(dtype, m, n, d):
+    g = torch.Generator().manual_seed(m * n + d)
+    q = torch.randn(2, 3, m, d, generator=g, dtype=dtype)
+    k = torch.randn(2, 3, n, d, generator=g, dtype=dtype)
+    ds = torch.randn(2, 3, m, n, generator=g, dtype=dtype)
+    want, want_dq, want_dk = cdist_reference(q, k, ds)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(native_l1.scores(q, k), want, **tol)
+    dq, dk = native_l1.grads(ds, q, k)
+    torch.testing.assert_close(dq, want_dq, **tol)
+    torch.testing.assert_close(dk, want_dk, **tol)
+
+
+def test_ties_have_zero_sign_like_cdist():
+    """Integer-valued features make many q_d == k_d: their sign, and gradient, is 0."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-2, 3, (1, 1, 9, 5), generator=g).double()
+    k = torch.randint(-2, 3, (1, 1, 11, 5), generator=g).double()
+    ds = torch.randn(1, 1, 9, 11, generator=g, dtype=torch.float64)
+    _, want_dq, want_dk = cdist_reference(q, k, ds)
+    dq, dk = native_l1.grads(ds, q, k)
+    torch.testing.assert_close(dq, want_dq, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dk, want_dk, rtol=0, atol=1e-12)
+
+
+def test_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 3, 10, 8, generator=g, dtype=torch.float64).transpose(1, 2)  # (1,10,3,8)
+    k = torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64)[:, :, ::2].transpose(1, 2)
+    want = -torch.cdist(q.contiguous(), k.contiguous(), p=1)
+    torch.testing.assert_close(native_l1.scores(q, k), want, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
+    calls = {"scores": 0, "grads": 0}
+    for name in calls:
+        real = getattr(native_l1, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(native_l1, name, counted)
+    q, k, v = (torch.randn(1, 2, 33, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    kw = {"similarity": "l1", "mask": qkv.causal(), "score_mod": qkv.softcap(3.0)}
+    out = qkv.attention(q, k, v, backend="fused", **kw)
+    ref = qkv.attention(q, k, v, backend="reference", **kw)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert calls["scores"] > 0 and calls["grads"] > 0
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+_PROBE = """
+import warnings, torch, qkv
+from qkv.attention.engines import native_l1
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ok = native_l1.available(torch.float32)
+q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
+out = qkv.attention(q, k, v, similarity="l1", backend="fused")
+ref = qkv.attention(q, k, v, similarity="l1", backend="reference")
+print(ok, any("did not build" in str(w.message) for w in seen), float((out - ref).abs().max()))
+"""
+
+
+def _probe(tmp_path, **env):
+    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          env={**os.environ, "QKV_CACHE": str(tmp_path), **env}, check=True)
+    ok, warned, err = done.stdout.split()
+    return ok == "True", warned == "True", float(err)
+
+
+def test_built_once_per_cache_directory(tmp_path):
+    assert _probe(tmp_path)[0]
+    (built,) = tmp_path.glob("l1_kernel_*.so")
+    stamp = built.stat().st_mtime_ns
+    ok, warned, err = _probe(tmp_path)
+    assert ok and not warned and err < 1e-12
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no leftover partial file
+    assert built.stat().st_mtime_ns == stamp
+
+
+def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
+    ok, warned, err = _probe(tmp_path, CC=str(tmp_path / "no-such-compiler"))
+    assert not ok and warned and err < 1e-12
+    assert not list(tmp_path.glob("*.so"))
+    ok, warned, err = _probe(tmp_path, QKV_NATIVE="0")
+    assert not ok and not warned and err < 1e-12
