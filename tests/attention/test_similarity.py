@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from qkv.attention.similarity import KERNELS, ROW_KERNELS
 
 from .conftest import rand_qkv
 
@@ -123,3 +124,12 @@ def test_low_precision_dtypes_track_float64(dtype, similarity):
     assert low.dtype == dtype
     err = (low.double() - ref).norm() / ref.norm()
     assert err < {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_row_kernels_are_the_pairwise_kernels_diagonal(kernel):
+    g = torch.Generator().manual_seed(4)
+    q, k = (torch.randn(2, 3, 9, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    want = torch.diagonal(KERNELS[kernel](q, k), dim1=-2, dim2=-1)
+    torch.testing.assert_close(ROW_KERNELS[kernel](q, k), want, rtol=1e-12, atol=1e-12)
+    assert sorted(ROW_KERNELS) == sorted(KERNELS)

@@ -6,6 +6,9 @@ Each similarity is written once, as two parts that every engine shares:
 - ``kernel``: one of three pairwise forms an engine must fuse on tiles:
   ``"dot"`` (q·k), ``"neg_sqdist"`` (-‖q-k‖²) or ``"neg_l1"`` (-‖q-k‖₁).
 The score is ``scale * kernel(features(q), features(k))``.
+
+Each kernel also has a row-wise form (``ROW_KERNELS``: one score per pair of matching rows,
+the diagonal of the pairwise form) for engines that gather (q, k) pairs along graph edges.
 """
 
 from __future__ import annotations
@@ -44,6 +47,28 @@ KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "dot": dot_scores,
     "neg_sqdist": neg_sqdist_scores,
     "neg_l1": neg_l1_scores,
+}
+
+
+def dot_rows(q: Tensor, k: Tensor) -> Tensor:
+    """(..., D), (..., D) -> (...): q·k of matching rows."""
+    return (q * k).sum(-1)
+
+
+def neg_sqdist_rows(q: Tensor, k: Tensor) -> Tensor:
+    """-‖q-k‖² of matching rows, from the difference (exact; no expansion needed per pair)."""
+    return -(q - k).square().sum(-1)
+
+
+def neg_l1_rows(q: Tensor, k: Tensor) -> Tensor:
+    """-‖q-k‖₁ of matching rows."""
+    return -(q - k).abs().sum(-1)
+
+
+ROW_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "dot": dot_rows,
+    "neg_sqdist": neg_sqdist_rows,
+    "neg_l1": neg_l1_rows,
 }
 
 

@@ -4,13 +4,13 @@ A ``GraphMask`` stores its edges target-major and sorted, so the edges of a run 
 nodes are one contiguous slice. Each slice of targets is one chunk:
 - gather the query features of each edge's target and the key features and values of its
   source (rows of (B, N, H, D) tensors, so each gather reads contiguous memory);
-- score each edge with the similarity's own pairwise kernel applied to 1×1 "matrices"
-  (``KERNELS[kernel](q (…, 1, D), k (…, 1, D))``), then the score modifier with the edge's
-  (target, source) indices;
+- score each edge with the row-wise form of the similarity's kernel (``ROW_KERNELS``), then
+  the score modifier with the edge's (target, source) indices;
 - softmax over each target's edges (the chunk holds all of them, so no online rescaling);
 - sum the weighted values per target.
-The backward pass recomputes one chunk at a time, so memory stays O(chunk edges·H·D) beyond
-the O(N·D) inputs and outputs.
+The backward pass recomputes one chunk at a time, so memory stays O(chunk edges·H·D) per
+worker beyond the O(N·D) inputs and outputs. Chunks are shared among torch's threads like
+the tile engine's query blocks (``run_split``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
-from ..similarity import KERNELS
-from .tiles import TileSpec
+from ..similarity import ROW_KERNELS
+from .tiles import TileSpec, run_split
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -35,7 +35,7 @@ def is_sparse(mask: GraphMask, nq: int, nk: int) -> bool:
 
 def _edge_scores(spec: TileSpec, fq_e: Tensor, fk_e: Tensor, target: Tensor, source: Tensor):
     """Scores (B, E, H, 1) of edges whose features are (B, E, H, D)."""
-    s = KERNELS[spec.kernel](fq_e.unsqueeze(-2), fk_e.unsqueeze(-2)).squeeze(-1)
+    s = ROW_KERNELS[spec.kernel](fq_e, fk_e).unsqueeze(-1)
     if spec.scale is not None:
         scale = spec.scale
         if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
@@ -95,27 +95,37 @@ def _gather(rows: Tensor, index: Tensor) -> Tensor:
     return rows.index_select(1, index)
 
 
+def _grad_sums(fq_rows, fk_rows, v_rows, count):
+    return [torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows)] + [None] * count
+
+
 class _GraphAttention(torch.autograd.Function):
     """Forward chunk by chunk without a graph; the backward pass recomputes each chunk under
-    a local autograd graph and scatters its gradients into one buffer per input, so the
-    total cost stays ∝ edges (a per-chunk autograd checkpoint would allocate a full-size
-    gradient for every chunk)."""
+    a local autograd graph and scatters its gradients into one buffer per input and worker,
+    so the total cost stays ∝ edges (a per-chunk autograd checkpoint would allocate a
+    full-size gradient for every chunk)."""
 
     @staticmethod
     def forward(ctx, spec, graph, fq_rows, fk_rows, v_rows, *extras):
         target, source, chunks = graph
-        outs, lses = [], []
-        for c, (first, count, e0, e1) in enumerate(chunks):
-            t, s = target[e0:e1], source[e0:e1]
-            out, lse = _chunk(spec, c, _gather(fq_rows, t), _gather(fk_rows, s),
-                              _gather(v_rows, s), t, s, first, count)
-            outs.append(out)
-            lses.append(lse)
+        shape = (fq_rows.shape[0], spec.nq, spec.heads)
+        out = fq_rows.new_zeros(*shape, v_rows.shape[-1])
+        lse = fq_rows.new_full((*shape, 1), float("-inf"))
+
+        def rows(indices):
+            with torch.no_grad():  # grad mode is per thread: workers start with it on
+                for c in indices:
+                    first, count, e0, e1 = chunks[c]
+                    t, s = target[e0:e1], source[e0:e1]
+                    out[:, first:first + count], lse[:, first:first + count] = _chunk(
+                        spec, c, _gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s),
+                        t, s, first, count)
+
+        run_split(rows, chunks)
         ctx.spec, ctx.graph, ctx.extras = spec, graph, extras
         ctx.save_for_backward(fq_rows, fk_rows, v_rows)
-        lse = torch.cat(lses, 1)
         ctx.mark_non_differentiable(lse)
-        return torch.cat(outs, 1), lse
+        return out, lse
 
     @staticmethod
     @once_differentiable
@@ -123,26 +133,35 @@ class _GraphAttention(torch.autograd.Function):
         spec, (target, source, chunks) = ctx.spec, ctx.graph
         fq_rows, fk_rows, v_rows = ctx.saved_tensors
         wanted = [e for e in ctx.extras if e.requires_grad]
-        dq, dk, dv = (torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows))
-        dwanted: list[Tensor | None] = [None] * len(wanted)
-        for c, (first, count, e0, e1) in enumerate(chunks):
-            t, s = target[e0:e1], source[e0:e1]
-            with torch.enable_grad():
-                leaves = [_gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s)]
-                leaves = [x.requires_grad_() for x in leaves]
-                out, _ = _chunk(spec, c, *leaves, t, s, first, count)
-            grads = torch.autograd.grad(
-                out, (*leaves, *wanted), dout[:, first:first + count], allow_unused=True
-            )
-            dq.index_add_(1, t, grads[0])
-            dk.index_add_(1, s, grads[1])
-            dv.index_add_(1, s, grads[2])
-            for e, g in enumerate(grads[3:]):
-                if g is not None:
-                    dwanted[e] = g if dwanted[e] is None else dwanted[e] + g
-        found = iter(dwanted)
+
+        @torch.no_grad()
+        def rows(indices):
+            sums = _grad_sums(fq_rows, fk_rows, v_rows, len(wanted))
+            for c in indices:
+                first, count, e0, e1 = chunks[c]
+                t, s = target[e0:e1], source[e0:e1]
+                with torch.enable_grad():
+                    leaves = [_gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s)]
+                    leaves = [x.requires_grad_() for x in leaves]
+                    out, _ = _chunk(spec, c, *leaves, t, s, first, count)
+                grads = torch.autograd.grad(
+                    out, (*leaves, *wanted), dout[:, first:first + count], allow_unused=True
+                )
+                for buffer, index, g in zip(sums[:3], (t, s, s), grads[:3], strict=True):
+                    buffer.index_add_(1, index, g)
+                for e, g in enumerate(grads[3:], start=3):
+                    if g is not None:
+                        sums[e] = g if sums[e] is None else sums[e] + g
+            return sums
+
+        parts = run_split(rows, chunks)
+        total = parts[0]
+        for part in parts[1:]:
+            total = [a if b is None else b if a is None else a + b
+                     for a, b in zip(total, part, strict=True)]
+        found = iter(total[3:])
         dextras = [next(found) if e.requires_grad else None for e in ctx.extras]
-        return (None, None, dq, dk, dv, *dextras)
+        return (None, None, *total[:3], *dextras)
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:
