@@ -39,7 +39,7 @@ def test_causal_plan_skips_empty_and_unmasks_full_tiles():
             assert masked == (k1 - 1 > 4 * i)  # only tiles crossing the diagonal are masked
 
 
-def test_plan_merges_neighbouring_blocks_in_the_same_state_up_to_the_span():
+def test_plan_merges_neighbouring_blocks_up_to_the_span():
     # Causal, Nq = Nk = 40, 8x8 blocks, spans up to 16: query block 4 (rows 32-39) sees key
     # blocks 0-3 full and block 4 on the diagonal.
     spec = spec_for(qkv.causal(), 40, 40, 8, 8)
@@ -47,6 +47,8 @@ def test_plan_merges_neighbouring_blocks_in_the_same_state_up_to_the_span():
     assert tile_plan(spec, "cpu")[4] == [(0, 16, False), (16, 32, False), (32, 40, True)]
     window = spec_for(qkv.sliding_window(16), 40, 40, 8, 8)
     window.span_k = 32  # rows 32-39 see keys 16-39: block 2 partial, 3 full, 4 diagonal
+    assert tile_plan(window, "cpu")[4] == [(16, 40, True)]
+    window.span_k = 8
     assert tile_plan(window, "cpu")[4] == [(16, 24, True), (24, 32, False), (32, 40, True)]
     unmasked = spec_for(None, 8, 40, 8, 8)
     unmasked.span_k = 16

@@ -22,28 +22,30 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def dot_scores(q: Tensor, k: Tensor) -> Tensor:
-    """(..., Nq, D), (..., Nk, D) -> (..., Nq, Nk): q·k."""
-    return q @ k.transpose(-1, -2)
+def dot_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
+    """(..., Nq, D), (..., Nk, D) -> (..., Nq, Nk): q·k. Each kernel writes into ``out``
+    (contiguous, of the result's shape) when given: engines reuse one buffer per worker."""
+    return torch.matmul(q, k.transpose(-1, -2), out=out)
 
 
-def neg_sqdist_scores(q: Tensor, k: Tensor) -> Tensor:
+def neg_sqdist_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
     """-‖q-k‖² by the norm expansion 2q·k - ‖q‖² - ‖k‖² (the form fused engines use), as one
     matrix product of augmented vectors [q, ‖q‖², 1]·[2k, -1, -‖k‖²]: a single pass over the
     (Nq, Nk) scores instead of four."""
     ones_q, ones_k = torch.ones_like(q[..., :1]), torch.ones_like(k[..., :1])
     qa = torch.cat([q, (q * q).sum(-1, keepdim=True), ones_q], dim=-1)
     ka = torch.cat([2 * k, -ones_k, -(k * k).sum(-1, keepdim=True)], dim=-1)
-    return dot_scores(qa, ka).clamp(max=0)
+    scores = dot_scores(qa, ka, out)
+    return scores.clamp(max=0) if out is None else scores.clamp_(max=0)
 
 
-def neg_l1_scores(q: Tensor, k: Tensor) -> Tensor:
+def neg_l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
     """-‖q-k‖₁. No matrix-multiply form exists; cdist sums |q-k| without materializing the
     (..., Nq, Nk, D) differences (about 10x faster than broadcasting, forward and backward)."""
-    return -torch.cdist(q, k, p=1)
+    return torch.neg(torch.cdist(q, k, p=1), out=out)
 
 
-KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+KERNELS: dict[str, Callable[..., Tensor]] = {
     "dot": dot_scores,
     "neg_sqdist": neg_sqdist_scores,
     "neg_l1": neg_l1_scores,
@@ -65,7 +67,7 @@ def neg_l1_rows(q: Tensor, k: Tensor) -> Tensor:
     return -(q - k).abs().sum(-1)
 
 
-ROW_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+ROW_KERNELS: dict[str, Callable[..., Tensor]] = {
     "dot": dot_rows,
     "neg_sqdist": neg_sqdist_rows,
     "neg_l1": neg_l1_rows,

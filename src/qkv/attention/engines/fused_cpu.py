@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
-from . import graph_gather, native_l1
+from . import graph_gather, native
 from .tiles import (
     TileSpec,
     analytic_kernel,
@@ -35,6 +35,7 @@ from .tiles import (
     group_heads,
     modify_scores,
     run_split,
+    scratch_for,
     tile_index,
     tile_plan,
     tile_raw,
@@ -72,34 +73,58 @@ def _exp_(x: Tensor) -> Tensor:
     return x.mul_(_LOG2E).exp2_()
 
 
-def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse) -> None:
-    """Online softmax over the key tiles of query block i; writes its rows of out and lse."""
+def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor) -> Tensor:
+    """One online-softmax update for a tile's scores s (B, H, bq, bk): returns
+    p = exp(s - max) (s's memory, reused); row_max and row_sum (B, H, bq, 1) are updated and
+    the output accumulator acc (B, H, bq, Dv) rescaled by exp(old max - new max), in place.
+    A row with nothing allowed so far keeps max -inf and subtracts 0, so exp gives 0, not
+    NaN."""
+    s = s.contiguous()
+    if native.available(s.dtype):
+        native.online_softmax_step(s, row_max, row_sum, acc)
+        return s
+    new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+    safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
+    p = _exp_(s.sub_(safe))
+    correction = (row_max - safe).exp_()
+    row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
+    acc.mul_(correction)
+    row_max.copy_(new_max)
+    return p
+
+
+def _probabilities(s: Tensor, lse: Tensor, copy: bool) -> Tensor:
+    """exp(s - lse) for scores s (..., bk) and lse (..., 1) (+inf on rows with no allowed key,
+    giving 0); in s's memory unless ``copy`` (s is part of an autograd graph)."""
+    s = s.detach().clone() if copy else s.contiguous()
+    if native.available(s.dtype):
+        return native.exp_sub_rows(s, lse)
+    return _exp_(s.sub_(lse))
+
+
+def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse, scratch) -> None:
+    """Online softmax over the key tiles of query block i; writes its rows of out and lse.
+    Scores go to the worker's ``scratch`` buffer: one allocation per worker, not per tile
+    (freeing and re-faulting a megabyte per tile costs two threads a quarter of their time)."""
     batch, heads, dv = spec.batch, spec.heads, v.shape[-1]
     hk, hv = fk.shape[1], v.shape[1]
     q0, q1 = spec.q_range(i)
     fq_t = group_heads(fq[:, :, q0:q1], hk)
     row_max = fq.new_full((batch, heads, q1 - q0, 1), float("-inf"))
-    row_max_safe = torch.zeros_like(row_max)
     row_sum = torch.zeros_like(row_max)
-    acc = fq.new_zeros(batch, hv, (heads // hv) * (q1 - q0), dv)
+    acc = fq.new_zeros(batch, heads, q1 - q0, dv)
+    # (B·Hv, (H/Hv)·bq, Dv): grouped heads share their v head in one batched matmul.
+    acc_grouped = acc.view(batch * hv, -1, dv)
     for k0, k1, masked in tiles:
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-        new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-        # A row with nothing allowed so far keeps max -inf; subtract 0 so exp gives 0, not NaN.
-        new_max_safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
-        p = _exp_(s.sub_(new_max_safe))
-        correction = (row_max - new_max_safe).exp_()
-        row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
+        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked, scratch)
+        p = _softmax_step(s, row_max, row_sum, acc)
         if spec.dropout_p > 0:
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        acc = group_heads(acc.view(batch, heads, q1 - q0, dv).mul_(correction), hv)
-        acc.add_(group_heads(p, hv) @ v[:, :, k0:k1])
-        row_max, row_max_safe = new_max, new_max_safe
-    acc = acc.view(batch, heads, q1 - q0, dv)
+        acc_grouped.baddbmm_(p.view(batch * hv, -1, k1 - k0), v[:, :, k0:k1].flatten(0, 1))
     out[:, :, q0:q1] = acc / row_sum.masked_fill(row_sum == 0, 1.0)
-    lse[:, :, q0:q1] = row_max_safe + row_sum.log()
+    lse[:, :, q0:q1] = row_max.masked_fill(row_max == float("-inf"), 0.0) + row_sum.log()
 
 
 def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -108,9 +133,10 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
 
     def rows(blocks):
+        scratch = scratch_for(spec, fq)
         with torch.no_grad():
             for i in blocks:
-                _forward_block(spec, i, plan[i], fq, fk, v, out, lse)
+                _forward_block(spec, i, plan[i], fq, fk, v, out, lse, scratch)
 
     run_split(rows, plan)
     return out, lse
@@ -141,9 +167,9 @@ def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tupl
     dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
     dq = 2(dS·k - rowsum(dS)·q), dk = 2(dSᵀ·q - colsum(dS)·k). The kernel's clamp at 0 only
     touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone.
-    neg_l1 -Σ|q-k|: the C kernel (``native_l1.grads``)."""
+    neg_l1 -Σ|q-k|: the C kernel (``native.l1_grads``)."""
     if kernel == "neg_l1":
-        return native_l1.grads(draw, fq_t, fk_t)
+        return native.l1_grads(draw, fq_t, fk_t)
     dq = draw @ fk_t
     dk = draw.transpose(-1, -2) @ fq_t
     if kernel == "neg_sqdist":
@@ -186,7 +212,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
         else:
             s = modify_scores(spec, tile_raw(spec, fq_t, fk_t).view(shape), idx, masked)
         graph = by_autograd or elementwise_grad
-        p = _exp_(s.detach() - lse_t if graph else s.sub_(lse_t))
+        p = _probabilities(s, lse_t, copy=graph)
         dp = (do_t @ v_t.transpose(-1, -2)).view(shape)
         kept = p
         if spec.dropout_p > 0:
@@ -270,7 +296,7 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
         for k0, k1, masked in tiles:
             idx = tile_index(spec, q0, q1, k0, k1, fq.device)
             s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-            p = _exp_(s.sub_(lse[:, :, q0:q1]))
+            p = _probabilities(s, lse[:, :, q0:q1], copy=False)
             if spec.dropout_p > 0:
                 keep = dropout_keep(spec, i, k0, p.shape, fq.device)
                 p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)

@@ -17,12 +17,13 @@ from torch import Tensor
 from ..masks import EMPTY, FULL, Mask
 from ..scores import ScoreMod
 from ..similarity import KERNELS
-from . import native_l1
+from . import native
 
 BLOCK_Q = 128
-# Masks are classified in key blocks of BLOCK_K; runs of visited blocks in the same state are
-# then merged into spans of up to SPAN_K keys, so a sliding window visits about w keys per
-# row while unmasked attention still multiplies wide tiles.
+# Masks are classified in key blocks of BLOCK_K; runs of visited blocks are then merged into
+# spans of up to SPAN_K keys, so a sliding window visits about w keys per row while unmasked
+# attention still multiplies wide tiles. Fewer, wider tiles beat skipping the mask on part of
+# a span: each tile costs a few dozen Python-level calls, which two workers share one GIL for.
 BLOCK_K = 128
 SPAN_K = 512
 # Cap on the elements of one (B, H, block_q, block_k) score tile: many heads get smaller tiles.
@@ -75,9 +76,9 @@ Span = tuple[int, int, bool]
 def tile_plan(spec: TileSpec, device) -> list[list[Span]]:
     """For each query block, the key spans (k0, k1, masked) to visit.
 
-    A key block EMPTY for every (batch, head) is skipped; one FULL for every (batch, head)
-    skips the mask; anything else evaluates the mask rule. Neighbouring visited blocks in the
-    same state merge into spans of up to ``span_k`` keys."""
+    A key block EMPTY for every (batch, head) is skipped; neighbouring visited blocks merge
+    into spans of up to ``span_k`` keys, and a span evaluates the mask rule unless all its
+    blocks are FULL for every (batch, head)."""
     qb, kb = -(-spec.nq // spec.block_q), -(-spec.nk // spec.block_k)
     if spec.mask is None:
         visit, masked = [[True] * kb] * qb, [[False] * kb] * qb
@@ -98,8 +99,8 @@ def _spans(spec: TileSpec, visit: list[bool], masked: list[bool]) -> list[Span]:
             continue
         k0, k1 = j * spec.block_k, min(spec.nk, (j + 1) * spec.block_k)
         start, end, state = spans[-1] if spans else (0, -1, False)
-        if end == k0 and state == needs_mask and k1 - start <= width:
-            spans[-1] = (start, k1, needs_mask)
+        if end == k0 and k1 - start <= width:
+            spans[-1] = (start, k1, state or needs_mask)
         else:
             spans.append((k0, k1, needs_mask))
     return spans
@@ -149,17 +150,27 @@ def analytic_kernel(spec: TileSpec, dtype: torch.dtype) -> bool:
     """Whether the engine has the kernel's gradients by hand (matmuls for dot and neg_sqdist,
     the C kernel for neg_l1), rather than by autograd through ``KERNELS``."""
     return spec.kernel in ("dot", "neg_sqdist") or (
-        spec.kernel == "neg_l1" and native_l1.available(dtype)
+        spec.kernel == "neg_l1" and native.available(dtype)
     )
 
 
-def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor) -> Tensor:
-    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk). L1 runs in C when it
-    can (the same formula, vectorized across keys; see ``native_l1``)."""
-    if spec.kernel == "neg_l1" and native_l1.available(fq_t.dtype):
+def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
+    front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. L1 runs
+    in C when it can (the same formula, vectorized across keys; see ``native``)."""
+    b, hk, rows, _ = fq_t.shape
+    out = None
+    if scratch is not None:
+        out = scratch[: b * hk * rows * fk_t.shape[2]].view(b, hk, rows, fk_t.shape[2])
+    if spec.kernel == "neg_l1" and native.available(fq_t.dtype):
         if not (torch.is_grad_enabled() and (fq_t.requires_grad or fk_t.requires_grad)):
-            return native_l1.scores(fq_t, fk_t)
-    return KERNELS[spec.kernel](fq_t, fk_t)
+            return native.l1_scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
+    return KERNELS[spec.kernel](fq_t, fk_t, out=out)
+
+
+def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
+    """One worker's flat scores buffer, large enough for its widest tile."""
+    return like.new_empty(spec.batch * spec.heads * spec.block_q * max(spec.span_k, spec.block_k))
 
 
 def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:
@@ -183,11 +194,12 @@ def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> 
     return s
 
 
-def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool) -> Tensor:
+def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool,
+                scratch: Tensor | None = None) -> Tensor:
     """Scores (B, H, bq, bk) of one tile, -inf where the mask forbids.
 
     fq_t: (B, Hk, (H/Hk)·bq, D) query features grouped by key head; fk_t: (B, Hk, bk, D)."""
-    raw = tile_raw(spec, fq_t, fk_t).reshape(tile_shape(spec, idx, fq_t.shape[0]))
+    raw = tile_raw(spec, fq_t, fk_t, scratch).reshape(tile_shape(spec, idx, fq_t.shape[0]))
     return modify_scores(spec, raw, idx, masked)
 
 

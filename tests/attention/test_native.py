@@ -1,5 +1,6 @@
-"""The C L1 kernel: values and gradients equal torch.cdist's, it is built once per cache
-directory, and without a compiler the engine falls back to cdist with a warning."""
+"""The C tile kernels: L1 values and gradients equal torch.cdist's, the softmax steps equal
+their torch formulas, the library is built once per cache directory, and without a compiler
+the engine falls back to torch operations with a warning."""
 
 import os
 import subprocess
@@ -9,10 +10,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import native_l1
+from qkv.attention.engines import native
 
 pytestmark = pytest.mark.skipif(
-    not native_l1.available(torch.float32), reason="no C compiler on this machine"
+    not native.available(torch.float32), reason="no C compiler on this machine"
 )
 
 
@@ -31,8 +32,8 @@ def test_scores_and_gradients_equal_cdist(dtype, m, n, d):
     ds = torch.randn(2, 3, m, n, generator=g, dtype=dtype)
     want, want_dq, want_dk = cdist_reference(q, k, ds)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
-    torch.testing.assert_close(native_l1.scores(q, k), want, **tol)
-    dq, dk = native_l1.grads(ds, q, k)
+    torch.testing.assert_close(native.l1_scores(q, k), want, **tol)
+    dq, dk = native.l1_grads(ds, q, k)
     torch.testing.assert_close(dq, want_dq, **tol)
     torch.testing.assert_close(dk, want_dk, **tol)
 
@@ -44,7 +45,7 @@ def test_ties_have_zero_sign_like_cdist():
     k = torch.randint(-2, 3, (1, 1, 11, 5), generator=g).double()
     ds = torch.randn(1, 1, 9, 11, generator=g, dtype=torch.float64)
     _, want_dq, want_dk = cdist_reference(q, k, ds)
-    dq, dk = native_l1.grads(ds, q, k)
+    dq, dk = native.l1_grads(ds, q, k)
     torch.testing.assert_close(dq, want_dq, rtol=0, atol=1e-12)
     torch.testing.assert_close(dk, want_dk, rtol=0, atol=1e-12)
 
@@ -54,26 +55,26 @@ def test_non_contiguous_inputs():
     q = torch.randn(1, 3, 10, 8, generator=g, dtype=torch.float64).transpose(1, 2)  # (1,10,3,8)
     k = torch.randn(1, 4, 20, 8, generator=g, dtype=torch.float64)[:, :, ::2].transpose(1, 2)
     want = -torch.cdist(q.contiguous(), k.contiguous(), p=1)
-    torch.testing.assert_close(native_l1.scores(q, k), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(native.l1_scores(q, k), want, rtol=1e-12, atol=1e-12)
 
 
 def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
-    calls = {"scores": 0, "grads": 0}
+    calls = {"l1_scores": 0, "l1_grads": 0}
     for name in calls:
-        real = getattr(native_l1, name)
+        real = getattr(native, name)
 
         def counted(*args, _real=real, _name=name):
             calls[_name] += 1
             return _real(*args)
 
-        monkeypatch.setattr(native_l1, name, counted)
+        monkeypatch.setattr(native, name, counted)
     q, k, v = (torch.randn(1, 2, 33, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     kw = {"similarity": "l1", "mask": qkv.causal(), "score_mod": qkv.softcap(3.0)}
     out = qkv.attention(q, k, v, backend="fused", **kw)
     ref = qkv.attention(q, k, v, backend="reference", **kw)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    assert calls["scores"] > 0 and calls["grads"] > 0
+    assert calls["l1_scores"] > 0 and calls["l1_grads"] > 0
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
@@ -81,10 +82,10 @@ def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
 
 _PROBE = """
 import warnings, torch, qkv
-from qkv.attention.engines import native_l1
+from qkv.attention.engines import native
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
-    ok = native_l1.available(torch.float32)
+    ok = native.available(torch.float32)
 q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
 out = qkv.attention(q, k, v, similarity="l1", backend="fused")
 ref = qkv.attention(q, k, v, similarity="l1", backend="reference")
@@ -101,7 +102,7 @@ def _probe(tmp_path, **env):
 
 def test_built_once_per_cache_directory(tmp_path):
     assert _probe(tmp_path)[0]
-    (built,) = tmp_path.glob("l1_kernel_*.so")
+    (built,) = tmp_path.glob("cpu_kernels_*.so")
     stamp = built.stat().st_mtime_ns
     ok, warned, err = _probe(tmp_path)
     assert ok and not warned and err < 1e-12

@@ -84,3 +84,67 @@ void l1_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_
 
 DEFINE_L1(float, f32, __builtin_fabsf)
 DEFINE_L1(double, f64, __builtin_fabs)
+
+/* One step of the online softmax over a tile of scores s (rows, cols), in place.
+ *
+ * For each row: new_max = max(row_max, max(s)); s <- exp(s - m) with m = new_max, or 0 while
+ * the row has seen no allowed key (new_max = -inf, so masked -inf scores give exactly 0);
+ * correction = exp(row_max - m); row_sum <- row_sum * correction + sum(s); the row's output
+ * accumulator acc (rows, dv) <- acc * correction; row_max <- new_max.
+ * Two passes over each row (the row stays in L1 cache) instead of one pass over the whole
+ * tile per operation.
+ */
+static inline float exp_nonpositive_f32(float x) {
+    /* exp(x) for x <= 0 (or -inf), vectorizable: 2^n * e^t with y = x log2(e) = n + f,
+     * |f| <= 1/2, t = f ln 2, and a degree-6 Taylor polynomial (relative error < 2e-7). */
+    float y = x * 1.44269504088896341f;
+    float below = y < -126.0f ? 1.0f : 0.0f;
+    y = y < -126.0f ? -126.0f : y;
+    float n = (y + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    float t = (y - n) * 0.693147180559945309f;
+    float p = 1.0f + t * (1.0f + t * (0.5f + t * (1.0f / 6 + t * (1.0f / 24 + t * (
+        1.0f / 120 + t * (1.0f / 720))))));
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return below > 0.0f ? 0.0f : p * scale.f;
+}
+
+static inline double exp_nonpositive_f64(double x) { return __builtin_exp(x); }
+
+#define DEFINE_SOFTMAX(T, SUFFIX)                                                           \
+void online_softmax_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max,            \
+                                  T *row_sum, T *acc, int64_t dv) {                         \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        T *row = s + r * cols, m = row_max[r], sum = 0;                                     \
+        _Pragma("omp simd reduction(max:m)")                                                \
+        for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                     \
+        const T safe = m == -(T)__builtin_inf() ? 0 : m;                                    \
+        _Pragma("omp simd reduction(+:sum)")                                                \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            T p = exp_nonpositive_##SUFFIX(row[j] - safe);                                  \
+            row[j] = p;                                                                     \
+            sum += p;                                                                       \
+        }                                                                                   \
+        const T c = exp_nonpositive_##SUFFIX(row_max[r] - safe);                            \
+        T *out = acc + r * dv;                                                              \
+        for (int64_t j = 0; j < dv; j++) out[j] *= c;                                       \
+        row_sum[r] = row_sum[r] * c + sum;                                                  \
+        row_max[r] = m;                                                                     \
+    }                                                                                       \
+}                                                                                           \
+                                                                                            \
+void exp_sub_rows_##SUFFIX(T *s, int64_t rows, int64_t cols, const T *lse) {               \
+    /* s <- exp(s - lse[row]); lse = +inf (a row with no allowed key) gives 0. */           \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        T *row = s + r * cols;                                                              \
+        const T l = lse[r];                                                                 \
+        _Pragma("omp simd")                                                                 \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            T x = row[j] - l;                                                               \
+            row[j] = exp_nonpositive_##SUFFIX(x != x ? -(T)__builtin_inf() : x);            \
+        }                                                                                   \
+    }                                                                                       \
+}
+
+DEFINE_SOFTMAX(float, f32)
+DEFINE_SOFTMAX(double, f64)
