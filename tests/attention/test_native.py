@@ -116,3 +116,44 @@ def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
     assert not list(tmp_path.glob("*.so"))
     ok, warned, err = _probe(tmp_path, QKV_NATIVE="0")
     assert not ok and not warned and err < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_online_softmax_step_equals_its_torch_formula(dtype):
+    """Rows with no allowed key so far (-inf max), fully masked tiles and far scores (exp of
+    values below -88, where torch's exp is slow and float32 underflows) included."""
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(2, 3, 6, 37, generator=g, dtype=dtype) * 40
+    s[0, 0, 1] = float("-inf")  # a fully masked row of the tile
+    s[1, 2, :, ::3] = float("-inf")
+    row_max = torch.randn(2, 3, 6, 1, generator=g, dtype=dtype) * 40
+    row_max[0, 0, :2] = float("-inf")  # rows that have seen nothing yet
+    row_sum = torch.rand(2, 3, 6, 1, generator=g, dtype=dtype).masked_fill(row_max.isinf(), 0)
+    acc = torch.randn(2, 3, 6, 5, generator=g, dtype=dtype).masked_fill(row_max.isinf(), 0)
+    new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
+    safe = new_max.masked_fill(new_max.isinf(), 0)
+    want_p = torch.exp(s - safe)
+    correction = torch.exp(row_max - safe)
+    want_sum = row_sum * correction + want_p.sum(-1, keepdim=True)
+    want_acc = acc * correction
+    native.online_softmax_step(s, row_max, row_sum, acc)
+    tol = {"rtol": 1e-12, "atol": 0} if dtype == torch.float64 else {"rtol": 3e-7, "atol": 1e-30}
+    torch.testing.assert_close(s, want_p, **tol)
+    torch.testing.assert_close(row_sum, want_sum, **tol)
+    torch.testing.assert_close(acc, want_acc, **tol)
+    torch.testing.assert_close(row_max, new_max, rtol=0, atol=0)
+    assert (s[0, 0, 1] == 0).all() and (s[1, 2, :, ::3] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_exp_sub_rows(dtype):
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(4, 9, 50, generator=g, dtype=dtype) * 30
+    s[:, :, ::7] = float("-inf")
+    lse = s.logsumexp(-1, keepdim=True)
+    lse[1, 3] = float("inf")  # a row with no allowed key
+    want = torch.exp(s - lse)
+    got = native.exp_sub_rows(s.clone(), lse)
+    torch.testing.assert_close(got, want, rtol=3e-7 if dtype == torch.float32 else 1e-12,
+                               atol=1e-30)
+    assert (got[1, 3] == 0).all()

@@ -95,13 +95,16 @@ DEFINE_L1(double, f64, __builtin_fabs)
  * tile per operation.
  */
 static inline float exp_nonpositive_f32(float x) {
-    /* exp(x) for x <= 0 (or -inf), vectorizable: 2^n * e^t with y = x log2(e) = n + f,
-     * |f| <= 1/2, t = f ln 2, and a degree-6 Taylor polynomial (relative error < 2e-7). */
+    /* exp(x) for x <= 0 (or -inf), vectorizable: x = n ln2 + t with n = round(x log2 e) and
+     * t reduced with ln 2 split in two parts (Cody-Waite, so t is exact to float rounding),
+     * then 2^n * e^t with a degree-6 Taylor polynomial on |t| <= ln2/2 (relative error about
+     * 2e-7). Below 2^-126 the result is 0: denormals are not produced. */
     float y = x * 1.44269504088896341f;
     float below = y < -126.0f ? 1.0f : 0.0f;
     y = y < -126.0f ? -126.0f : y;
+    x = x < -87.33654475f ? -87.33654475f : x; /* -126 ln 2, where y was clamped */
     float n = (y + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
-    float t = (y - n) * 0.693147180559945309f;
+    float t = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
     float p = 1.0f + t * (1.0f + t * (0.5f + t * (1.0f / 6 + t * (1.0f / 24 + t * (
         1.0f / 120 + t * (1.0f / 720))))));
     union { int32_t i; float f; } scale;
