@@ -157,3 +157,12 @@ def test_exp_sub_rows(dtype):
     torch.testing.assert_close(got, want, rtol=3e-7 if dtype == torch.float32 else 1e-12,
                                atol=1e-30)
     assert (got[1, 3] == 0).all()
+
+
+def test_softmax_grad_rows():
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(3, 5, 21, generator=g, dtype=torch.float64)
+    dp = torch.randn(3, 5, 21, generator=g, dtype=torch.float64)
+    delta = torch.randn(3, 5, 1, generator=g, dtype=torch.float64)
+    want = p * (dp - delta)
+    torch.testing.assert_close(native.softmax_grad_rows(p, dp, delta), want, rtol=1e-14, atol=0)

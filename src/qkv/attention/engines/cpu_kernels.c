@@ -149,5 +149,19 @@ void exp_sub_rows_##SUFFIX(T *s, int64_t rows, int64_t cols, const T *lse) {    
     }                                                                                       \
 }
 
+#define DEFINE_SOFTMAX_GRAD(T, SUFFIX)                                                      \
+void softmax_grad_rows_##SUFFIX(const T *p, T *dp, int64_t rows, int64_t cols,              \
+                                const T *delta) {                                           \
+    /* dp <- p * (dp - delta[row]): d(loss)/d(scores) of a softmax tile. */                 \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        const T *pr = p + r * cols, d = delta[r];                                           \
+        T *g = dp + r * cols;                                                               \
+        _Pragma("omp simd")                                                                 \
+        for (int64_t j = 0; j < cols; j++) g[j] = pr[j] * (g[j] - d);                       \
+    }                                                                                       \
+}
+
+DEFINE_SOFTMAX_GRAD(float, f32)
+DEFINE_SOFTMAX_GRAD(double, f64)
 DEFINE_SOFTMAX(float, f32)
 DEFINE_SOFTMAX(double, f64)

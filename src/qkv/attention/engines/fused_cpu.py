@@ -159,9 +159,15 @@ def _elementwise_needs_grad(spec: TileSpec) -> bool:
     return spec.score_mod is not None or isinstance(spec.scale, Tensor)
 
 
-def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tuple[Tensor, Tensor]:
-    """Gradients of the pairwise kernel for the query and key tile from
-    draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
+def _batched_view(t: Tensor) -> Tensor:
+    """(B, X, n, d) -> (B·X, n, d) as a view (never a copy: results are accumulated into it)."""
+    return t.view(-1, *t.shape[2:])
+
+
+def _add_kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
+                      dk: Tensor) -> None:
+    """Add the pairwise kernel's gradients for the query and key tile into dq (like fq_t) and
+    dk (like fk_t), from draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
 
     The engine's one restatement of the core: the analytic derivatives of the kernels.
     dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
@@ -169,22 +175,35 @@ def _kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor) -> tupl
     touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone.
     neg_l1 -Σ|q-k|: the C kernel (``native.l1_grads``)."""
     if kernel == "neg_l1":
-        return native.l1_grads(draw, fq_t, fk_t)
-    dq = draw @ fk_t
-    dk = draw.transpose(-1, -2) @ fq_t
+        gq, gk = native.l1_grads(draw, fq_t, fk_t)
+        dq += gq
+        dk += gk
+        return
+    alpha = 2.0 if kernel == "neg_sqdist" else 1.0
+    d3, q3, k3 = _batched_view(draw), fq_t.flatten(0, 1), fk_t.flatten(0, 1)
+    _batched_view(dq).baddbmm_(d3, k3, alpha=alpha)
+    _batched_view(dk).baddbmm_(d3.transpose(1, 2), q3, alpha=alpha)
     if kernel == "neg_sqdist":
-        dq = dq.sub_(draw.sum(-1, keepdim=True) * fq_t).mul_(2.0)
-        dk = dk.sub_(draw.sum(-2).unsqueeze(-1) * fk_t).mul_(2.0)
-    return dq, dk
+        dq.sub_(draw.sum(-1, keepdim=True) * fq_t, alpha=2.0)
+        dk.sub_(draw.sum(-2).unsqueeze(-1) * fk_t, alpha=2.0)
 
 
-def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras) -> None:
+def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
+    """d(loss)/d(scores) = p (dp - delta) of a tile, in dp's memory."""
+    if native.available(p.dtype):
+        return native.softmax_grad_rows(p, dp, delta)
+    return dp.sub_(delta).mul_(p)
+
+
+def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras,
+                    scratch) -> None:
     """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums.
+    ``scratch`` holds two of the worker's flat tile buffers (scores, d(loss)/d(weights)).
 
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
     runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
     and the modifier's tensor gradients; the kernel's gradients are matmuls or C
-    (``_kernel_grads``). L1 without its C kernel (cdist) is differentiated by autograd."""
+    (``_add_kernel_grads``). L1 without its C kernel (cdist) is differentiated by autograd."""
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
@@ -205,22 +224,26 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
                 leaves = (fq_t.detach().requires_grad_(), fk_t.detach().requires_grad_())
                 s = tile_scores(spec, *leaves, idx, masked)
         elif elementwise_grad:
-            raw = tile_raw(spec, fq_t, fk_t).view(shape).requires_grad_()
+            raw = tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape).requires_grad_()
             leaves = (raw,)
             with torch.enable_grad():
                 s = modify_scores(spec, raw, idx, masked)
         else:
-            s = modify_scores(spec, tile_raw(spec, fq_t, fk_t).view(shape), idx, masked)
+            s = modify_scores(spec, tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape), idx,
+                              masked)
         graph = by_autograd or elementwise_grad
         p = _probabilities(s, lse_t, copy=graph)
-        dp = (do_t @ v_t.transpose(-1, -2)).view(shape)
+        dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
+        torch.matmul(do_t, v_t.transpose(-1, -2), out=dp)
+        dp = dp.view(shape)
         kept = p
         if spec.dropout_p > 0:
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        grads.v[:, :, k0:k1] += group_heads(kept, hv).transpose(-1, -2) @ do_t
-        ds = p.mul_(dp.sub_(delta_t))
+        _batched_view(grads.v[:, :, k0:k1]).baddbmm_(
+            kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), _batched_view(do_t))
+        ds = _softmax_grad(p, dp, delta_t)
         if graph:
             if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
                 continue
@@ -236,9 +259,8 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
                 continue
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
-        dq, dk = _kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t)
-        dfq_t += dq
-        grads.fk[:, :, k0:k1] += dk
+        _add_kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t, dfq_t,
+                          grads.fk[:, :, k0:k1])
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -251,9 +273,11 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
 
     def rows(blocks):
         grads = _Grads(fk, v, len(extras))
+        scratch = (scratch_for(spec, fq), scratch_for(spec, fq))
         with torch.no_grad():
             for i in blocks:
-                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, grads, extras)
+                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, grads, extras,
+                                scratch)
         return grads
 
     parts = run_split(rows, plan)

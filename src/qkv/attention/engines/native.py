@@ -45,6 +45,7 @@ _SIGNATURES = {
     "l1_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * 2,
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64],
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR],
+    "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
 }
 
 
@@ -177,3 +178,14 @@ def exp_sub_rows(s: Tensor, lse: Tensor) -> Tensor:
     lse = lse.contiguous()
     _load()["exp_sub_rows", s.dtype](s.data_ptr(), _rows(s), s.shape[-1], lse.data_ptr())
     return s
+
+
+def softmax_grad_rows(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
+    """dp (..., n) <- p * (dp - delta) in place, for delta (..., 1): the gradient of a
+    softmax tile's scores. p and dp contiguous, same shape and dtype."""
+    if p.shape != dp.shape or not p.is_contiguous():
+        raise ValueError("p must be contiguous, of dp's shape")
+    delta = delta.contiguous()
+    _load()["softmax_grad_rows", p.dtype](p.data_ptr(), dp.data_ptr(), _rows(dp), dp.shape[-1],
+                                          delta.data_ptr())
+    return dp
