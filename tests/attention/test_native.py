@@ -166,3 +166,24 @@ def test_softmax_grad_rows():
     delta = torch.randn(3, 5, 1, generator=g, dtype=torch.float64)
     want = p * (dp - delta)
     torch.testing.assert_close(native.softmax_grad_rows(p, dp, delta), want, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 6, 37), (2, 1, 6, 37), (1, 3, 6, 1), (2, 3, 6, 37)])
+def test_softmax_steps_apply_a_broadcast_mask(mask_shape):
+    """A forbidden pair counts as -inf whatever its score holds, NaN included."""
+    g = torch.Generator().manual_seed(8)
+    s = torch.randn(2, 3, 6, 37, generator=g, dtype=torch.float64)
+    allowed = torch.rand(mask_shape, generator=g) > 0.4
+    allowed[..., 0, :] = False  # a row with nothing allowed
+    masked = s.masked_fill(~allowed, float("-inf"))
+    s = s.masked_fill(~allowed, float("nan"))
+    row_max = torch.full((2, 3, 6, 1), float("-inf"), dtype=torch.float64)
+    row_sum, acc = torch.zeros_like(row_max), torch.zeros(2, 3, 6, 4, dtype=torch.float64)
+    got = s.clone()
+    native.online_softmax_step(got, row_max, row_sum, acc, allowed)
+    safe = masked.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    torch.testing.assert_close(got, torch.exp(masked - safe), rtol=1e-12, atol=0)
+    torch.testing.assert_close(row_sum, torch.exp(masked - safe).sum(-1, keepdim=True))
+    lse = masked.logsumexp(-1, keepdim=True).nan_to_num(neginf=float("inf"))
+    got = native.exp_sub_rows(s.clone(), lse, allowed)
+    torch.testing.assert_close(got, torch.exp(masked - lse), rtol=1e-12, atol=0)

@@ -114,19 +114,49 @@ static inline float exp_nonpositive_f32(float x) {
 
 static inline double exp_nonpositive_f64(double x) { return __builtin_exp(x); }
 
+/* An optional mask of allowed (1) / forbidden (0) pairs, one byte each, laid out as
+ * (Bm, Hm, bq, cols) with Bm in {1, B} and Hm in {1, H}: score row r = (b, h, i) of a tile
+ * (B, H, bq, cols) reads mask row b * sb + h * sh + i * cols (sb, sh are 0 when broadcast).
+ * A forbidden pair counts as a score of -inf whatever the score holds (even NaN). */
+static inline const uint8_t *mask_row(const uint8_t *mask, int64_t r, int64_t heads,
+                                      int64_t bq, int64_t sb, int64_t sh, int64_t cols) {
+    if (!mask) return 0;
+    return mask + (r / (heads * bq)) * sb + ((r / bq) % heads) * sh + (r % bq) * cols;
+}
+
 #define DEFINE_SOFTMAX(T, SUFFIX)                                                           \
 void online_softmax_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max,            \
-                                  T *row_sum, T *acc, int64_t dv) {                         \
+                                  T *row_sum, T *acc, int64_t dv, const uint8_t *mask,      \
+                                  int64_t heads, int64_t bq, int64_t sb, int64_t sh) {      \
+    const T neg_inf = -(T)__builtin_inf();                                                  \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         T *row = s + r * cols, m = row_max[r], sum = 0;                                     \
-        _Pragma("omp simd reduction(max:m)")                                                \
-        for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                     \
-        const T safe = m == -(T)__builtin_inf() ? 0 : m;                                    \
-        _Pragma("omp simd reduction(+:sum)")                                                \
-        for (int64_t j = 0; j < cols; j++) {                                                \
-            T p = exp_nonpositive_##SUFFIX(row[j] - safe);                                  \
-            row[j] = p;                                                                     \
-            sum += p;                                                                       \
+        const uint8_t *allowed = mask_row(mask, r, heads, bq, sb, sh, cols);                \
+        if (allowed) {                                                                      \
+            _Pragma("omp simd reduction(max:m)")                                            \
+            for (int64_t j = 0; j < cols; j++) {                                            \
+                T x = allowed[j] ? row[j] : neg_inf;                                        \
+                m = x > m ? x : m;                                                          \
+            }                                                                               \
+        } else {                                                                            \
+            _Pragma("omp simd reduction(max:m)")                                            \
+            for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                 \
+        }                                                                                   \
+        const T safe = m == neg_inf ? 0 : m;                                                \
+        if (allowed) {                                                                      \
+            _Pragma("omp simd reduction(+:sum)")                                            \
+            for (int64_t j = 0; j < cols; j++) {                                            \
+                T p = allowed[j] ? exp_nonpositive_##SUFFIX(row[j] - safe) : 0;             \
+                row[j] = p;                                                                 \
+                sum += p;                                                                   \
+            }                                                                               \
+        } else {                                                                            \
+            _Pragma("omp simd reduction(+:sum)")                                            \
+            for (int64_t j = 0; j < cols; j++) {                                            \
+                T p = exp_nonpositive_##SUFFIX(row[j] - safe);                              \
+                row[j] = p;                                                                 \
+                sum += p;                                                                   \
+            }                                                                               \
         }                                                                                   \
         const T c = exp_nonpositive_##SUFFIX(row_max[r] - safe);                            \
         T *out = acc + r * dv;                                                              \
@@ -136,15 +166,20 @@ void online_softmax_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max, 
     }                                                                                       \
 }                                                                                           \
                                                                                             \
-void exp_sub_rows_##SUFFIX(T *s, int64_t rows, int64_t cols, const T *lse) {               \
-    /* s <- exp(s - lse[row]); lse = +inf (a row with no allowed key) gives 0. */           \
+void exp_sub_rows_##SUFFIX(T *s, int64_t rows, int64_t cols, const T *lse,                  \
+                           const uint8_t *mask, int64_t heads, int64_t bq, int64_t sb,      \
+                           int64_t sh) {                                                    \
+    /* s <- exp(s - lse[row]), 0 where the mask forbids; lse = +inf (a row with no allowed  \
+     * key) gives 0. */                                                                     \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         T *row = s + r * cols;                                                              \
         const T l = lse[r];                                                                 \
+        const uint8_t *allowed = mask_row(mask, r, heads, bq, sb, sh, cols);                \
         _Pragma("omp simd")                                                                 \
         for (int64_t j = 0; j < cols; j++) {                                                \
             T x = row[j] - l;                                                               \
-            row[j] = exp_nonpositive_##SUFFIX(x != x ? -(T)__builtin_inf() : x);            \
+            T p = exp_nonpositive_##SUFFIX(x != x ? -(T)__builtin_inf() : x);               \
+            row[j] = (!allowed || allowed[j]) ? p : 0;                                      \
         }                                                                                   \
     }                                                                                       \
 }

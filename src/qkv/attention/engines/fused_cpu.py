@@ -37,6 +37,7 @@ from .tiles import (
     run_split,
     scratch_for,
     tile_index,
+    tile_mask,
     tile_plan,
     tile_raw,
     tile_scores,
@@ -73,16 +74,19 @@ def _exp_(x: Tensor) -> Tensor:
     return x.mul_(_LOG2E).exp2_()
 
 
-def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor) -> Tensor:
+def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor,
+                  allowed: Tensor | None) -> Tensor:
     """One online-softmax update for a tile's scores s (B, H, bq, bk): returns
-    p = exp(s - max) (s's memory, reused); row_max and row_sum (B, H, bq, 1) are updated and
-    the output accumulator acc (B, H, bq, Dv) rescaled by exp(old max - new max), in place.
-    A row with nothing allowed so far keeps max -inf and subtracts 0, so exp gives 0, not
-    NaN."""
+    p = exp(s - max) (s's memory, reused), 0 where the bool mask ``allowed`` forbids;
+    row_max and row_sum (B, H, bq, 1) are updated and the output accumulator acc
+    (B, H, bq, Dv) rescaled by exp(old max - new max), in place. A row with nothing allowed
+    so far keeps max -inf and subtracts 0, so exp gives 0, not NaN."""
     s = s.contiguous()
     if native.available(s.dtype):
-        native.online_softmax_step(s, row_max, row_sum, acc)
+        native.online_softmax_step(s, row_max, row_sum, acc, allowed)
         return s
+    if allowed is not None:
+        s = s.masked_fill_(~allowed, float("-inf"))
     new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
     safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
     p = _exp_(s.sub_(safe))
@@ -93,12 +97,15 @@ def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor) -> T
     return p
 
 
-def _probabilities(s: Tensor, lse: Tensor, copy: bool) -> Tensor:
-    """exp(s - lse) for scores s (..., bk) and lse (..., 1) (+inf on rows with no allowed key,
-    giving 0); in s's memory unless ``copy`` (s is part of an autograd graph)."""
+def _probabilities(s: Tensor, lse: Tensor, copy: bool, allowed: Tensor | None = None) -> Tensor:
+    """exp(s - lse) for scores s (B, H, bq, bk) and lse (B, H, bq, 1) (+inf on rows with no
+    allowed key, giving 0), and 0 where the bool mask ``allowed`` forbids; in s's memory
+    unless ``copy`` (s is part of an autograd graph)."""
     s = s.detach().clone() if copy else s.contiguous()
     if native.available(s.dtype):
-        return native.exp_sub_rows(s, lse)
+        return native.exp_sub_rows(s, lse, allowed)
+    if allowed is not None:
+        s = s.masked_fill_(~allowed, float("-inf"))
     return _exp_(s.sub_(lse))
 
 
@@ -117,8 +124,9 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse, scratch) 
     acc_grouped = acc.view(batch * hv, -1, dv)
     for k0, k1, masked in tiles:
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked, scratch)
-        p = _softmax_step(s, row_max, row_sum, acc)
+        # The mask is applied by the softmax step, not written into the scores first.
+        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, False, scratch)
+        p = _softmax_step(s, row_max, row_sum, acc, tile_mask(spec, idx) if masked else None)
         if spec.dropout_p > 0:
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
@@ -228,11 +236,12 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
             leaves = (raw,)
             with torch.enable_grad():
                 s = modify_scores(spec, raw, idx, masked)
-        else:
+        else:  # the mask goes to _probabilities, not into the scores
             s = modify_scores(spec, tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape), idx,
-                              masked)
+                              False)
         graph = by_autograd or elementwise_grad
-        p = _probabilities(s, lse_t, copy=graph)
+        allowed = tile_mask(spec, idx) if masked and not graph else None
+        p = _probabilities(s, lse_t, copy=graph, allowed=allowed)
         dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
         torch.matmul(do_t, v_t.transpose(-1, -2), out=dp)
         dp = dp.view(shape)

@@ -43,8 +43,8 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "l1_scores": [_PTR] * 3 + [_I64] * 4 + [_PTR],
     "l1_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * 2,
-    "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64],
-    "exp_sub_rows": [_PTR, _I64, _I64, _PTR],
+    "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
+    "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
 }
 
@@ -162,21 +162,41 @@ def _rows(t: Tensor) -> int:
     return t.numel() // t.shape[-1]
 
 
-def online_softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor) -> None:
-    """One online-softmax update, in place: s (..., n) becomes exp(s - max) with the running
-    max; row_max and row_sum (..., 1) are updated, and each row of the output accumulator
-    acc (..., dv) is rescaled by exp(old max - new max). All contiguous, same dtype."""
+def _mask_layout(allowed: Tensor | None, shape) -> tuple:
+    """(pointer, heads, bq, batch stride, head stride) of a bool mask broadcastable to the
+    tile shape (B, H, bq, bk), as the C loops read it; the tensor that owns the memory is
+    returned first, so the caller keeps it alive for the call."""
+    if allowed is None:
+        return None, (None, 1, 1, 0, 0)
+    b, h, bq, bk = shape
+    allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    bm, hm = allowed.shape[0], allowed.shape[1]
+    allowed = allowed.expand(bm, hm, bq, bk).contiguous()
+    return allowed, (allowed.data_ptr(), h, bq, hm * bq * bk if bm > 1 else 0,
+                     bq * bk if hm > 1 else 0)
+
+
+def online_softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor,
+                        allowed: Tensor | None = None) -> None:
+    """One online-softmax update, in place: s (B, H, bq, bk) becomes exp(s - max) with the
+    running max, 0 where the bool mask ``allowed`` (broadcastable to s) forbids; row_max and
+    row_sum (B, H, bq, 1) are updated, and each row of the output accumulator acc
+    (B, H, bq, dv) is rescaled by exp(old max - new max). All contiguous, same dtype."""
     if acc.numel() // acc.shape[-1] != _rows(s) or not acc.is_contiguous():
         raise ValueError("acc must be contiguous with one row per score row")
+    _owner, layout = _mask_layout(allowed, s.shape)  # _owner holds the mask's memory
     _load()["online_softmax_step", s.dtype](s.data_ptr(), _rows(s), s.shape[-1],
                                             row_max.data_ptr(), row_sum.data_ptr(),
-                                            acc.data_ptr(), acc.shape[-1])
+                                            acc.data_ptr(), acc.shape[-1], *layout)
 
 
-def exp_sub_rows(s: Tensor, lse: Tensor) -> Tensor:
-    """s (..., n) <- exp(s - lse) in place, for lse (..., 1); +inf in lse gives a row of 0."""
+def exp_sub_rows(s: Tensor, lse: Tensor, allowed: Tensor | None = None) -> Tensor:
+    """s (B, H, bq, bk) <- exp(s - lse) in place for lse (B, H, bq, 1), 0 where the bool mask
+    ``allowed`` forbids; +inf in lse gives a row of 0."""
     lse = lse.contiguous()
-    _load()["exp_sub_rows", s.dtype](s.data_ptr(), _rows(s), s.shape[-1], lse.data_ptr())
+    _owner, layout = _mask_layout(allowed, s.shape)  # _owner holds the mask's memory
+    _load()["exp_sub_rows", s.dtype](s.data_ptr(), _rows(s), s.shape[-1], lse.data_ptr(),
+                                     *layout)
     return s
 
 

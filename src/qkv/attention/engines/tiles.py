@@ -188,10 +188,14 @@ def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> 
             s = s.expand(shape)
         s = s.to(raw.dtype).contiguous()
     if masked:
-        allowed = torch.as_tensor(spec.mask.mask_mod(idx.b, idx.h, idx.q, idx.kv, spec.offset))
         fill = s.masked_fill_ if inplace else s.masked_fill
-        s = fill(~allowed, float("-inf"))
+        s = fill(~tile_mask(spec, idx), float("-inf"))
     return s
+
+
+def tile_mask(spec: TileSpec, idx: TileIndex) -> Tensor:
+    """The mask rule on one tile: bool, broadcastable to (B, H, bq, bk), True where allowed."""
+    return torch.as_tensor(spec.mask.mask_mod(idx.b, idx.h, idx.q, idx.kv, spec.offset))
 
 
 def tile_scores(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, idx: TileIndex, masked: bool,
