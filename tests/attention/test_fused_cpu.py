@@ -124,13 +124,21 @@ def test_scale_gradients(similarity, scale):
     compare(similarity, qkv.causal(), "none", torch.float64, 1e-12, 1e-10, scale=scale)
 
 
-@pytest.mark.parametrize("similarity", ["dot", "l1"])
-@pytest.mark.parametrize("mod", ["none", "closure"])
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+@pytest.mark.parametrize("mod", ["none", "alibi_softcap", "closure"])
 def test_gather_path_matches_reference(monkeypatch, similarity, mod):
-    """The sparse-graph gather path (forced) against the reference."""
+    """The sparse-graph gather path (forced) against the reference, grouped heads included."""
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 20)  # several chunks
     compare(similarity, mask_cases(B, NQ, NK)["graph_edges"], mod, torch.float64, 1e-12, 1e-10)
+
+
+@pytest.mark.parametrize("scale", ["tensor", 0.7])
+def test_gather_path_float32_and_scale(monkeypatch, scale):
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 20)
+    compare("l2", mask_cases(B, NQ, NK)["graph_edges"], "alibi_softcap", torch.float32, 1e-5,
+            1e-4, scale=scale)
 
 
 def test_sparse_graph_takes_gather_path(monkeypatch):

@@ -177,6 +177,23 @@ def test_dropout_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(lambda *t: _dropout_call(*t), (q, k, v))
 
 
+def test_gather_path_dropout_gradients_match_finite_differences(monkeypatch):
+    from qkv.attention.engines import graph_gather
+
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 5)
+    edges = torch.tensor([[0, 2, 1, 3, 0, 4, 5, 1, 2, 3], [0, 0, 1, 1, 2, 3, 4, 5, 5, 5]])
+    mask = qkv.graph(edges, num_nodes=6)
+    q, k, v = rand_qkv(1, 4, 2, 6, 6, 3, 2, requires_grad=True)
+
+    def call(*t):
+        torch.manual_seed(3)
+        return qkv.attention(*t, mask=mask, score_mod=qkv.softcap(4.0), dropout_p=0.3,
+                             backend="fused")
+
+    assert torch.autograd.gradcheck(call, (q, k, v))
+
+
 def test_several_workers_agree_with_the_reference(monkeypatch):
     torch.set_num_threads(2)
     monkeypatch.setattr(tiles, "BLOCK_Q", 4)

@@ -187,3 +187,33 @@ def test_softmax_steps_apply_a_broadcast_mask(mask_shape):
     lse = masked.logsumexp(-1, keepdim=True).nan_to_num(neginf=float("inf"))
     got = native.exp_sub_rows(s.clone(), lse, allowed)
     torch.testing.assert_close(got, torch.exp(masked - lse), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+@pytest.mark.parametrize("gather", [False, True])
+def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
+    """What a machine without a compiler runs: the same engine on torch operations."""
+    from qkv.attention.engines import graph_gather, tiles
+
+    monkeypatch.setattr(native, "_functions", None)
+    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(tiles, "BLOCK_Q", 4)
+    monkeypatch.setattr(tiles, "BLOCK_K", 8)
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0 if gather else 1 << 30)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 12)
+    assert not native.available(torch.float64)
+    g = torch.Generator().manual_seed(9)
+    n = 19
+    edges = torch.randint(0, n, (2, 3 * n), generator=g)
+    # On tiles, a graph combined with causal; the gather path takes the graph alone.
+    mask = qkv.graph(edges, num_nodes=n) if gather else qkv.graph(edges, num_nodes=n) & qkv.causal()
+    q, k, v = (torch.randn(2, 4 if i == 0 else 2, n, 5, generator=g, dtype=torch.float64,
+                           requires_grad=True) for i in range(3))
+    kw = {"similarity": similarity, "mask": mask, "score_mod": qkv.alibi(4)}
+    out = qkv.attention(q, k, v, backend="fused", **kw)
+    ref = qkv.attention(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    grads = torch.autograd.grad((out * ref.detach()).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * ref.detach()).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

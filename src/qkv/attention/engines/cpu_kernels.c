@@ -200,3 +200,108 @@ DEFINE_SOFTMAX_GRAD(float, f32)
 DEFINE_SOFTMAX_GRAD(double, f64)
 DEFINE_SOFTMAX(float, f32)
 DEFINE_SOFTMAX(double, f64)
+
+/* Graph attention along edges, without gathering features per edge. Rows are laid out
+ * (B, N, heads, d) contiguous: q and the target side (Nq, H heads), k and v the source side
+ * (Nk, Hk heads; query head h reads key head h / (H / Hk)). Edge e joins target[e] (a query)
+ * and source[e] (a key); per-edge values are (B, E, H). kernel: 0 dot q.k, 1 -|q-k|^2,
+ * 2 -|q-k|_1.
+ */
+#define DEFINE_EDGES(T, SUFFIX, ABS)                                                        \
+static inline T pair_kernel_##SUFFIX(int kernel, const T *a, const T *b, int64_t d) {       \
+    T total = 0;                                                                            \
+    if (kernel == 0) {                                                                      \
+        _Pragma("omp simd reduction(+:total)")                                              \
+        for (int64_t c = 0; c < d; c++) total += a[c] * b[c];                               \
+        return total;                                                                       \
+    }                                                                                       \
+    if (kernel == 1) {                                                                      \
+        _Pragma("omp simd reduction(+:total)")                                              \
+        for (int64_t c = 0; c < d; c++) total += (a[c] - b[c]) * (a[c] - b[c]);             \
+        return -total;                                                                      \
+    }                                                                                       \
+    _Pragma("omp simd reduction(+:total)")                                                  \
+    for (int64_t c = 0; c < d; c++) total += ABS(a[c] - b[c]);                              \
+    return -total;                                                                          \
+}                                                                                           \
+                                                                                            \
+void edge_scores_##SUFFIX(int64_t kernel, const T *q, const T *k, const int64_t *target,    \
+                          const int64_t *source, T *out, int64_t batch, int64_t edges,      \
+                          int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads,          \
+                          int64_t d) {                                                      \
+    /* out[b, e, h] = kernel(q[b, target[e], h], k[b, source[e], h / group]) */             \
+    const int64_t group = heads / kv_heads;                                                 \
+    for (int64_t b = 0; b < batch; b++)                                                     \
+        for (int64_t e = 0; e < edges; e++) {                                               \
+            const T *qe = q + ((b * nq + target[e]) * heads) * d;                           \
+            const T *ke = k + ((b * nk + source[e]) * kv_heads) * d;                        \
+            T *oe = out + (b * edges + e) * heads;                                          \
+            for (int64_t h = 0; h < heads; h++)                                             \
+                oe[h] = pair_kernel_##SUFFIX((int)kernel, qe + h * d, ke + (h / group) * d, d);\
+        }                                                                                   \
+}                                                                                           \
+                                                                                            \
+void edge_scatter_##SUFFIX(const T *w, const T *x, const int64_t *from, const int64_t *to, \
+                           T *out, int64_t batch, int64_t edges, int64_t n_from,            \
+                           int64_t n_to, int64_t heads, int64_t x_heads, int64_t out_heads, \
+                           int64_t d) {                                                     \
+    /* out[b, to[e], h / (heads / out_heads)] += w[b, e, h] * x[b, from[e], h / (heads /    \
+     * x_heads)]: the weighted sum of values into targets (from = source) and of output     \
+     * gradients into sources (from = target). */                                          \
+    const int64_t xg = heads / x_heads, og = heads / out_heads;                             \
+    for (int64_t b = 0; b < batch; b++)                                                     \
+        for (int64_t e = 0; e < edges; e++) {                                               \
+            const T *xe = x + ((b * n_from + from[e]) * x_heads) * d;                       \
+            T *oe = out + ((b * n_to + to[e]) * out_heads) * d;                             \
+            const T *we = w + (b * edges + e) * heads;                                      \
+            for (int64_t h = 0; h < heads; h++) {                                           \
+                const T weight = we[h], *xr = xe + (h / xg) * d;                            \
+                T *orow = oe + (h / og) * d;                                                \
+                _Pragma("omp simd")                                                         \
+                for (int64_t c = 0; c < d; c++) orow[c] += weight * xr[c];                  \
+            }                                                                               \
+        }                                                                                   \
+}                                                                                           \
+                                                                                            \
+void edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, const T *k,        \
+                                const int64_t *target, const int64_t *source, T *dq, T *dk, \
+                                int64_t batch, int64_t edges, int64_t nq, int64_t nk,       \
+                                int64_t heads, int64_t kv_heads, int64_t d) {               \
+    /* dq[target] += ds * d kernel / dq, dk[source] += ds * d kernel / dk. dot: k and q;    \
+     * -|q-k|^2: -2(q-k) and 2(q-k); -|q-k|_1: -sign(q-k) and sign(q-k), sign(0) = 0. */     \
+    const int64_t group = heads / kv_heads;                                                 \
+    for (int64_t b = 0; b < batch; b++)                                                     \
+        for (int64_t e = 0; e < edges; e++) {                                               \
+            const int64_t qi = (b * nq + target[e]) * heads, ki = (b * nk + source[e]) * kv_heads;\
+            for (int64_t h = 0; h < heads; h++) {                                           \
+                const T g = ds[(b * edges + e) * heads + h];                                \
+                const T *qr = q + (qi + h) * d, *kr = k + (ki + h / group) * d;             \
+                T *dqr = dq + (qi + h) * d, *dkr = dk + (ki + h / group) * d;               \
+                if (kernel == 0) {                                                          \
+                    _Pragma("omp simd")                                                     \
+                    for (int64_t c = 0; c < d; c++) {                                       \
+                        dqr[c] += g * kr[c];                                                \
+                        dkr[c] += g * qr[c];                                                \
+                    }                                                                       \
+                } else if (kernel == 1) {                                                   \
+                    _Pragma("omp simd")                                                     \
+                    for (int64_t c = 0; c < d; c++) {                                       \
+                        T t = 2 * g * (qr[c] - kr[c]);                                      \
+                        dqr[c] -= t;                                                        \
+                        dkr[c] += t;                                                        \
+                    }                                                                       \
+                } else {                                                                    \
+                    _Pragma("omp simd")                                                     \
+                    for (int64_t c = 0; c < d; c++) {                                       \
+                        T diff = qr[c] - kr[c];                                             \
+                        T t = g * (T)((diff > 0) - (diff < 0));                             \
+                        dqr[c] -= t;                                                        \
+                        dkr[c] += t;                                                        \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+}
+
+DEFINE_EDGES(float, f32, __builtin_fabsf)
+DEFINE_EDGES(double, f64, __builtin_fabs)

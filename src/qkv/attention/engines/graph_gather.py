@@ -1,16 +1,19 @@
-"""Sparse graph attention by gathering along the edges: cost ∝ edges·D, not Nq·Nk.
+"""Sparse graph attention along the edges: cost ∝ edges·D, not Nq·Nk.
 
 A ``GraphMask`` stores its edges target-major and sorted, so the edges of a run of target
 nodes are one contiguous slice. Each slice of targets is one chunk:
-- gather the query features of each edge's target and the key features and values of its
-  source (rows of (B, N, H, D) tensors, so each gather reads contiguous memory);
-- score each edge with the row-wise form of the similarity's kernel (``ROW_KERNELS``), then
-  the score modifier with the edge's (target, source) indices;
+- score each edge with the similarity's kernel on its target's query row and its source's
+  key row, then apply the scale and score modifier with the edge's (target, source) indices;
 - softmax over each target's edges (the chunk holds all of them, so no online rescaling);
-- sum the weighted values per target.
-The backward pass recomputes one chunk at a time, so memory stays O(chunk edges·H·D) per
-worker beyond the O(N·D) inputs and outputs. Chunks are shared among torch's threads like
-the tile engine's query blocks (``run_split``).
+- add the weighted value rows into each target's output row.
+The backward pass recomputes one chunk at a time: only the elementwise part (scale,
+modifier) runs under autograd, and the kernel's and the values' gradients are scattered
+along the edges by hand, like the tile engine's.
+
+Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
+They run in C (``native``), reading rows in place; without the C library, in torch by
+gathering rows per edge (the same formulas, ``ROW_KERNELS``). Chunks are shared among
+torch's threads like the tile engine's query blocks (``run_split``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
 from ..similarity import ROW_KERNELS
+from . import native
 from .tiles import TileSpec, run_split
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
@@ -33,9 +37,53 @@ def is_sparse(mask: GraphMask, nq: int, nk: int) -> bool:
     return mask.num_edges * _GATHER_COST < nq * nk
 
 
-def _edge_scores(spec: TileSpec, fq_e: Tensor, fk_e: Tensor, target: Tensor, source: Tensor):
-    """Scores (B, E, H, 1) of edges whose features are (B, E, H, D)."""
-    s = ROW_KERNELS[spec.kernel](fq_e, fk_e).unsqueeze(-1)
+def _gather_heads(rows: Tensor, index: Tensor, heads: int) -> Tensor:
+    """(B, N, Hx, d) rows at ``index`` -> (B, E, H, d): head h reads row head h // (H/Hx)."""
+    x = rows.index_select(1, index)
+    b, e, hx, d = x.shape
+    return x.unsqueeze(3).expand(b, e, hx, heads // hx, d).reshape(b, e, heads, d)
+
+
+def _fold_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, E, H, d) -> (B, E, heads, d), summing the query heads that share a row head."""
+    b, e, h, d = x.shape
+    return x.view(b, e, heads, h // heads, d).sum(3)
+
+
+def _scores(kernel, q_rows, k_rows, target, source) -> Tensor:
+    if native.available(q_rows.dtype):
+        return native.edge_scores(kernel, q_rows, k_rows, target, source)
+    heads = q_rows.shape[2]
+    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
+    return ROW_KERNELS[kernel](qe, ke)
+
+
+def _scatter(weights, x_rows, frm, to, out) -> None:
+    if native.available(weights.dtype):
+        return native.edge_scatter(weights, x_rows, frm, to, out)
+    x = _gather_heads(x_rows, frm, weights.shape[2])
+    out.index_add_(1, to, _fold_heads(weights.unsqueeze(-1) * x, out.shape[2]))
+
+
+def _kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk) -> None:
+    if native.available(ds.dtype):
+        return native.edge_kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk)
+    heads, g = q_rows.shape[2], ds.unsqueeze(-1)
+    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
+    # ∂kernel/∂q and ∂kernel/∂k: dot (k, q), -|q-k|² (-2(q-k), 2(q-k)), -|q-k|₁ (-sign, sign)
+    if kernel == "dot":
+        gq, gk = g * ke, g * qe
+    else:
+        diff = 2 * (qe - ke) if kernel == "neg_sqdist" else torch.sign(qe - ke)
+        gq = -g * diff
+        gk = -gq
+    dq.index_add_(1, target, gq)
+    dk.index_add_(1, source, _fold_heads(gk, dk.shape[2]))
+
+
+def _modify(spec: TileSpec, raw: Tensor, target: Tensor, source: Tensor) -> Tensor:
+    """Scale and score modifier of edge scores raw (B, E, H, 1)."""
+    s = raw
     if spec.scale is not None:
         scale = spec.scale
         if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
@@ -44,38 +92,16 @@ def _edge_scores(spec: TileSpec, fq_e: Tensor, fk_e: Tensor, target: Tensor, sou
     if spec.score_mod is not None:
         b = torch.arange(spec.batch, device=s.device).view(-1, 1, 1, 1)
         h = torch.arange(spec.heads, device=s.device).view(1, 1, -1, 1)
-        s = spec.score_mod(s, b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1), spec.offset)
-        s = s.expand(fq_e.shape[0], fq_e.shape[1], spec.heads, 1).to(fq_e.dtype)
+        s = spec.score_mod(s, b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1),
+                           spec.offset)
+        s = s.expand(raw.shape).to(raw.dtype)
     return s
 
 
-def _expand_heads(t: Tensor, heads: int) -> Tensor:
-    """(B, E, Hkv, X) -> (B, E, H, X) without copying: query head h reads head h // (H/Hkv)."""
-    b, e, hkv, x = t.shape
-    return t.unsqueeze(3).expand(b, e, hkv, heads // hkv, x).reshape(b, e, heads, x)
-
-
-def _chunk(spec, c: int, fq_e, fk_e, v_e, target, source, first, count):
-    """Output (B, count, H, Dv) and lse (B, count, H, 1) of targets first ... first+count-1,
-    from the features gathered along the chunk's edges: fq_e (B, E, H, D), fk_e (B, E, Hkv, D),
-    v_e (B, E, Hkv, Dv)."""
-    fk_e, v_e = _expand_heads(fk_e, spec.heads), _expand_heads(v_e, spec.heads)
-    s = _edge_scores(spec, fq_e, fk_e, target, source)
-    local = target - first
-    shape = (s.shape[0], count, spec.heads, 1)
-    index = local.view(1, -1, 1, 1).expand_as(s)
-    row_max = s.new_full(shape, float("-inf")).scatter_reduce_(1, index, s.detach(), "amax")
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
-    p = torch.exp(s - row_max.index_select(1, local))
-    row_sum = s.new_zeros(shape).index_add(1, local, p)
-    weighted = p
-    if spec.dropout_p > 0:  # chunk c's own generator: the backward pass redraws the same mask
-        gen = torch.Generator(device=p.device).manual_seed(spec.seed + c)
-        keep = torch.rand(p.shape, generator=gen, device=p.device) >= spec.dropout_p
-        weighted = p * keep / (1.0 - spec.dropout_p)
-    out = v_e.new_zeros(shape[:3] + (v_e.shape[-1],)).index_add(1, local, weighted * v_e)
-    out = out / row_sum.masked_fill(row_sum == 0, 1.0)
-    return out, row_max + row_sum.log()
+def _dropout_keep(spec: TileSpec, c: int, shape, device) -> Tensor:
+    """Chunk c's keep mask, from its own generator: the backward pass redraws the same one."""
+    gen = torch.Generator(device=device).manual_seed(spec.seed + c)
+    return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
 
 
 def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:
@@ -91,70 +117,109 @@ def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:
     return chunks
 
 
-def _gather(rows: Tensor, index: Tensor) -> Tensor:
-    return rows.index_select(1, index)
+def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
+    """Writes out and lse rows of the chunk's targets (out's rows start at zero)."""
+    target, source, _ = graph
+    fq_rows, fk_rows, v_rows = rows
+    first, count, e0, e1 = chunk
+    t, s = target[e0:e1], source[e0:e1]
+    scores = _modify(spec, _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
+    local = t - first
+    shape = (scores.shape[0], count, spec.heads, 1)
+    index = local.view(1, -1, 1, 1).expand_as(scores)
+    row_max = scores.new_full(shape, float("-inf")).scatter_reduce_(1, index, scores, "amax")
+    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
+    p = torch.exp(scores - row_max.index_select(1, local))
+    row_sum = scores.new_zeros(shape).index_add_(1, local, p)
+    if spec.dropout_p > 0:
+        p = p * _dropout_keep(spec, c, p.shape, p.device) / (1.0 - spec.dropout_p)
+    _scatter(p.squeeze(-1).contiguous(), v_rows, s, t, out)
+    out[:, first:first + count] /= row_sum.masked_fill(row_sum == 0, 1.0)
+    lse[:, first:first + count] = row_max + row_sum.log()
 
 
-def _grad_sums(fq_rows, fk_rows, v_rows, count):
-    return [torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows)] + [None] * count
+def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
+    """Adds the chunk's gradients into sums [dq, dk, dv, *wanted] (dq, dk, dv row layout)."""
+    target, source, _ = graph
+    fq_rows, fk_rows, v_rows, lse, dout, delta = saved
+    first, count, e0, e1 = chunk
+    t, s = target[e0:e1], source[e0:e1]
+    raw = _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1)
+    graph_needed = spec.score_mod is not None or isinstance(spec.scale, Tensor)
+    if graph_needed:
+        raw.requires_grad_()
+        with torch.enable_grad():
+            scores = _modify(spec, raw, t, s)
+    else:
+        scores = _modify(spec, raw, t, s)
+    p = torch.exp(scores.detach() - lse.index_select(1, t))
+    dp = _scores("dot", dout, v_rows, t, s).unsqueeze(-1)
+    kept = p
+    if spec.dropout_p > 0:
+        keep = _dropout_keep(spec, c, p.shape, p.device) / (1.0 - spec.dropout_p)
+        kept, dp = p * keep, dp * keep
+    _scatter(kept.squeeze(-1).contiguous(), dout, t, s, sums[2])
+    ds = p * (dp - delta.index_select(1, t))
+    if graph_needed:
+        if not scores.requires_grad:  # a modifier that ignores the score and reads no tensor
+            return
+        found = torch.autograd.grad(scores, (raw, *wanted), ds, allow_unused=True)
+        for e, g in enumerate(found[1:], start=3):
+            if g is not None:
+                sums[e] = g if sums[e] is None else sums[e] + g
+        ds = found[0]
+        if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
+            return
+    elif spec.scale is not None:
+        ds = ds * spec.scale
+    _kernel_grads(spec.kernel, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums[0],
+                  sums[1])
 
 
 class _GraphAttention(torch.autograd.Function):
-    """Forward chunk by chunk without a graph; the backward pass recomputes each chunk under
-    a local autograd graph and scatters its gradients into one buffer per input and worker,
-    so the total cost stays ∝ edges (a per-chunk autograd checkpoint would allocate a
-    full-size gradient for every chunk)."""
+    """Forward chunk by chunk without a graph; the backward pass recomputes each chunk and
+    scatters its gradients into one buffer per input and worker."""
 
     @staticmethod
     def forward(ctx, spec, graph, fq_rows, fk_rows, v_rows, *extras):
-        target, source, chunks = graph
+        chunks = graph[2]
         shape = (fq_rows.shape[0], spec.nq, spec.heads)
         out = fq_rows.new_zeros(*shape, v_rows.shape[-1])
         lse = fq_rows.new_full((*shape, 1), float("-inf"))
 
-        def rows(indices):
+        def work(indices):
             with torch.no_grad():  # grad mode is per thread: workers start with it on
                 for c in indices:
-                    first, count, e0, e1 = chunks[c]
-                    t, s = target[e0:e1], source[e0:e1]
-                    out[:, first:first + count], lse[:, first:first + count] = _chunk(
-                        spec, c, _gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s),
-                        t, s, first, count)
+                    _forward_chunk(spec, c, chunks[c], graph, (fq_rows, fk_rows, v_rows),
+                                   out, lse)
 
-        run_split(rows, chunks)
+        run_split(work, chunks)
         ctx.spec, ctx.graph, ctx.extras = spec, graph, extras
-        ctx.save_for_backward(fq_rows, fk_rows, v_rows)
+        ctx.save_for_backward(fq_rows, fk_rows, v_rows, out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, _dlse):
-        spec, (target, source, chunks) = ctx.spec, ctx.graph
-        fq_rows, fk_rows, v_rows = ctx.saved_tensors
+        spec, chunks = ctx.spec, ctx.graph[2]
+        fq_rows, fk_rows, v_rows, out, lse = ctx.saved_tensors
         wanted = [e for e in ctx.extras if e.requires_grad]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)
+        # Targets with no allowed edge: +inf makes exp(score - lse) exactly 0.
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+        saved = (fq_rows, fk_rows, v_rows, lse, dout, delta)
 
         @torch.no_grad()
-        def rows(indices):
-            sums = _grad_sums(fq_rows, fk_rows, v_rows, len(wanted))
+        def work(indices):
+            sums = [torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows)]
+            sums += [None] * len(wanted)
             for c in indices:
-                first, count, e0, e1 = chunks[c]
-                t, s = target[e0:e1], source[e0:e1]
-                with torch.enable_grad():
-                    leaves = [_gather(fq_rows, t), _gather(fk_rows, s), _gather(v_rows, s)]
-                    leaves = [x.requires_grad_() for x in leaves]
-                    out, _ = _chunk(spec, c, *leaves, t, s, first, count)
-                grads = torch.autograd.grad(
-                    out, (*leaves, *wanted), dout[:, first:first + count], allow_unused=True
-                )
-                for buffer, index, g in zip(sums[:3], (t, s, s), grads[:3], strict=True):
-                    buffer.index_add_(1, index, g)
-                for e, g in enumerate(grads[3:], start=3):
-                    if g is not None:
-                        sums[e] = g if sums[e] is None else sums[e] + g
+                _backward_chunk(spec, c, chunks[c], ctx.graph, saved, wanted, sums)
             return sums
 
-        parts = run_split(rows, chunks)
+        parts = run_split(work, chunks)
         total = parts[0]
         for part in parts[1:]:
             total = [a if b is None else b if a is None else a + b

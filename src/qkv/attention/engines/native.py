@@ -46,7 +46,11 @@ _SIGNATURES = {
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
+    "edge_scores": [_I64] + [_PTR] * 5 + [_I64] * 7,
+    "edge_scatter": [_PTR] * 5 + [_I64] * 8,
+    "edge_kernel_grads": [_I64] + [_PTR] * 7 + [_I64] * 7,
 }
+_KERNEL_IDS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
 
 
 def _cache_dir() -> Path:
@@ -209,3 +213,48 @@ def softmax_grad_rows(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
     _load()["softmax_grad_rows", p.dtype](p.data_ptr(), dp.data_ptr(), _rows(dp), dp.shape[-1],
                                           delta.data_ptr())
     return dp
+
+
+# Graph attention along edges. Rows are (B, N, heads, d) contiguous; per-edge values
+# (B, E, H); target and source are int64 (E,) node indices.
+
+
+def _check_rows(*rows: Tensor) -> None:
+    if not all(t.is_contiguous() for t in rows):
+        raise ValueError("edge rows must be contiguous (B, N, heads, d)")
+
+
+def edge_scores(kernel: str, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+                source: Tensor) -> Tensor:
+    """(B, E, H): the pairwise kernel of each edge's query (target) and key (source) rows."""
+    _check_rows(q_rows, k_rows, target, source)
+    batch, nq, heads, d = q_rows.shape
+    out = q_rows.new_empty(batch, target.numel(), heads)
+    _load()["edge_scores", q_rows.dtype](
+        _KERNEL_IDS[kernel], q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
+        source.data_ptr(), out.data_ptr(), batch, target.numel(), nq, k_rows.shape[1], heads,
+        k_rows.shape[2], d)
+    return out
+
+
+def edge_scatter(weights: Tensor, x_rows: Tensor, frm: Tensor, to: Tensor, out: Tensor) -> None:
+    """out[:, to[e]] += weights[:, e] * x[:, frm[e]] per head, in place; weights (B, E, H),
+    x_rows (B, N_from, Hx, d), out (B, N_to, Hout, d), with Hx and Hout dividing H."""
+    _check_rows(weights, x_rows, frm, to, out)
+    batch, edges, heads = weights.shape
+    _load()["edge_scatter", weights.dtype](
+        weights.data_ptr(), x_rows.data_ptr(), frm.data_ptr(), to.data_ptr(), out.data_ptr(),
+        batch, edges, x_rows.shape[1], out.shape[1], heads, x_rows.shape[2], out.shape[2],
+        out.shape[3])
+
+
+def edge_kernel_grads(kernel: str, ds: Tensor, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+                      source: Tensor, dq: Tensor, dk: Tensor) -> None:
+    """dq[:, target] += ds · ∂kernel/∂q and dk[:, source] += ds · ∂kernel/∂k, in place, for
+    ds (B, E, H) = d(loss)/d(edge scores); dq and dk are laid out like q_rows and k_rows."""
+    _check_rows(ds, q_rows, k_rows, target, source, dq, dk)
+    batch, nq, heads, d = q_rows.shape
+    _load()["edge_kernel_grads", q_rows.dtype](
+        _KERNEL_IDS[kernel], ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(),
+        target.data_ptr(), source.data_ptr(), dq.data_ptr(), dk.data_ptr(), batch,
+        target.numel(), nq, k_rows.shape[1], heads, k_rows.shape[2], d)
