@@ -8,6 +8,7 @@ Ratios are baseline time / qkv time, so > 1 means qkv is faster.
     python benchmarks/attention_cpu.py --n 1024 4096    # more sizes
     python benchmarks/attention_cpu.py --large          # N=16384: window and graph speedups, memory
     python benchmarks/attention_cpu.py --causal-65536   # causal forward+backward at N=65536
+    python benchmarks/attention_cpu.py --dispatch       # qkv.attention's overhead over SDPA
 """
 
 from __future__ import annotations
@@ -361,6 +362,38 @@ def _once(run: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _paired_times(ours: Callable, direct: Callable, inputs, runs: int) -> list[tuple[float, float]]:
+    pairs = []
+    with torch.no_grad():
+        ours(*inputs), direct(*inputs)
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            ours(*inputs)
+            t1 = time.perf_counter()
+            direct(*inputs)
+            pairs.append((t1 - t0, time.perf_counter() - t1))
+    return pairs
+
+
+def dispatch_report(repeat: int) -> None:
+    """qkv.attention's overhead on what it sends to SDPA: the same call timed both ways,
+    alternating, so drifting load hits both alike; the median of the per-pair ratios."""
+    print("\nDispatch overhead (qkv.attention -> SDPA versus calling SDPA directly), forward:")
+    for n in (256, 1024, 4096):
+        for label, kwargs, causal in (("dot", {}, False), ("causal", {"mask": qkv.causal()}, True)):
+            pairs = _paired_times(
+                _qkv(kwargs),
+                lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                _inputs(n), max(repeat, 3) * (40 if n <= 1024 else 5),
+            )
+            ratio = sorted(a / b for a, b in pairs)[len(pairs) // 2]
+            extra = sorted(a - b for a, b in pairs)[len(pairs) // 2]
+            base = sorted(b for _, b in pairs)[len(pairs) // 2]
+            print(f"  {label:6s} N={n:5d}: qkv/sdpa median {ratio:.3f} (target <= 1.05), "
+                  f"median extra {extra * 1e6:+.0f} us on {base * 1e3:.2f} ms, "
+                  f"{len(pairs)} pairs", flush=True)
+
+
 def causal_65536() -> None:
     n = 65536
     run = forward_backward(_qkv({"mask": qkv.causal()}, "fused"), n)
@@ -378,7 +411,9 @@ def _parse(argv):
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--large", action="store_true", help="N=16384 window/graph/memory report")
     parser.add_argument("--causal-65536", action="store_true", help="causal fwd+bwd at N=65536")
-    parser.add_argument("--no-table", action="store_true", help="only the --large/65536 reports")
+    parser.add_argument("--dispatch", action="store_true", help="dispatch overhead over SDPA")
+    parser.add_argument("--no-table", action="store_true",
+                        help="only the --large/--dispatch/--causal-65536 reports")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--peak-of", nargs=3, metavar=("CASE", "N", "BACKEND"),
                         help=argparse.SUPPRESS)  # the child process of peak_in_child
@@ -404,6 +439,8 @@ def main(argv=None) -> None:
             print_row(measure(name, n, args.repeat, "auto", not args.no_flex))
             if name in ("dot", "causal"):  # the fused engine on what auto sends to SDPA
                 print_row(measure(name, n, args.repeat, "fused", False))
+    if args.dispatch:
+        dispatch_report(args.repeat)
     if args.large:
         large_report(args.repeat)
     if args.causal_65536:
