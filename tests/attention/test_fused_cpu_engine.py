@@ -259,3 +259,21 @@ def test_memory_grows_linearly_with_n():
     assert reference[1] / reference[0] > 3.0
     assert fused[1] / fused[0] < 2.5
     assert fused[1] < reference[0]
+
+
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+def test_projection_layout_inputs(similarity):
+    """q, k, v as attention layers make them, (B, N, H, D) transposed to (B, H, N, D): not
+    contiguous, batch > 1, grouped heads; the gradient buffers must not inherit the layout."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 37, h, 8, generator=g, dtype=torch.float64).transpose(1, 2)
+               .requires_grad_() for h in (4, 2, 2))
+    kw = {"similarity": similarity, "mask": qkv.causal(), "score_mod": qkv.alibi(4)}
+    out = qkv.attention(q, k, v, backend="fused", **kw)
+    ref = qkv.attention(q, k, v, backend="reference", **kw)
+    grad = torch.randn(2, 37, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    assert rel_err(out, ref) < 1e-12
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < 1e-10

@@ -154,7 +154,9 @@ class _Grads:
     """One worker's gradient sums for the key side and the extra tensors."""
 
     def __init__(self, fk: Tensor, v: Tensor, count: int):
-        self.fk, self.v = torch.zeros_like(fk), torch.zeros_like(v)
+        # Contiguous whatever fk's and v's layout: tiles accumulate into batched views of them.
+        self.fk = torch.zeros_like(fk, memory_format=torch.contiguous_format)
+        self.v = torch.zeros_like(v, memory_format=torch.contiguous_format)
         self.extras: list[Tensor | None] = [None] * count
 
     def add_extras(self, grads) -> None:
@@ -188,7 +190,7 @@ def _add_kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq:
         dk += gk
         return
     alpha = 2.0 if kernel == "neg_sqdist" else 1.0
-    d3, q3, k3 = _batched_view(draw), fq_t.flatten(0, 1), fk_t.flatten(0, 1)
+    d3, q3, k3 = draw.flatten(0, 1), fq_t.flatten(0, 1), fk_t.flatten(0, 1)
     _batched_view(dq).baddbmm_(d3, k3, alpha=alpha)
     _batched_view(dk).baddbmm_(d3.transpose(1, 2), q3, alpha=alpha)
     if kernel == "neg_sqdist":
@@ -222,7 +224,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
     fq_t = group_heads(fq[:, :, q0:q1], hk)
     do_t = group_heads(dout[:, :, q0:q1], hv)
     lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
-    dfq_t = torch.zeros_like(fq_t)
+    dfq_t = torch.zeros_like(fq_t, memory_format=torch.contiguous_format)
     for k0, k1, masked in tiles:
         fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
@@ -251,7 +253,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
         _batched_view(grads.v[:, :, k0:k1]).baddbmm_(
-            kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), _batched_view(do_t))
+            kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), do_t.flatten(0, 1))
         ds = _softmax_grad(p, dp, delta_t)
         if graph:
             if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
