@@ -1,10 +1,5 @@
-"""The C tile kernels: L1 values and gradients equal torch.cdist's, the softmax steps equal
-their torch formulas, the library is built once per cache directory, and without a compiler
-the engine falls back to torch operations with a warning."""
-
-import os
-import subprocess
-import sys
+"""The C tile kernels: L1 values and gradients equal torch.cdist's, and the softmax steps
+and graph-edge primitives equal their torch formulas."""
 
 import pytest
 import torch
@@ -80,44 +75,6 @@ def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
 
 
-_PROBE = """
-import warnings, torch, qkv
-from qkv.attention.engines import native
-with warnings.catch_warnings(record=True) as seen:
-    warnings.simplefilter("always")
-    ok = native.available(torch.float32)
-q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
-out = qkv.attention(q, k, v, similarity="l1", backend="fused")
-ref = qkv.attention(q, k, v, similarity="l1", backend="reference")
-print(ok, any("did not build" in str(w.message) for w in seen), float((out - ref).abs().max()))
-"""
-
-
-def _probe(tmp_path, **env):
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                          env={**os.environ, "QKV_CACHE": str(tmp_path), **env}, check=True)
-    ok, warned, err = done.stdout.split()
-    return ok == "True", warned == "True", float(err)
-
-
-def test_built_once_per_cache_directory(tmp_path):
-    assert _probe(tmp_path)[0]
-    (built,) = tmp_path.glob("cpu_kernels_*.so")
-    stamp = built.stat().st_mtime_ns
-    ok, warned, err = _probe(tmp_path)
-    assert ok and not warned and err < 1e-12
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no leftover partial file
-    assert built.stat().st_mtime_ns == stamp
-
-
-def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
-    ok, warned, err = _probe(tmp_path, CC=str(tmp_path / "no-such-compiler"))
-    assert not ok and warned and err < 1e-12
-    assert not list(tmp_path.glob("*.so"))
-    ok, warned, err = _probe(tmp_path, QKV_NATIVE="0")
-    assert not ok and not warned and err < 1e-12
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_online_softmax_step_equals_its_torch_formula(dtype):
     """Rows with no allowed key so far (-inf max), fully masked tiles and far scores (exp of
@@ -189,31 +146,34 @@ def test_softmax_steps_apply_a_broadcast_mask(mask_shape):
     torch.testing.assert_close(got, torch.exp(masked - lse), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
-@pytest.mark.parametrize("gather", [False, True])
-def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
-    """What a machine without a compiler runs: the same engine on torch operations."""
-    from qkv.attention.engines import graph_gather, tiles
+@pytest.mark.parametrize("kernel", ["dot", "neg_sqdist", "neg_l1"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_edge_primitives_equal_their_torch_formulas(kernel, dtype):
+    """Scores, scatters and kernel gradients along edges, grouped heads (4 query heads on 2
+    key heads), against gathering the rows and ROW_KERNELS with autograd."""
+    from qkv.attention.similarity import ROW_KERNELS
 
-    monkeypatch.setattr(native, "_functions", None)
-    monkeypatch.setattr(native, "_tried", True)
-    monkeypatch.setattr(tiles, "BLOCK_Q", 4)
-    monkeypatch.setattr(tiles, "BLOCK_K", 8)
-    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0 if gather else 1 << 30)
-    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 12)
-    assert not native.available(torch.float64)
-    g = torch.Generator().manual_seed(9)
-    n = 19
-    edges = torch.randint(0, n, (2, 3 * n), generator=g)
-    # On tiles, a graph combined with causal; the gather path takes the graph alone.
-    mask = qkv.graph(edges, num_nodes=n) if gather else qkv.graph(edges, num_nodes=n) & qkv.causal()
-    q, k, v = (torch.randn(2, 4 if i == 0 else 2, n, 5, generator=g, dtype=torch.float64,
-                           requires_grad=True) for i in range(3))
-    kw = {"similarity": similarity, "mask": mask, "score_mod": qkv.alibi(4)}
-    out = qkv.attention(q, k, v, backend="fused", **kw)
-    ref = qkv.attention(q, k, v, backend="reference", **kw)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    grads = torch.autograd.grad((out * ref.detach()).sum(), (q, k, v))
-    ref_grads = torch.autograd.grad((ref * ref.detach()).sum(), (q, k, v))
-    for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    g = torch.Generator().manual_seed(10)
+    q_rows = torch.randn(2, 7, 4, 6, generator=g, dtype=dtype)
+    k_rows = torch.randn(2, 9, 2, 6, generator=g, dtype=dtype)
+    v_rows = torch.randn(2, 9, 2, 3, generator=g, dtype=dtype)
+    target = torch.tensor([0, 0, 1, 3, 3, 3, 6])
+    source = torch.tensor([4, 8, 0, 1, 1, 7, 2])
+    qe = q_rows[:, target].requires_grad_()
+    ke = k_rows[:, source].repeat_interleave(2, dim=2).requires_grad_()
+    want = ROW_KERNELS[kernel](qe, ke)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(native.edge_scores(kernel, q_rows, k_rows, target, source), want,
+                               **tol)
+    ds = torch.randn(want.shape, generator=g, dtype=dtype)
+    gq, gk = torch.autograd.grad(want, (qe, ke), ds)
+    dq, dk = torch.zeros_like(q_rows), torch.zeros_like(k_rows)
+    native.edge_kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk)
+    torch.testing.assert_close(dq, torch.zeros_like(dq).index_add_(1, target, gq), **tol)
+    want_dk = torch.zeros_like(dk).index_add_(1, source, gk.view(2, 7, 2, 2, 6).sum(3))
+    torch.testing.assert_close(dk, want_dk, **tol)
+    weights = torch.rand(2, 7, 4, generator=g, dtype=dtype)
+    out = torch.zeros(2, 7, 4, 3, dtype=dtype)
+    native.edge_scatter(weights, v_rows, source, target, out)
+    contrib = weights.unsqueeze(-1) * v_rows[:, source].repeat_interleave(2, dim=2)
+    torch.testing.assert_close(out, torch.zeros_like(out).index_add_(1, target, contrib), **tol)
