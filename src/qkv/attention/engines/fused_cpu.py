@@ -29,13 +29,16 @@ from ..reference import accumulation_dtype
 from . import graph_gather, native
 from .tiles import (
     TileSpec,
+    add_grads,
     analytic_kernel,
     block_sizes,
     dropout_keep,
+    grads_for_extras,
     group_heads,
     modify_scores,
     run_split,
     scratch_for,
+    sum_worker_grads,
     tile_index,
     tile_mask,
     tile_plan,
@@ -150,19 +153,11 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-class _Grads:
-    """One worker's gradient sums for the key side and the extra tensors."""
-
-    def __init__(self, fk: Tensor, v: Tensor, count: int):
-        # Contiguous whatever fk's and v's layout: tiles accumulate into batched views of them.
-        self.fk = torch.zeros_like(fk, memory_format=torch.contiguous_format)
-        self.v = torch.zeros_like(v, memory_format=torch.contiguous_format)
-        self.extras: list[Tensor | None] = [None] * count
-
-    def add_extras(self, grads) -> None:
-        for e, g in enumerate(grads):
-            if g is not None:
-                self.extras[e] = g if self.extras[e] is None else self.extras[e] + g
+def _grad_sums(fk: Tensor, v: Tensor, count: int) -> list[Tensor | None]:
+    """One worker's key-side gradient sums [fk, v, *extras], fk and v contiguous whatever
+    their layout: tiles accumulate into batched views of them."""
+    return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (fk, v)] + [
+        None] * count
 
 
 def _elementwise_needs_grad(spec: TileSpec) -> bool:
@@ -205,9 +200,9 @@ def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
     return dp.sub_(delta).mul_(p)
 
 
-def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extras,
-                    scratch) -> None:
-    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums.
+def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scratch) -> None:
+    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums
+    [dfk, dv, *extras] (``_grad_sums``).
     ``scratch`` holds two of the worker's flat tile buffers (scores, d(loss)/d(weights)).
 
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
@@ -252,18 +247,18 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        _batched_view(grads.v[:, :, k0:k1]).baddbmm_(
+        _batched_view(sums[1][:, :, k0:k1]).baddbmm_(
             kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), do_t.flatten(0, 1))
         ds = _softmax_grad(p, dp, delta_t)
         if graph:
             if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
                 continue
             found = torch.autograd.grad(s, (*leaves, *extras), ds, allow_unused=True)
-            grads.add_extras(found[len(leaves):])
+            add_grads(sums, 2, found[len(leaves):])
             if by_autograd:
                 if found[0] is not None:
                     dfq_t += found[0]
-                    grads.fk[:, :, k0:k1] += found[1]
+                    sums[0][:, :, k0:k1] += found[1]
                 continue
             ds = found[0]
             if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
@@ -271,7 +266,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, grads: _Grads, extr
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
         _add_kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t, dfq_t,
-                          grads.fk[:, :, k0:k1])
+                          sums[0][:, :, k0:k1])
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -283,21 +278,16 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
     dfq = torch.zeros_like(fq)
 
     def rows(blocks):
-        grads = _Grads(fk, v, len(extras))
+        sums = _grad_sums(fk, v, len(extras))
         scratch = (scratch_for(spec, fq), scratch_for(spec, fq))
         with torch.no_grad():
             for i in blocks:
-                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, grads, extras,
+                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras,
                                 scratch)
-        return grads
+        return sums
 
-    parts = run_split(rows, plan)
-    total = parts[0]
-    for part in parts[1:]:
-        total.fk += part.fk
-        total.v += part.v
-        total.add_extras(part.extras)
-    return dfq, total.fk, total.v, total.extras
+    dfk, dv, *dextras = sum_worker_grads(run_split(rows, plan))
+    return dfq, dfk, dv, dextras
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -315,9 +305,7 @@ class _FusedAttention(torch.autograd.Function):
         fq, fk, v, out, lse = ctx.saved_tensors
         wanted = [e for e in ctx.extras if e.requires_grad]
         dfq, dfk, dv, dwanted = _backward(ctx.spec, ctx.plan, fq, fk, v, out, lse, dout, wanted)
-        found = iter(dwanted)
-        dextras = [next(found) if e.requires_grad else None for e in ctx.extras]
-        return (None, None, dfq, dfk, dv, *dextras)
+        return (None, None, dfq, dfk, dv, *grads_for_extras(ctx.extras, dwanted))
 
 
 def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:

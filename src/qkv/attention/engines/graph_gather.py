@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..similarity import ROW_KERNELS
 from . import native
-from .tiles import TileSpec, run_split
+from .tiles import TileSpec, add_grads, grads_for_extras, run_split, sum_worker_grads
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -164,9 +164,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
         if not scores.requires_grad:  # a modifier that ignores the score and reads no tensor
             return
         found = torch.autograd.grad(scores, (raw, *wanted), ds, allow_unused=True)
-        for e, g in enumerate(found[1:], start=3):
-            if g is not None:
-                sums[e] = g if sums[e] is None else sums[e] + g
+        add_grads(sums, 3, found[1:])
         ds = found[0]
         if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
             return
@@ -219,14 +217,8 @@ class _GraphAttention(torch.autograd.Function):
                 _backward_chunk(spec, c, chunks[c], ctx.graph, saved, wanted, sums)
             return sums
 
-        parts = run_split(work, chunks)
-        total = parts[0]
-        for part in parts[1:]:
-            total = [a if b is None else b if a is None else a + b
-                     for a, b in zip(total, part, strict=True)]
-        found = iter(total[3:])
-        dextras = [next(found) if e.requires_grad else None for e in ctx.extras]
-        return (None, None, *total[:3], *dextras)
+        total = sum_worker_grads(run_split(work, chunks))
+        return (None, None, *total[:3], *grads_for_extras(ctx.extras, total[3:]))
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:

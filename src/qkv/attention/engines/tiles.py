@@ -243,3 +243,25 @@ def run_split(task, plan) -> list:
         return [f.result() for f in futures]
     finally:
         torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
+
+
+def sum_worker_grads(parts: list[list[Tensor | None]]) -> list[Tensor | None]:
+    """The workers' gradient lists summed position by position (None counts as zero)."""
+    total = list(parts[0])
+    for part in parts[1:]:
+        total = [a if b is None else b if a is None else a + b
+                 for a, b in zip(total, part, strict=True)]
+    return total
+
+
+def add_grads(sums: list[Tensor | None], start: int, grads) -> None:
+    """Add ``grads`` (None where unused) into ``sums[start:]`` in place."""
+    for e, g in enumerate(grads, start=start):
+        if g is not None:
+            sums[e] = g if sums[e] is None else sums[e] + g
+
+
+def grads_for_extras(extras, wanted_grads) -> list[Tensor | None]:
+    """One gradient per extra tensor: the computed ones, in order, for those requiring grad."""
+    found = iter(wanted_grads)
+    return [next(found) if e.requires_grad else None for e in extras]
