@@ -1,15 +1,17 @@
-"""The fused CPU engine's C loops (``cpu_kernels.c``): the L1 kernel and its gradients, and
-the per-row softmax steps of a tile.
+"""The fused CPU engine's C loops (``cpu_kernels.c``): the per-element work torch has no
+single operation for.
 
 - L1: -‖q-k‖₁ has no matrix-multiply form, so it is O(m·n·d) elementwise work either way;
   the C loops vectorize across keys instead of across d (about 10x faster than
-  ``torch.cdist`` forward, 3x backward, on a tile).
-- Softmax steps: the online-softmax update of a tile (row max, exp, row sum, correction) and
-  the backward's exp(s - lse), each in two passes over a row held in cache, instead of one
-  pass over the whole tile per torch operation.
+  ``torch.cdist`` forward, 3.5x backward, on a tile).
+- Softmax steps: the online-softmax update of a tile (row max, exp, row sum, rescaling of
+  the output, the mask), the backward's exp(s - lse) and p(dp - delta), each in one or two
+  passes over a row held in cache, instead of one pass over the whole tile per torch op.
+- Graph edges: per-edge scores, weighted scatters and kernel gradients that read the query,
+  key and value rows in place instead of gathering a copy per edge.
 
 The source is compiled once per machine with the system C compiler into ``$QKV_CACHE``
-(default ``~/.cache/qkv``), which takes about a second. Without a compiler, or with
+(default ``~/.cache/qkv``), which takes about two seconds. Without a compiler, or with
 ``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch operations (``cdist``
 with autograd for L1, the reference's own formula). The C code is called through ctypes,
 which releases the GIL, so the engine's workers run it in parallel.
