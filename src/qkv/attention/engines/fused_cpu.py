@@ -33,6 +33,8 @@ from .tiles import (
     analytic_kernel,
     block_sizes,
     dropout_keep,
+    elementwise_needs_grad,
+    grad_sums,
     grads_for_extras,
     group_heads,
     modify_scores,
@@ -153,17 +155,6 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-def _grad_sums(fk: Tensor, v: Tensor, count: int) -> list[Tensor | None]:
-    """One worker's key-side gradient sums [fk, v, *extras], fk and v contiguous whatever
-    their layout: tiles accumulate into batched views of them."""
-    return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (fk, v)] + [
-        None] * count
-
-
-def _elementwise_needs_grad(spec: TileSpec) -> bool:
-    return spec.score_mod is not None or isinstance(spec.scale, Tensor)
-
-
 def _batched_view(t: Tensor) -> Tensor:
     """(B, X, n, d) -> (B·X, n, d) as a view (never a copy: results are accumulated into it)."""
     return t.view(-1, *t.shape[2:])
@@ -202,7 +193,7 @@ def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
 
 def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scratch) -> None:
     """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums
-    [dfk, dv, *extras] (``_grad_sums``).
+    [dfk, dv, *extras] (``grad_sums``).
     ``scratch`` holds two of the worker's flat tile buffers (scores, d(loss)/d(weights)).
 
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
@@ -213,7 +204,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
     by_autograd = not analytic_kernel(spec, fq.dtype)
-    elementwise_grad = _elementwise_needs_grad(spec)
+    elementwise_grad = elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
     fq_t = group_heads(fq[:, :, q0:q1], hk)
@@ -278,7 +269,7 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
     dfq = torch.zeros_like(fq)
 
     def rows(blocks):
-        sums = _grad_sums(fk, v, len(extras))
+        sums = grad_sums((fk, v), len(extras))
         scratch = (scratch_for(spec, fq), scratch_for(spec, fq))
         with torch.no_grad():
             for i in blocks:

@@ -25,7 +25,16 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..similarity import ROW_KERNELS
 from . import native
-from .tiles import TileSpec, add_grads, grads_for_extras, run_split, sum_worker_grads
+from .tiles import (
+    TileSpec,
+    add_grads,
+    dropout_keep,
+    elementwise_needs_grad,
+    grad_sums,
+    grads_for_extras,
+    run_split,
+    sum_worker_grads,
+)
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -98,12 +107,6 @@ def _modify(spec: TileSpec, raw: Tensor, target: Tensor, source: Tensor) -> Tens
     return s
 
 
-def _dropout_keep(spec: TileSpec, c: int, shape, device) -> Tensor:
-    """Chunk c's keep mask, from its own generator: the backward pass redraws the same one."""
-    gen = torch.Generator(device=device).manual_seed(spec.seed + c)
-    return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
-
-
 def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:
     """(first target, target count, first edge, end edge) of chunks of about _CHUNK_EDGES."""
     row_start = torch.searchsorted(target, torch.arange(nq + 1, device=target.device)).tolist()
@@ -132,7 +135,8 @@ def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
     p = torch.exp(scores - row_max.index_select(1, local))
     row_sum = scores.new_zeros(shape).index_add_(1, local, p)
     if spec.dropout_p > 0:
-        p = p * _dropout_keep(spec, c, p.shape, p.device) / (1.0 - spec.dropout_p)
+        # Chunk c's keep mask from its own generator: the backward pass redraws the same one.
+        p = p * dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
     _scatter(p.squeeze(-1).contiguous(), v_rows, s, t, out)
     out[:, first:first + count] /= row_sum.masked_fill(row_sum == 0, 1.0)
     lse[:, first:first + count] = row_max + row_sum.log()
@@ -145,7 +149,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
     raw = _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1)
-    graph_needed = spec.score_mod is not None or isinstance(spec.scale, Tensor)
+    graph_needed = elementwise_needs_grad(spec)
     if graph_needed:
         raw.requires_grad_()
         with torch.enable_grad():
@@ -156,7 +160,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     dp = _scores("dot", dout, v_rows, t, s).unsqueeze(-1)
     kept = p
     if spec.dropout_p > 0:
-        keep = _dropout_keep(spec, c, p.shape, p.device) / (1.0 - spec.dropout_p)
+        keep = dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
         kept, dp = p * keep, dp * keep
     _scatter(kept.squeeze(-1).contiguous(), dout, t, s, sums[2])
     ds = p * (dp - delta.index_select(1, t))
@@ -211,8 +215,7 @@ class _GraphAttention(torch.autograd.Function):
 
         @torch.no_grad()
         def work(indices):
-            sums = [torch.zeros_like(t) for t in (fq_rows, fk_rows, v_rows)]
-            sums += [None] * len(wanted)
+            sums = grad_sums((fq_rows, fk_rows, v_rows), len(wanted))
             for c in indices:
                 _backward_chunk(spec, c, chunks[c], ctx.graph, saved, wanted, sums)
             return sums

@@ -245,6 +245,19 @@ def run_split(task, plan) -> list:
         torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
 
 
+def elementwise_needs_grad(spec: TileSpec) -> bool:
+    """Whether the elementwise part of the scores (scale, modifier) has anything to
+    differentiate, so the backward pass runs it under autograd."""
+    return spec.score_mod is not None or isinstance(spec.scale, Tensor)
+
+
+def grad_sums(tensors, count: int) -> list[Tensor | None]:
+    """One worker's gradient sums: a contiguous zero buffer per tensor (whatever its layout:
+    results are accumulated into batched views of it), then ``count`` extras not yet seen."""
+    return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in tensors] + [
+        None] * count
+
+
 def sum_worker_grads(parts: list[list[Tensor | None]]) -> list[Tensor | None]:
     """The workers' gradient lists summed position by position (None counts as zero)."""
     total = list(parts[0])
