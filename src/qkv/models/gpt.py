@@ -157,8 +157,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path) -> GPT:
-        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors). Reads
-        safetensors only; pickle checkpoints are refused."""
-        from .hf_gpt2 import load_gpt2
+        """Load a Hugging Face GPT-2 or LLaMA-family directory (config.json +
+        model.safetensors, sharded too), a LLaMA-architecture ``.gguf`` file, or the short
+        name ``smollm2``. Reads safetensors and GGUF only; pickle checkpoints are refused."""
+        from .pretrained import load_gpt
 
-        return load_gpt2(cls, path)
+        return load_gpt(path)
