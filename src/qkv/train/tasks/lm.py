@@ -37,6 +37,7 @@ class LMEval:
     temperature: float = 0.8
     top_k: int = 0  # 0: no top-k filtering
     top_p: float = 1.0
+    beam_size: int = 1  # > 1: beam search instead of sampling
 
 
 PRESETS = {
@@ -145,11 +146,14 @@ class LMTask:
         return (f"held-out loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
                 f"bits/char {result['bits_per_char']:.3f} ({result['tokens']} tokens)")
 
-    def generate(self, model, data: TextData, cfg, prompt: str, max_new_tokens: int,
-                 temperature: float, seed: int) -> str:
-        """Continue ``prompt``; past the context length, the model sees the most recent half
-        of its context window while it writes the next half."""
+    def generate(self, model, data: TextData, cfg, prompt: str,
+                 max_new_tokens: int | None = None,
+                 seed: int = 0) -> str:
+        """Continue ``prompt`` by ``max_new_tokens`` (default eval.max_new_tokens) tokens, with
+        the run's eval sampling settings; past the context length, the model sees the most
+        recent half of its context window while it writes the next half."""
         e = cfg.eval
+        max_new_tokens = e.max_new_tokens if max_new_tokens is None else max_new_tokens
         ids = data.tokenizer.encode(prompt)[-data.block :] or [data.tokenizer.unk_id]
         start = len(ids)
         device = next(model.parameters()).device
@@ -159,12 +163,12 @@ class LMTask:
             n_new = min(max_new_tokens - (len(ids) - start), data.block - len(context))
             out = model.generate(
                 torch.tensor([context], device=device), max_new_tokens=n_new,
-                temperature=temperature, top_k=e.top_k or None, top_p=e.top_p,
-                generator=generator,
+                temperature=e.temperature, top_k=e.top_k or None, top_p=e.top_p,
+                beam_size=e.beam_size, generator=generator,
             )
             ids += out[0, len(context) :].tolist()
         return data.tokenizer.decode(ids[start:])
 
     def report(self, model, data: TextData, cfg, run_dir: Path, out) -> None:
-        sample = self.generate(model, data, cfg, "Return the", 120, cfg.eval.temperature, 0)
+        sample = self.generate(model, data, cfg, "Return the", 120)
         print(f"sample: Return the{sample}", file=out)
