@@ -163,6 +163,27 @@ def test_bad_overrides(tmp_path, capsys, item, expected):
                             "--set", item], expected)
 
 
+@pytest.mark.parametrize("task, item, expected", [
+    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, inf), got 0"),
+    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, inf)"),
+    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, inf)"),
+    ("lm", "model.block_size=0", "model.block_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.threads=-3", "train.threads: expected a value in [0, 4096], got -3"),
+    ("vit", "train.label_smoothing=2", "train.label_smoothing: expected a value in [0, 1]"),
+    ("lm", "train.steps=-5", "train.steps: expected a value in [1, inf), got -5"),
+    ("translate", "eval.beam_size=0", "eval.beam_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.schedule=linear", "train.schedule: expected one of cosine, noam, constant"),
+    ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),
+])
+def test_config_values_checked_before_anything_is_written(tmp_path, capsys, task, item,
+                                                          expected):
+    run_dir = tmp_path / "r"
+    one_line_error(capsys, ["train", task, "--preset", "tiny", "--run-dir", str(run_dir),
+                            "--set", item], expected)
+    assert not run_dir.exists()
+
+
 def test_bad_run_directories(tmp_path, capsys, lm_run):
     one_line_error(capsys, ["train", "lm", "--resume", "--run-dir", str(tmp_path)],
                    "not a qkv run directory")

@@ -16,28 +16,28 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
-from ..config import ConfigError, Schema
+from ..config import Schema, limited
 from .common import build, run_tokenizer
 
 
 @dataclass
 class LMData:
     path: str = ""  # a UTF-8 text file; empty: the standard library's docstrings
-    max_chars: int = 1_500_000  # embedded corpus size
-    test_fraction: float = 0.1  # the held-out tail of the text
-    tokenizer: str = "char"  # "char" | "bpe"
-    vocab_size: int = 1000  # bpe only
+    max_chars: int = limited(1_500_000, "[1, inf)")  # embedded corpus size
+    test_fraction: float = limited(0.1, "(0, 1)")  # the held-out tail of the text
+    tokenizer: str = limited("char", choices=("char", "bpe"))
+    vocab_size: int = limited(1000, "[5, inf)")  # bpe only; the 4 special tokens and more
 
 
 @dataclass
 class LMEval:
-    max_tokens: int = 100_000  # held-out tokens scored (0: all)
-    batch_size: int = 64
-    max_new_tokens: int = 200  # `qkv generate`
-    temperature: float = 0.8
-    top_k: int = 0  # 0: no top-k filtering
-    top_p: float = 1.0
-    beam_size: int = 1  # > 1: beam search instead of sampling
+    max_tokens: int = limited(100_000, "[0, inf)")  # held-out tokens scored (0: all)
+    batch_size: int = limited(64, "[1, inf)")
+    max_new_tokens: int = limited(200, "[1, inf)")  # `qkv generate`
+    temperature: float = limited(0.8, "[0, inf)")  # 0: greedy
+    top_k: int = limited(0, "[0, inf)")  # 0: no top-k filtering
+    top_p: float = limited(1.0, "(0, 1]")
+    beam_size: int = limited(1, "[1, inf)")  # > 1: beam search instead of sampling
 
 
 PRESETS = {
@@ -96,14 +96,12 @@ class LMTask:
     def schema(self) -> Schema:
         from ...models import GPTConfig
 
-        return Schema(LMData, LMEval, GPTConfig, {"vocab_size"})
+        return Schema(LMData, LMEval, GPTConfig, {"vocab_size": 256})
 
     def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> TextData:
         train_text, test_text = corpus(cfg.data)
         tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer, lambda: [train_text],
                             cfg.data.vocab_size)
-        if "block_size" not in cfg.model:
-            raise ConfigError("model.block_size is required (the context length)")
         return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"])
 
     def build_model(self, cfg, data: TextData, run_dir: Path | None = None):
