@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import __version__
+
 USAGE_ERROR = 2
 
 
@@ -48,9 +50,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.run_dir:
             raise config.ConfigError("--resume needs --run-dir (the run to continue)")
-        stored = run.read_run_config(args.run_dir, args.task).to_dict()
-        cfg = config.resolve(task.schema, args.task, config.flatten(stored, "config.json"),
-                             None, args.overrides)
+        cfg = run.resume_config(args.run_dir, args.task, args.overrides)
     else:
         if args.preset not in task.presets:
             raise config.ConfigError(
@@ -63,7 +63,7 @@ def run_train(args: argparse.Namespace) -> int:
     result = trainer.run()
     if trainer.env.is_main:
         print(f"run directory: {run_dir}")
-        print(f"trained {cfg.train.steps} steps in {trainer.seconds:.1f}s")
+        print(trainer.time_report())
         print(task.summary(result))
         task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout)
     distributed.teardown(trainer.env)
@@ -75,12 +75,25 @@ def add_run_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run directory written by `qkv train`")
 
 
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_dir(p)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one eval.* key of the run, e.g. eval.beam_size=4 (repeatable)")
+
+
+def eval_overrides(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """``eval.NAME=VALUE`` for each flag in ``flags`` that was given (a flag is named after its
+    eval key), so flags and ``--set`` go through the same config checks."""
+    return [f"eval.{name}={getattr(args, name)!r}" for name in flags
+            if getattr(args, name) is not None]
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from .train import run
 
-    task, cfg, data, model = run.load(args.run_dir)
+    task, cfg, data, model = run.load(args.run_dir, overrides=args.overrides)
     with torch.no_grad():
         result = task.evaluate(model, data, cfg, final=True)
     print(task.summary(result))
@@ -93,27 +106,29 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, help="default: the run's eval.max_new_tokens")
     p.add_argument("--temperature", type=float, help="0 is greedy; default eval.temperature")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest (0: all); eval.top_k")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]; eval.top_p")
+    p.add_argument("--beam-size", type=int, help="> 1: beam search; default eval.beam_size")
     p.add_argument("--seed", type=int, default=0)
+
+
+GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_size")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from .train import run
 
-    task, cfg, data, model = run.load(args.run_dir)
-    if cfg.task != "lm":
-        raise run.RunError(f"`qkv generate` needs an lm run; {args.run_dir!r} is {cfg.task!r}")
-    n = cfg.eval.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    t = cfg.eval.temperature if args.temperature is None else args.temperature
-    if n < 1 or t < 0:
-        raise ValueError("--max-new-tokens must be >= 1 and --temperature >= 0")
-    print(args.prompt + task.generate(model, data, cfg, args.prompt, n, t, args.seed))
+    task, cfg, data, model = run.load(args.run_dir, task="lm",
+                                      overrides=eval_overrides(args, GENERATE_FLAGS))
+    print(args.prompt + task.generate(model, data, cfg, args.prompt, seed=args.seed))
     return 0
 
 
 # ----------------------------------------------------------------------------- translate
 def add_translate_arguments(p: argparse.ArgumentParser) -> None:
     add_run_dir(p)
-    p.add_argument("text", nargs="+", help="one or more sentences to translate")
+    p.add_argument("text", nargs="+",
+                   help="one or more sentences to translate; - reads one per line from stdin")
     p.add_argument("--beam-size", type=int, help="default: the run's eval.beam_size; 1 is greedy")
     p.add_argument("--heatmap", help="also write the first sentence's cross-attention PNG here")
 
@@ -122,18 +137,18 @@ def run_translate(args: argparse.Namespace) -> int:
     from .train import run
     from .train.tasks.heatmap import cross_attention_png
 
-    task, cfg, data, model = run.load(args.run_dir)
-    if cfg.task != "translate":
-        raise run.RunError(
-            f"`qkv translate` needs a translate run; {args.run_dir!r} is {cfg.task!r}")
-    beam = cfg.eval.beam_size if args.beam_size is None else args.beam_size
-    if beam < 1:
-        raise ValueError(f"--beam-size must be >= 1, got {beam}")
-    outputs = task.translate(model, data, cfg, args.text, beam)
+    texts = args.text
+    if texts == ["-"]:
+        texts = sys.stdin.read().splitlines()
+        if not texts:
+            raise ValueError("`qkv translate RUN -` found no lines on standard input")
+    task, cfg, data, model = run.load(args.run_dir, task="translate",
+                                      overrides=eval_overrides(args, ("beam_size",)))
+    outputs = task.translate(model, data, cfg, texts, cfg.eval.beam_size)
     for text in outputs:
         print(text)
     if args.heatmap:
-        cross_attention_png(model, data.src_tok, data.tgt_tok, args.text[0], outputs[0],
+        cross_attention_png(model, data.src_tok, data.tgt_tok, texts[0], outputs[0],
                             args.heatmap)
         print(f"cross-attention heatmap: {args.heatmap}", file=sys.stderr)
     return 0
@@ -187,19 +202,23 @@ COMMANDS: dict[str, Command] = {
     ),
     "eval": Command(
         "evaluate a run's newest checkpoint on its held-out data",
-        "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits",
-        add_run_dir, run_eval,
+        "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits\n"
+        "  qkv eval runs/demo --set eval.beam_size=8 --set eval.length_penalty=1.0",
+        add_eval_arguments, run_eval,
     ),
     "generate": Command(
         "continue a prompt with a trained lm run",
         '  qkv generate runs/lm --prompt "Return the"\n'
-        '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5',
+        '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5\n'
+        '  qkv generate runs/lm --prompt "The " --top-k 20 --top-p 0.9\n'
+        '  qkv generate runs/lm --prompt "The " --beam-size 4',
         add_generate_arguments, run_generate,
     ),
     "translate": Command(
         "translate text with a trained translate run (beam search by default)",
         '  qkv translate runs/demo "zweiundvierzig"\n'
-        '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png',
+        '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png\n'
+        "  qkv translate runs/demo - < german.txt      # one sentence per line",
         add_translate_arguments, run_translate,
     ),
     "viz": Command(
@@ -223,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The attention mechanism and the Transformer, from one command.",
         epilog="examples:\n" + "\n".join(c.examples.splitlines()[0] for c in COMMANDS.values()),
     )
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help,
