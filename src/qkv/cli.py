@@ -1,4 +1,4 @@
-"""The ``qkv`` command: train, eval, generate, translate, viz, bench.
+"""The ``qkv`` command: train, eval, generate, chat, embed, translate, viz, bench.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (its arguments, its run function, its
 examples); adding a command means adding one entry. Bad input (a missing data file, an
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
+from . import __version__, model_commands
 
 USAGE_ERROR = 2
 
@@ -71,14 +71,33 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- eval
-def add_run_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run directory written by `qkv train`")
+def add_run_dir(p: argparse.ArgumentParser, or_model: bool = False) -> None:
+    if not or_model:
+        p.add_argument("run_dir", help="a run directory written by `qkv train`")
+        return
+    p.add_argument("run_dir", nargs="?", help="a run directory written by `qkv train` "
+                   "(or give --model instead)")
+    model_commands.add_model_option(p)
+
+
+def run_dir_or_model(args: argparse.Namespace, command: str) -> bool:
+    """True when the command runs on --model; exactly one of RUN_DIR and --model is given."""
+    if (args.run_dir is None) == (args.model is None):
+        raise ValueError(f"`qkv {command}` takes a run directory or --model NAME_OR_PATH "
+                         "(exactly one)")
+    return args.model is not None
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    add_run_dir(p)
+    add_run_dir(p, or_model=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one eval.* key of the run, e.g. eval.beam_size=4 (repeatable)")
+    p.add_argument("--text", metavar="FILE", help="--model: the UTF-8 text to score "
+                   "(default: the held-out standard-library docstrings)")
+    p.add_argument("--window", type=int, help="--model: tokens per scored window "
+                   "(default: the context, at most 1024)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="--model: score at most this many tokens (default 0: all)")
 
 
 def eval_overrides(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
@@ -93,6 +112,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from .train import run
 
+    if run_dir_or_model(args, "eval"):
+        if args.overrides:
+            raise ValueError("--set applies to run directories; with --model use --text, "
+                             "--window and --max-tokens")
+        return model_commands.run_eval(args)
     task, cfg, data, model = run.load(args.run_dir, overrides=args.overrides)
     with torch.no_grad():
         result = task.evaluate(model, data, cfg, final=True)
@@ -102,7 +126,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- generate
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    add_run_dir(p)
+    add_run_dir(p, or_model=True)
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, help="default: the run's eval.max_new_tokens")
     p.add_argument("--temperature", type=float, help="0 is greedy; default eval.temperature")
@@ -113,10 +137,19 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_size")
+# --model has no run config to take defaults from: greedy, 64 tokens.
+MODEL_GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                           "beam_size": 1}
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from .train import run
+
+    if run_dir_or_model(args, "generate"):
+        for flag, default in MODEL_GENERATE_DEFAULTS.items():
+            if getattr(args, flag) is None:
+                setattr(args, flag, default)
+        return model_commands.run_generate(args)
 
     task, cfg, data, model = run.load(args.run_dir, task="lm",
                                       overrides=eval_overrides(args, GENERATE_FLAGS))
@@ -201,18 +234,34 @@ COMMANDS: dict[str, Command] = {
         add_train_arguments, run_train,
     ),
     "eval": Command(
-        "evaluate a run's newest checkpoint on its held-out data",
+        "evaluate a run's newest checkpoint on its held-out data, or a checkpoint's perplexity",
         "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits\n"
+        "  qkv eval --model smollm2 --text notes.txt       # perplexity\n"
         "  qkv eval runs/demo --set eval.beam_size=8 --set eval.length_penalty=1.0",
         add_eval_arguments, run_eval,
     ),
     "generate": Command(
-        "continue a prompt with a trained lm run",
+        "continue a prompt with a trained lm run or a pretrained checkpoint",
         '  qkv generate runs/lm --prompt "Return the"\n'
+        '  qkv generate --model smollm2 --prompt "The capital of France is"\n'
         '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5\n'
         '  qkv generate runs/lm --prompt "The " --top-k 20 --top-p 0.9\n'
         '  qkv generate runs/lm --prompt "The " --beam-size 4',
         add_generate_arguments, run_generate,
+    ),
+    "chat": Command(
+        "talk with a pretrained chat model (its chat template; replies stream as they come)",
+        "  qkv chat --model smollm2\n"
+        '  qkv chat --model smollm2 --message "What is attention?" --max-new-tokens 100\n'
+        '  qkv chat --model smollm2 --system "Answer in one line." --temperature 0.7',
+        model_commands.add_chat_arguments, model_commands.run_chat,
+    ),
+    "embed": Command(
+        "sentence embeddings of a pretrained encoder: cosine similarities, or the vectors",
+        '  qkv embed --model minilm "A man eats food." "Someone is eating." "A cat sleeps."\n'
+        '  qkv embed --model minilm --json "one sentence" > vectors.json\n'
+        "  qkv embed --model minilm - < sentences.txt",
+        model_commands.add_embed_arguments, model_commands.run_embed,
     ),
     "translate": Command(
         "translate text with a trained translate run (beam search by default)",

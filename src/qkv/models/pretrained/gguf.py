@@ -76,7 +76,8 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tenso
 
 
 class GGUFFile:
-    """One GGUF file: ``metadata`` (key -> Python value) and ``tensor(name)`` in float32."""
+    """One GGUF file: metadata values (``get``, ``require``; read on first use, since the
+    vocabulary arrays are large) and ``tensor(name)`` in float32."""
 
     def __init__(self, path: str | Path):
         from gguf import GGUFReader
@@ -86,16 +87,20 @@ class GGUFFile:
             self.reader = GGUFReader(str(self.path))
         except (ValueError, OSError, IndexError) as e:
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {e}") from None
-        self.metadata = {name: field.contents() for name, field in self.reader.fields.items()}
+        self._values: dict = {}
         self._tensors = {t.name: t for t in self.reader.tensors}
 
     def get(self, key: str, default=None):
-        return self.metadata.get(key, default)
+        if key not in self.reader.fields:
+            return default
+        if key not in self._values:
+            self._values[key] = self.reader.fields[key].contents()
+        return self._values[key]
 
     def require(self, key: str):
-        if key not in self.metadata:
+        if key not in self.reader.fields:
             raise CheckpointError(f"{self.path} lacks the metadata key {key!r}")
-        return self.metadata[key]
+        return self.get(key)
 
     def names(self) -> list[str]:
         return list(self._tensors)

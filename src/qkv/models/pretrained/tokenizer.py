@@ -41,6 +41,7 @@ class PretrainedTokenizer:
         self.bos_id, self.eos_id, self.pad_id = (self._id(t) for t in (bos, eos, pad))
         self.bos, self.eos, self.pad = bos, eos, pad
         self.add_bos, self.chat_template = add_bos, chat_template
+        self.max_length: int | None = None  # the checkpoint's own input limit, when it has one
         self.special_ids = {
             i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
 
@@ -51,8 +52,15 @@ class PretrainedTokenizer:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True,
+               max_length: int | None = None) -> list[int]:
+        """text -> ids; ``max_length`` truncates (keeping the special tokens it adds)."""
+        if max_length is not None:
+            self.tokenizer.enable_truncation(max_length)
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self.tokenizer.no_truncation()
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
@@ -122,8 +130,13 @@ def from_directory(directory: Path) -> PretrainedTokenizer:
     # A tokenizer.json whose post-processor already adds BOS must not get a second one.
     add_bos = bool(config.get("add_bos_token")) and tokenizer.post_processor is None
     pad = _token_text(config.get("pad_token"))
-    return PretrainedTokenizer(tokenizer, bos=bos, eos=eos, pad=pad, add_bos=add_bos,
-                               chat_template=template)
+    result = PretrainedTokenizer(tokenizer, bos=bos, eos=eos, pad=pad, add_bos=add_bos,
+                                 chat_template=template)
+    # sentence-transformers' limit (256 for all-MiniLM-L6-v2) is the one its embeddings use.
+    sentence_config = directory / "sentence_bert_config.json"
+    if sentence_config.is_file():
+        result.max_length = json.loads(sentence_config.read_text()).get("max_seq_length")
+    return result
 
 
 def from_gguf(meta) -> PretrainedTokenizer:
