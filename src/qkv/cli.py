@@ -204,7 +204,8 @@ def run_viz(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- bench
-BENCHMARKS = {"attention": "attention_cpu.py", "train": "train_cpu.py"}
+BENCHMARKS = {"attention": "attention_cpu.py", "generate": "generate_cpu.py",
+              "train": "train_cpu.py"}
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/cli.py -> repo root
 
 
