@@ -213,6 +213,16 @@ def test_corrupt_checkpoints(tmp_path, capsys, lm_run):
     assert code == 2 and err.splitlines()[-1].startswith("qkv: error: no intact checkpoint")
 
 
+def test_a_corrupt_tokenizer_is_named(tmp_path, capsys, lm_run):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(lm_run, copy)
+    (copy / "tokenizer.json").write_text('{"kind": "char", "chars": ')
+    one_line_error(capsys, ["eval", str(copy)],
+                   f"tokenizer file {str(copy / 'tokenizer.json')!r} is corrupt")
+
+
 def test_the_installed_command_prints_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "qkv.cli", "train", "translate", "--set",

@@ -77,6 +77,30 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: 
     return final
 
 
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_partials(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary folders of saves whose process was killed before it could finish
+    (a folder named after a live process other than this one is left alone); returns them."""
+    root = checkpoint_root(run_dir)
+    removed = []
+    for temp in sorted(root.glob(".step-*.partial-*")) if root.is_dir() else []:
+        pid = temp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and process_alive(int(pid)):
+            continue
+        shutil.rmtree(temp, ignore_errors=True)
+        removed.append(temp)
+    return removed
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Finished checkpoint folders, newest first."""
     root = checkpoint_root(run_dir)

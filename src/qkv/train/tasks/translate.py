@@ -79,8 +79,10 @@ class PairData:
 
     unit = "tok"
 
-    def __init__(self, src_tok, tgt_tok, train_pairs, test_pairs, max_len: int):
+    def __init__(self, src_tok, tgt_tok, train_pairs, test_pairs, max_len: int,
+                 new_files: dict[str, dict]):
         self.src_tok, self.tgt_tok, self.test_pairs = src_tok, tgt_tok, test_pairs
+        self.new_files = new_files
         encoded = [(src_tok.encode(s), tgt_tok.encode(t)) for s, t in train_pairs]
         self.train = [(s, t) for s, t in encoded if len(s) <= max_len and len(t) < max_len]
         self.targets = torch.tensor([len(t) + 1 for _, t in self.train], dtype=torch.long)
@@ -144,25 +146,29 @@ class TranslateTask:
                    "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": 66}
         return Schema(TranslateData, TranslateEval, TransformerConfig, derived)
 
-    def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> PairData:
+    def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> PairData:
         make_train_pairs, test_pairs = embedded_or_user_pairs(cfg.data)
         train_pairs = functools.cache(make_train_pairs)
 
         d = cfg.data
+        new_files = {}
         src_tok = run_tokenizer(run_dir, "tokenizer_src", env, d.tokenizer,
-                                lambda: [s for s, _ in train_pairs()], d.src_vocab_size)
+                                lambda: [s for s, _ in train_pairs()], d.src_vocab_size,
+                                new_files)
         tgt_tok = run_tokenizer(run_dir, "tokenizer_tgt", env, d.tokenizer,
-                                lambda: [t for _, t in train_pairs()], d.tgt_vocab_size)
-        return PairData(src_tok, tgt_tok, train_pairs() if train else [], test_pairs, d.max_len)
+                                lambda: [t for _, t in train_pairs()], d.tgt_vocab_size,
+                                new_files)
+        return PairData(src_tok, tgt_tok, train_pairs() if train else [], test_pairs, d.max_len,
+                        new_files)
 
-    def build_model(self, cfg, data: PairData, run_dir: Path | None = None):
+    def build_model(self, cfg, data: PairData):
         from ...models import Transformer, TransformerConfig
 
         derived = {
             "src_vocab_size": data.src_tok.vocab_size, "tgt_vocab_size": data.tgt_tok.vocab_size,
             "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": cfg.data.max_len + 2,
         }
-        return build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
+        return build(Transformer, TransformerConfig, derived, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
         logits = model(batch["src"], batch["tgt_in"], src_lengths=batch["src_lengths"],
