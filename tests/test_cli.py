@@ -134,6 +134,7 @@ def one_line_error(capsys, argv, expected):
     code, _, err = run(capsys, *argv)
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("qkv: error: ") and expected in err, err
+    return err
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -153,6 +154,25 @@ def test_image_folder_with_one_class(tmp_path, capsys):
     argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
             "--set", f"data.path={tmp_path / 'imgs'}"]
     one_line_error(capsys, argv, "1 class folder")
+
+
+@pytest.mark.parametrize("arrays, expected", [
+    (None, "is not an image set: expected a NumPy .npz archive"),
+    ({"pictures": [[[0.0]]], "labels": [0]},
+     "has no 'images' array (it holds 'pictures', 'labels')"),
+])
+def test_npz_that_is_no_image_set(tmp_path, capsys, arrays, expected):
+    import numpy as np
+
+    path = tmp_path / "set.npz"
+    if arrays is None:
+        path.write_text("a text file")
+    else:
+        np.savez(path, **{name: np.array(value) for name, value in arrays.items()})
+    argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
+            "--set", f"data.path={path}"]
+    assert "pickle" not in one_line_error(capsys, argv, expected)
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("item, expected", [
