@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -46,6 +48,11 @@ def test_train_translate_writes_a_complete_run(translate_run):
             "metrics.jsonl", "checkpoints", "cross_attention.png"} <= names
     assert json.loads((translate_run / "config.json").read_text())["train"]["steps"] == 6
     assert (translate_run / "cross_attention.png").read_bytes()[:4] == b"\x89PNG"
+    # Files get the user's umask, as `open` would give them, not a temp file's 0600.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    files = [p for p in translate_run.rglob("*") if p.is_file()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~umask}
 
 
 def test_eval_and_translate(translate_run, capsys, tmp_path):
