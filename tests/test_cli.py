@@ -268,6 +268,12 @@ def test_train_on_user_files(tmp_path_factory, tmp_path, capsys):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"]["path"] == str(pairs)
     assert "Ä" in json.loads((run_dir / "tokenizer_src.json").read_text())["chars"]
+    # "3 apples" is 2 tokens: BLEU (4-grams) is 0 by construction, and the summary says so.
+    capsys.readouterr()
+    code, out, _ = run(capsys, "eval", str(run_dir))
+    assert code == 0 and out.startswith("held-out exact match ") and "% | chrF " in out
+    assert "| BLEU 0.0 (of little meaning here: 100% of the references are shorter than 4 " \
+           "tokens, where BLEU is 0 by construction)" in out
     text = tmp_path / "story.txt"
     text.write_text("Once upon a time there was a model. " * 60, encoding="utf-8")
     run_dir = train_tiny(tmp_path_factory, "lm", "--set", f"data.path={text}")

@@ -187,25 +187,36 @@ class TranslateTask:
         return out
 
     def evaluate(self, model, data: PairData, cfg, final: bool) -> dict:
-        """Held-out exact match (%), BLEU and chrF (sacrebleu); beam search when final."""
+        """Held-out exact match (%), chrF and BLEU (sacrebleu), and the share (%) of references
+        shorter than 4 tokens (sacrebleu's 13a tokens); beam search when final."""
         import sacrebleu
+        from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
         pairs = data.test_pairs if final else data.test_pairs[: cfg.eval.max_examples]
         beam = cfg.eval.beam_size if final else 1
         hyps = self.translate(model, data, cfg, [s for s, _ in pairs], beam)
         refs = [t for _, t in pairs]
         exact = sum(h == r for h, r in zip(hyps, refs, strict=True)) / len(refs)
+        tokenize = Tokenizer13a()
+        short = sum(len(tokenize(r).split()) < 4 for r in refs) / len(refs)
         return {
             "exact_match": 100 * exact,
-            "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
             "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+            "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+            "short_references": 100 * short,
             "examples": len(refs), "beam_size": beam,
         }
 
     def summary(self, result: dict) -> str:
+        """Exact match and chrF first; BLEU, which scores matching 4-grams, is 0 by
+        construction on a reference shorter than 4 tokens, and says so when most are."""
         r = result
-        return (f"held-out exact match {r['exact_match']:.1f}% | BLEU {r['bleu']:.1f} | "
-                f"chrF {r['chrf']:.1f} ({r['examples']} examples, beam {r['beam_size']})")
+        bleu = f"BLEU {r['bleu']:.1f}"
+        if r["short_references"] > 50:
+            bleu += (f" (of little meaning here: {r['short_references']:.0f}% of the references "
+                     "are shorter than 4 tokens, where BLEU is 0 by construction)")
+        return (f"held-out exact match {r['exact_match']:.1f}% | chrF {r['chrf']:.1f} | {bleu} "
+                f"({r['examples']} examples, beam {r['beam_size']})")
 
     def report(self, model, data: PairData, cfg, run_dir: Path, out) -> None:
         """Five held-out translations and a cross-attention heatmap of the first one."""
