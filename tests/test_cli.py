@@ -82,6 +82,8 @@ def test_translate_reads_stdin(translate_run, capsys, monkeypatch):
     assert code == expected == 0 and out == capsys.readouterr().out and out.count("\n") == 3
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     one_line_error(capsys, ["translate", str(translate_run), "-"], "no lines on standard input")
+    one_line_error(capsys, ["translate", str(translate_run), "x", "--beam-size", "0"],
+                   "eval.beam_size: expected a value in [1, inf), got 0")
 
 
 def test_version(capsys):
@@ -101,6 +103,11 @@ def test_generate_sampling_and_beam_flags(lm_run, capsys):
     code, out, _ = run(capsys, "generate", str(lm_run), "--prompt", "Re", "--max-new-tokens",
                        "12", "--beam-size", "3")
     assert code == 0 and out.startswith("Re") and len(out.rstrip("\n")) >= 12
+    for flags, expected in ((["--top-p", "2"], "eval.top_p: expected a value in (0, 1], got 2.0"),
+                            (["--top-k", "-1"], "eval.top_k: expected a value in [0, inf)"),
+                            (["--beam-size", "0"], "eval.beam_size: expected a value in [1, inf)"),
+                            (["--temperature", "-1"], "eval.temperature: expected a value in")):
+        one_line_error(capsys, ["generate", str(lm_run), "--prompt", "Re", *flags], expected)
 
 
 def test_train_lm_eval_generate(lm_run, capsys):
