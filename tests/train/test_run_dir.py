@@ -123,6 +123,13 @@ def test_a_rerun_after_a_kill_before_the_first_checkpoint_starts_afresh(
     assert not checkpoint.list_checkpoints(run_dir)
     capsys.readouterr()
 
+    before = snapshot(run_dir)
+    argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(run_dir)]
+    assert main(argv) == 2
+    assert "holds a 'lm' run stopped before its first checkpoint; pick a new --run-dir for a " \
+           "'vit' run" in error_line(capsys)
+    assert snapshot(run_dir) == before
+
     assert main(tiny_lm(run_dir, 12, "--set", "train.checkpoint_every=4")) == 0
     err = capsys.readouterr().err
     assert "held a run stopped before its first checkpoint; started it afresh" in err

@@ -68,10 +68,11 @@ RUN_FILES = ("config.json", "model.json", "metrics.jsonl", "tokenizer.json",
              "tokenizer_src.json", "tokenizer_tgt.json")
 
 
-def unfinished_run(run_dir: Path) -> bool:
-    """Whether a fresh start in ``run_dir`` replaces a run killed before its first checkpoint
-    (True) or starts in a folder that holds no run (False). A folder that holds a run with
-    checkpoints, or files of a run's names that are not a qkv run's, is refused."""
+def unfinished_run(run_dir: Path, task: str) -> bool:
+    """Whether a fresh ``task`` start in ``run_dir`` replaces a run of that task killed before
+    its first checkpoint (True) or starts in a folder that holds no run (False). A folder that
+    holds a run with checkpoints or of another task, or files of a run's names that are not a
+    qkv run's, is refused."""
     if checkpoint.list_checkpoints(run_dir):
         raise RunError(
             f"{str(run_dir)!r} already holds a run; add --resume or pick a new --run-dir")
@@ -79,10 +80,13 @@ def unfinished_run(run_dir: Path) -> bool:
     if not present:
         return False
     try:
-        read_run_config(run_dir)
+        stored = read_run_config(run_dir)
     except ValueError:
         raise RunError(f"{str(run_dir)!r} holds {', '.join(present)} but no readable qkv run; "
                        "pick a new --run-dir") from None
+    if stored.task != task:
+        raise RunError(f"{str(run_dir)!r} holds a {stored.task!r} run stopped before its first "
+                       f"checkpoint; pick a new --run-dir for a {task!r} run")
     return True
 
 
@@ -92,7 +96,7 @@ def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False
     afresh (its metrics, tokenizers and configuration are replaced) and says so."""
     run_dir = Path(run_dir)
     env = distributed.setup(cfg.train.device)
-    afresh = not resume and unfinished_run(run_dir)
+    afresh = not resume and unfinished_run(run_dir, cfg.task)
     trainer = Trainer(get_task(cfg.task), cfg, run_dir, env, quiet, resume=resume)
     trainer.commit()
     if afresh and env.is_main:
