@@ -257,6 +257,21 @@ def test_a_corrupt_tokenizer_is_named(tmp_path, capsys, lm_run):
                    f"tokenizer file {str(copy / 'tokenizer.json')!r} is corrupt")
 
 
+def test_a_run_missing_its_tokenizer_or_edited_after_training(tmp_path, capsys, lm_run):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(lm_run, copy)
+    (copy / "tokenizer.json").unlink()
+    one_line_error(capsys, ["eval", str(copy)],
+                   f"tokenizer file {str(copy / 'tokenizer.json')!r} does not exist")
+    shutil.copy(lm_run / "tokenizer.json", copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["model"]["d_model"] = 64
+    (copy / "config.json").write_text(json.dumps(config))
+    one_line_error(capsys, ["eval", str(copy)], "does not fit the model: Error(s) in loading")
+
+
 def test_the_installed_command_prints_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "qkv.cli", "train", "translate", "--set",

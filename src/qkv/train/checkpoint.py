@@ -39,7 +39,12 @@ class Checkpoint:
         from safetensors.torch import load_model
 
         device = next(model.parameters()).device
-        load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
+        try:
+            load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
+        except RuntimeError as e:  # names or shapes that differ from the model's
+            detail = " ".join(line.strip() for line in str(e).splitlines()[:2])
+            raise CheckpointError(f"checkpoint {self.path} does not fit the model: {detail}"
+                                  ) from None
 
 
 def sha256(path: Path) -> str:

@@ -10,13 +10,12 @@ from .. import distributed
 
 def run_tokenizer(run_dir: Path | None, name: str, env, kind: str, texts, vocab_size: int,
                   new_files: dict[str, dict]):
-    """The tokenizer ``RUN/name.json`` when present (``run_dir`` None: never); else one
-    learned by rank 0 and sent to the other ranks, so that every rank uses a byte-identical
-    vocabulary. A learned one is added to ``new_files`` (file name -> JSON) for the start to
-    write once everything else has succeeded."""
-    path = None if run_dir is None else run_dir / f"{name}.json"
-    if path is not None and path.exists():
-        return load_tokenizer(path)
+    """The tokenizer ``RUN/name.json`` of an existing run (a missing file is named). For a new
+    run (``run_dir`` None), one learned by rank 0 and sent to the other ranks, so that every
+    rank uses a byte-identical vocabulary; it is added to ``new_files`` (file name -> JSON)
+    for the start to write once everything else has succeeded."""
+    if run_dir is not None:
+        return load_tokenizer(run_dir / f"{name}.json")
     tree = train_tokenizer(kind, texts(), vocab_size).to_json() if env.is_main else None
     tree = distributed.broadcast_object(env, tree)
     new_files[f"{name}.json"] = tree
