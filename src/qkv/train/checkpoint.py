@@ -61,8 +61,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict,
          keep: int) -> Path:
-    """Write checkpoint ``step`` and delete all but the newest ``keep`` ones."""
+    """Write checkpoint ``step`` and delete all but the newest ``keep`` (>= 1) ones."""
     from safetensors.torch import save_model
+
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint being written); got {keep}")
 
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:06d}"
