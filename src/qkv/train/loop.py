@@ -96,6 +96,10 @@ class Trainer:
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
+        # The checkpoint first: a run without one fails before any data is read.
+        found = checkpoint.load_latest(self.run_dir) if resume else None
+        if resume and found is None:
+            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(t.seed)
@@ -114,13 +118,10 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir, env.is_main)
         # Each rank gets its own dropout stream; rank 0 keeps the plain seed.
         torch.manual_seed(t.seed + env.rank)
-        if resume:
-            self.resume()
+        if found is not None:
+            self.resume(found)
 
-    def resume(self) -> None:
-        found = checkpoint.load_latest(self.run_dir)
-        if found is None:
-            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
+    def resume(self, found: checkpoint.Checkpoint) -> None:
         found.load_weights(self.model)
         state = found.trainer_state
         self.optimizer.load_state_dict(state["optimizer"])
