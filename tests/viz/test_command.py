@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -27,12 +28,19 @@ def _start(run_dir, task, overrides=()):
     return cfg
 
 
+def build_run_model(run_dir, model_cls, config_cls, derived, configured):
+    """The model, with its config in RUN/model.json as ``qkv train`` writes it."""
+    model = build(model_cls, config_cls, derived, configured)
+    (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model.config)))
+    return model
+
+
 def make_lm_run(run_dir, overrides=()):
     cfg = _start(run_dir, "lm", overrides)
     tok = CharTokenizer.train([TEXT + "Return"])
     save_tokenizer(tok, run_dir / "tokenizer.json")
     torch.manual_seed(0)
-    model = build(GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model, run_dir)
+    model = build_run_model(run_dir, GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model)
     checkpoint.save(run_dir, 1, model, {}, keep=1)
     return model, tok
 
@@ -113,7 +121,7 @@ def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
     save_tokenizer(tgt_tok, run_dir / "tokenizer_tgt.json")
     derived = {"src_vocab_size": src_tok.vocab_size, "tgt_vocab_size": tgt_tok.vocab_size,
                "pad_id": 0, "bos_id": 1, "eos_id": 2, "max_len": cfg.data.max_len + 2}
-    model = build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
+    model = build_run_model(run_dir, Transformer, TransformerConfig, derived, cfg.model)
     # A bare model.safetensors (no checkpoints/) is a model too.
     from safetensors.torch import save_model
 
@@ -134,7 +142,7 @@ def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
     run_dir = tmp_path / "vit"
     cfg = _start(run_dir, "vit")
     derived = {"image_size": 8, "in_channels": 1, "num_classes": 10}
-    model = build(ViT, ViTConfig, derived, cfg.model, run_dir)
+    model = build_run_model(run_dir, ViT, ViTConfig, derived, cfg.model)
     checkpoint.save(run_dir, 1, model, {}, keep=1)
     out, pictures = tmp_path / "v.html", tmp_path / "pics"
     assert main(["viz", str(run_dir), "--image", "2", "-o", str(out), "--png", str(pictures),
