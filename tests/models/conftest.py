@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from qkv.data.docstrings import stdlib_docstrings  # noqa: E402
-from qkv.models import load_pretrained  # noqa: E402
+from qkv.models import load_pretrained, load_tokenizer  # noqa: E402
 from qkv.models.pretrained import resolve  # noqa: E402
 
 
@@ -41,6 +41,11 @@ def minilm_dir():
 def minilm(minilm_dir):
     """(qkv Encoder, qkv tokenizer)."""
     return load_pretrained("minilm")
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer(minilm_dir):
+    return load_tokenizer("minilm")
 
 
 @pytest.fixture(scope="session")

@@ -102,8 +102,8 @@ def test_semantic_search_ranks_identically(minilm, reference_embeddings):
     torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
 
 
-def test_tokenizer_ids_match_hugging_face(minilm, hf_bert_tokenizer, varied_strings):
-    _, tokenizer = minilm
+def test_tokenizer_ids_match_hugging_face(minilm_tokenizer, hf_bert_tokenizer, varied_strings):
+    tokenizer = minilm_tokenizer
     assert len(varied_strings) >= 300
     mismatched = [s for s in varied_strings
                   if tokenizer.encode(s) != hf_bert_tokenizer(s)["input_ids"]]
