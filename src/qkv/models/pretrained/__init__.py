@@ -11,6 +11,7 @@ Only safetensors and GGUF are read; nothing is unpickled and nothing is download
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from . import bert, gpt2, llama
@@ -31,6 +32,17 @@ __all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "load_encode
 DECODER_TYPES = ("gpt2", "llama")
 
 
+@functools.lru_cache(maxsize=2)
+def _gguf(path: Path, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed file, parsed once per process (the vocabulary arrays take seconds) while the
+    file is unchanged; the tensors stay memory-mapped."""
+    return _gguf(path.resolve(), path.stat().st_mtime_ns)
+
+
 def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
@@ -49,7 +61,7 @@ def load_gpt_config(name_or_path):
     path = resolve(name_or_path)
     kind = _model_type(path)
     if kind == "gguf":
-        meta = GGUFFile(path)
+        meta = open_gguf(path)
         return llama.config_from_gguf(meta, has_output="output.weight" in meta.names())
     if kind not in DECODER_TYPES:
         raise CheckpointError(f"{path}: model_type {kind!r} is not a decoder qkv reads as GPT; "
@@ -65,7 +77,7 @@ def load_gpt(name_or_path):
     model = GPT(load_gpt_config(path))
     kind, where = _model_type(path), str(path)
     if kind == "gguf":
-        llama.load_weights(model, TensorSource(GGUFFile(path).tensors(), where), gguf=True)
+        llama.load_weights(model, TensorSource(open_gguf(path).tensors(), where), gguf=True)
     elif kind == "gpt2":
         tensors = gpt2.normalize_names(read_safetensors(path))
         gpt2.load_weights(model, TensorSource(tensors, where))
@@ -94,7 +106,7 @@ def load_tokenizer(name_or_path) -> PretrainedTokenizer:
     """The tokenizer of a checkpoint: its tokenizer.json, or a GGUF file's metadata."""
     path = resolve(name_or_path)
     if _is_gguf(path):
-        return from_gguf(GGUFFile(path))
+        return from_gguf(open_gguf(path))
     if path.is_file() and path.name == "tokenizer.json":
         path = path.parent
     if not path.is_dir():
