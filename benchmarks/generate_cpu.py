@@ -8,7 +8,9 @@ rounds so they see the same machine load, and the table gives the best round of 
 - qkv fp32: ``qkv.models.GPT`` with its static KV cache;
 - qkv bf16: the same model after ``qkv.nn.packed.pack_linears`` (weight-only bf16);
 - HF fp32: ``transformers`` ``LlamaForCausalLM.generate`` on the same weights;
-- HF bf16: the HF model cast to bfloat16 (its own weight-and-activation bf16).
+- HF bf16: the HF model cast to bfloat16 (its own weight-and-activation bf16);
+- llama.cpp Q4_1, for reference, where ``llama-cpp-python`` imports: the GGUF file as
+  shipped (4.5-bit weights, its own kernels), batch 1 only.
 
 Also: the time to first token of a --ttft-len prompt (batch 1), peak resident memory of
 each system (a child process each), and the memory-bandwidth bound: the weight bytes read per
@@ -22,23 +24,49 @@ decoded token divided by the measured read bandwidth of this machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
-import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-SYSTEMS = ("qkv fp32", "qkv bf16", "HF fp32", "HF bf16")
+SYSTEMS = ("qkv fp32", "qkv bf16", "HF fp32", "HF bf16", "llama.cpp Q4_1")
 
 
-def load(system: str):
+def load_llama_cpp(threads: int):
+    """llama.cpp on the GGUF file itself; generate(ids (1, N), new) -> the new ids."""
+    import llama_cpp
+
+    from qkv.models.pretrained import resolve
+
+    path = resolve("smollm2")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=1024, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+
+    def generate(ids, new):
+        if ids.shape[0] != 1:
+            return None  # llama-cpp-python's generate is one sequence at a time
+        out = []
+        for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, reset=True):
+            out.append(token)
+            if len(out) == new:
+                return out
+        return out
+
+    return generate, path.stat().st_size
+
+
+def load(system: str, threads: int = 2):
     """(generate(ids, new) -> ids, weight bytes read per decoded token)."""
     from qkv.models import load_pretrained
     from qkv.models.pretrained import resolve
     from qkv.nn.packed import PackedLinear, pack_linears
 
+    if system == "llama.cpp Q4_1":
+        return load_llama_cpp(threads)
     if system.startswith("qkv"):
         model, _ = load_pretrained("smollm2")
         if system == "qkv bf16":
@@ -110,15 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     if args.child:
-        generate, _ = load(args.child)
+        generate, _ = load(args.child, args.threads)
         with torch.no_grad():
             generate(prompts(batches[0], args.prompt_len), args.new)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec.
+        status = Path("/proc/self/status").read_text()
+        print(int(next(line.split()[1] for line in status.splitlines()
+                        if line.startswith("VmHWM:"))) / 1024)
         return 0
     systems = [s.strip() for s in args.systems.split(",")]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; expected some of {SYSTEMS}")
+    if "llama.cpp Q4_1" in systems and importlib.util.find_spec("llama_cpp") is None:
+        systems.remove("llama.cpp Q4_1")
+        print("# llama-cpp-python is not installed: no llama.cpp column")
     import transformers
 
     print(f"# generate_cpu: SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32), greedy, "
@@ -127,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {args.threads} "
           f"threads; torch {torch.__version__}, transformers {transformers.__version__}; "
           f"best of {args.rounds} alternating rounds")
-    loaded = {s: load(s) for s in systems}
+    loaded = {s: load(s, args.threads) for s in systems}
     bandwidth = read_bandwidth()
     print(f"# read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n")
     print("| batch | " + " | ".join(f"{s} tok/s" for s in systems) + " | qkv fp32 / HF fp32 | "
@@ -143,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for s in systems:
                     start = time.perf_counter()
-                    loaded[s][0](ids, args.new)
-                    best[s] = min(best[s], time.perf_counter() - start)
-            rate = {s: batch * args.new / best[s] for s in systems}
+                    ran = loaded[s][0](ids, args.new) is not None
+                    best[s] = min(best[s], time.perf_counter() - start) if ran else None
+            rate = {s: batch * args.new / best[s] for s in systems if best[s]}
             first_rates = first_rates or rate
             ratio = [f"{rate[a] / rate['HF fp32']:.2f}x" if a in rate and "HF fp32" in rate
                      else "-" for a in ("qkv fp32", "qkv bf16")]
-            print(f"| {batch} | " + " | ".join(f"{rate[s]:.1f}" for s in systems)
+            print(f"| {batch} | " + " | ".join(f"{rate[s]:.1f}" if s in rate else "-"
+                                               for s in systems)
                   + f" | {ratio[0]} | {ratio[1]} |")
         ids = prompts(1, args.ttft_len)
         ttft = dict.fromkeys(systems, float("inf"))
@@ -164,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         weights = loaded[s][1]
         bound = bandwidth / weights
-        print(f"- {s}: {weights / 2**20:.0f} MiB of weights per token -> at most "
+        what = "file" if s.startswith("llama.cpp") else "weights"
+        print(f"- {s}: {weights / 2**20:.0f} MiB of {what} per token -> at most "
               f"{bound:.0f} tok/s; measured {first_rates[s]:.1f} at batch {batches[0]} "
               f"({first_rates[s] / bound:.0%} of the bound)")
     if not args.no_memory:
