@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,8 @@ from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTC
 from qkv.train import checkpoint, config, run
 from qkv.train.tasks.common import build
 from qkv.viz import capture
+from qkv.viz.labels import visible
+from qkv.viz.page import read_page
 
 TEXT = "the cat sat"
 
@@ -45,10 +48,14 @@ def lm_run(tmp_path_factory):
 
 
 def _page_data(path):
-    html = path.read_text()
-    found = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', html,
-                      re.S)
-    return html, json.loads(found.group(1).replace("<\\/", "</"))
+    return path.read_text(), read_page(path).meta
+
+
+def assert_stored(stored: np.ndarray, weights: torch.Tensor, threshold: float = 0.01) -> None:
+    """The page keeps weights >= threshold to 1/255 and leaves out the rest."""
+    want = weights.detach().float().numpy()
+    want = np.where(want >= threshold, want, 0.0)
+    np.testing.assert_allclose(stored, want, atol=0.5 / 255 + 1e-6, rtol=0)
 
 
 def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path, capsys):
@@ -61,12 +68,11 @@ def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path,
     assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
     assert data["mode"] == "gpt"
     view = data["views"][0]
-    assert view["query_tokens"] == list(TEXT) and view["layers"] == [0, 1]
-    assert view["heads"] == [1]
+    assert view["query_tokens"] == [visible(c) for c in TEXT] and view["layers"] == [0, 1]
+    assert view["heads"] == [1] and "\u2423" in view["query_tokens"]
     with capture(model.eval(), heads=[1]) as maps:
         model(torch.tensor([tok.encode(TEXT)]))
-    page = torch.tensor(view["weights"])
-    torch.testing.assert_close(page[1, 0], maps[1][0, 0], atol=6e-5, rtol=0)
+    assert_stored(read_page(out).weights(0, 1, 0), maps[1][0, 0])
     assert sorted(p.name for p in pictures.iterdir()) == [
         "gpt-self-attention-layer0.png", "gpt-self-attention-layer1.png"]
     assert "attention page:" in capsys.readouterr().out
@@ -76,7 +82,10 @@ def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path,
     (["--text", "x" * 17], "17 tokens long but the model's context holds 16"),
     (["--text", "cat", "--layers", "2"], r"valid layers are 0\.\.1"),
     (["--text", "cat", "--heads", "0,5"], r"valid heads are 0\.\.1"),
-    ([], "need --text"),
+    ([], "needs --text"),
+    (["--text", "cat", "--neuron-layers", "3"], r"--neuron-layers: .* valid layers are 0\.\.1"),
+    (["--text", "cat", "--generate", "2"], "--generate works with --model"),
+    (["--text", "cat", "--threshold", "0"], r"--threshold must be in \(0, 1\)"),
 ])
 def test_bad_requests_print_one_clear_line(lm_run, tmp_path, capsys, argv, message):
     run_dir, _, _ = lm_run
@@ -125,7 +134,7 @@ def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
     assert kinds == [("encoder self-attention", "self"), ("decoder self-attention", "self"),
                      ("decoder cross-attention", "cross")]
     cross = data["views"][2]
-    assert cross["key_tokens"] == list("zwei") and cross["query_tokens"][-1] == "</s>"
+    assert cross["key_tokens"] == list("zwei") and cross["query_tokens"][-1] == "<eos>"
     assert data["views"][0]["rollout"] is not None
     assert main(["viz", str(run_dir), "--text", "zweiundvierzig", "-o", str(out)]) == 2
 
