@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 import numpy as np
@@ -11,33 +10,11 @@ import pytest
 import torch
 
 from qkv.cli import main
-from qkv.data.tokenizers import CharTokenizer, save_tokenizer
-from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
-from qkv.train import checkpoint, config, run
-from qkv.train.tasks.common import build
 from qkv.viz import capture
 from qkv.viz.labels import visible
 from qkv.viz.page import read_page
 
-TEXT = "the cat sat"
-
-
-def _start(run_dir, task, overrides=()):
-    cfg = config.resolve(run.get_task(task).schema, task, run.get_task(task).presets["tiny"],
-                         None, list(overrides))
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return cfg
-
-
-def make_lm_run(run_dir, overrides=()):
-    cfg = _start(run_dir, "lm", overrides)
-    tok = CharTokenizer.train([TEXT + "Return"])
-    save_tokenizer(tok, run_dir / "tokenizer.json")
-    torch.manual_seed(0)
-    model = build(GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model, run_dir)
-    checkpoint.save(run_dir, 1, model, {}, keep=1)
-    return model, tok
+from .runs import TEXT, make_lm_run, make_translate_run, make_vit_run, start_run
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +77,7 @@ def test_run_directories_without_a_model(tmp_path, capsys):
     assert main(["viz", str(tmp_path), "--text", "a"]) == 2
     assert "not a qkv run directory" in capsys.readouterr().err
     run_dir = tmp_path / "untrained"
-    _start(run_dir, "lm")
+    start_run(run_dir, "lm")
     assert main(["viz", str(run_dir), "--text", "a"]) == 2
     assert "holds no model" in capsys.readouterr().err
 
@@ -116,17 +93,7 @@ def test_linear_attention_run_says_it_has_no_weights(tmp_path, capsys):
 
 def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
     run_dir = tmp_path / "translate"
-    cfg = _start(run_dir, "translate", ["data.max_len=6"])
-    src_tok, tgt_tok = CharTokenizer.train(["zweiundvierzig"]), CharTokenizer.train(["forty"])
-    save_tokenizer(src_tok, run_dir / "tokenizer_src.json")
-    save_tokenizer(tgt_tok, run_dir / "tokenizer_tgt.json")
-    derived = {"src_vocab_size": src_tok.vocab_size, "tgt_vocab_size": tgt_tok.vocab_size,
-               "pad_id": 0, "bos_id": 1, "eos_id": 2, "max_len": cfg.data.max_len + 2}
-    model = build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
-    # A bare model.safetensors (no checkpoints/) is a model too.
-    from safetensors.torch import save_model
-
-    save_model(model, str(run_dir / "model.safetensors"))
+    make_translate_run(run_dir)
     out = tmp_path / "t.html"
     assert main(["viz", str(run_dir), "--text", "zwei", "-o", str(out)]) == 0
     _, data = _page_data(out)
@@ -141,10 +108,7 @@ def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
 
 def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
     run_dir = tmp_path / "vit"
-    cfg = _start(run_dir, "vit")
-    derived = {"image_size": 8, "in_channels": 1, "num_classes": 10}
-    model = build(ViT, ViTConfig, derived, cfg.model, run_dir)
-    checkpoint.save(run_dir, 1, model, {}, keep=1)
+    make_vit_run(run_dir)
     out, pictures = tmp_path / "v.html", tmp_path / "pics"
     assert main(["viz", str(run_dir), "--image", "2", "-o", str(out), "--png", str(pictures),
                  "--svg"]) == 0

@@ -17,7 +17,10 @@ MATRIX_STYLE = r"""
 """
 
 MATRIX_SCRIPT = r"""
-  const MATRIX = { size: 720, left: 120, top: 90, thumb: 48 };
+  // The heatmap fits the window (at most 720 px square).
+  const MATRIX = { size: Math.max(240, Math.min(720, window.innerWidth - 160,
+                                                window.innerHeight - 240)),
+                   left: 120, top: 90, thumb: 48 };
   const zoom = { scale: 1, x: 0, y: 0 };  // cell size multiplier; first visible column, row
   let cell = null;  // the cell under the pointer: {q, k}
 
@@ -72,6 +75,8 @@ MATRIX_SCRIPT = r"""
     const rows = Math.min(nq - zoom.y, MATRIX.size / size);
     ctx.drawImage(image, zoom.x, zoom.y, cols, rows, MATRIX.left, MATRIX.top, cols * size,
                   rows * size);
+    canvas.dataset.origin = JSON.stringify([MATRIX.left - zoom.x * size,
+                                            MATRIX.top - zoom.y * size, size]);
     const x = (k) => MATRIX.left + (k - zoom.x) * size;
     const y = (q) => MATRIX.top + (q - zoom.y) * size;
     ctx.save();
