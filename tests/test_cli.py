@@ -1,11 +1,13 @@
 """The ``qkv`` command end to end on tiny presets, and its answers to bad input."""
 
+import io
 import json
 import subprocess
 import sys
 
 import pytest
 
+import qkv
 from qkv import cli
 
 
@@ -53,6 +55,45 @@ def test_eval_and_translate(translate_run, capsys, tmp_path):
     code, out, _ = run(capsys, "translate", str(translate_run), "zweiundvierzig", "elf",
                        "--beam-size", "2", "--heatmap", str(heatmap))
     assert code == 0 and len(out.splitlines()) == 2 and heatmap.exists()
+
+
+def test_eval_takes_eval_overrides(translate_run, capsys):
+    code, out, _ = run(capsys, "eval", str(translate_run), "--set", "eval.beam_size=3",
+                       "--set", "eval.length_penalty=1.0")
+    assert code == 0 and "beam 3)" in out
+    one_line_error(capsys, ["eval", str(translate_run), "--set", "train.steps=3"],
+                   "a trained run takes only eval.* overrides; got 'train.steps'")
+    one_line_error(capsys, ["eval", str(translate_run), "--set", "eval.beam_siz=3"],
+                   "did you mean eval.beam_size")
+
+
+def test_translate_reads_stdin(translate_run, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("zweiundvierzig\nelf\ndrei\n"))
+    code, out, _ = run(capsys, "translate", str(translate_run), "-", "--beam-size", "1")
+    expected = cli.main(["translate", str(translate_run), "zweiundvierzig", "elf", "drei",
+                         "--beam-size", "1"])
+    assert code == expected == 0 and out == capsys.readouterr().out and out.count("\n") == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    one_line_error(capsys, ["translate", str(translate_run), "-"], "no lines on standard input")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"qkv {qkv.__version__}\n"
+
+
+def test_generate_sampling_and_beam_flags(lm_run, capsys):
+    outs = set()
+    for flags in (["--top-k", "1"], ["--top-p", "1e-6"], ["--temperature", "0"]):
+        code, out, _ = run(capsys, "generate", str(lm_run), "--prompt", "Re", "--max-new-tokens",
+                           "12", "--temperature", "1.5", *flags)
+        assert code == 0
+        outs.add(out)
+    assert len(outs) == 1  # top-k 1, a tiny top-p and greedy all pick the likeliest token
+    code, out, _ = run(capsys, "generate", str(lm_run), "--prompt", "Re", "--max-new-tokens",
+                       "12", "--beam-size", "3")
+    assert code == 0 and out.startswith("Re") and len(out.rstrip("\n")) >= 12
 
 
 def test_train_lm_eval_generate(lm_run, capsys):
@@ -122,6 +163,27 @@ def test_bad_overrides(tmp_path, capsys, item, expected):
                             "--set", item], expected)
 
 
+@pytest.mark.parametrize("task, item, expected", [
+    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, inf), got 0"),
+    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, inf)"),
+    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, inf)"),
+    ("lm", "model.block_size=0", "model.block_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.threads=-3", "train.threads: expected a value in [0, 4096], got -3"),
+    ("vit", "train.label_smoothing=2", "train.label_smoothing: expected a value in [0, 1]"),
+    ("lm", "train.steps=-5", "train.steps: expected a value in [1, inf), got -5"),
+    ("translate", "eval.beam_size=0", "eval.beam_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.schedule=linear", "train.schedule: expected one of cosine, noam, constant"),
+    ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),
+])
+def test_config_values_checked_before_anything_is_written(tmp_path, capsys, task, item,
+                                                          expected):
+    run_dir = tmp_path / "r"
+    one_line_error(capsys, ["train", task, "--preset", "tiny", "--run-dir", str(run_dir),
+                            "--set", item], expected)
+    assert not run_dir.exists()
+
+
 def test_bad_run_directories(tmp_path, capsys, lm_run):
     one_line_error(capsys, ["train", "lm", "--resume", "--run-dir", str(tmp_path)],
                    "not a qkv run directory")
@@ -129,7 +191,7 @@ def test_bad_run_directories(tmp_path, capsys, lm_run):
                    "holds a 'lm' run, not 'vit'")
     one_line_error(capsys, ["train", "lm", "--preset", "tiny", "--run-dir", str(lm_run)],
                    "already holds a run")
-    one_line_error(capsys, ["translate", str(lm_run), "eins"], "needs a translate run")
+    one_line_error(capsys, ["translate", str(lm_run), "eins"], "holds a 'lm' run, not 'translate'")
     empty = tmp_path / "fresh"
     empty.mkdir()
     (empty / "config.json").write_text((lm_run / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The ``qkv`` command: train, eval, generate, translate, viz, bench.
+"""The ``qkv`` command: train, eval, generate, chat, embed, translate, viz, bench.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (its arguments, its run function, its
 examples); adding a command means adding one entry. Bad input (a missing data file, an
@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import __version__, model_commands
 
 USAGE_ERROR = 2
 
@@ -48,9 +50,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.run_dir:
             raise config.ConfigError("--resume needs --run-dir (the run to continue)")
-        stored = run.read_run_config(args.run_dir, args.task).to_dict()
-        cfg = config.resolve(task.schema, args.task, config.flatten(stored, "config.json"),
-                             None, args.overrides)
+        cfg = run.resume_config(args.run_dir, args.task, args.overrides)
     else:
         if args.preset not in task.presets:
             raise config.ConfigError(
@@ -63,7 +63,7 @@ def run_train(args: argparse.Namespace) -> int:
     result = trainer.run()
     if trainer.env.is_main:
         print(f"run directory: {run_dir}")
-        print(f"trained {cfg.train.steps} steps in {trainer.seconds:.1f}s")
+        print(trainer.time_report())
         print(task.summary(result))
         task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout)
     distributed.teardown(trainer.env)
@@ -71,8 +71,40 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- eval
-def add_run_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run directory written by `qkv train`")
+def add_run_dir(p: argparse.ArgumentParser, or_model: bool = False) -> None:
+    if not or_model:
+        p.add_argument("run_dir", help="a run directory written by `qkv train`")
+        return
+    p.add_argument("run_dir", nargs="?", help="a run directory written by `qkv train` "
+                   "(or give --model instead)")
+    model_commands.add_model_option(p)
+
+
+def run_dir_or_model(args: argparse.Namespace, command: str) -> bool:
+    """True when the command runs on --model; exactly one of RUN_DIR and --model is given."""
+    if (args.run_dir is None) == (args.model is None):
+        raise ValueError(f"`qkv {command}` takes a run directory or --model NAME_OR_PATH "
+                         "(exactly one)")
+    return args.model is not None
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_dir(p, or_model=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one eval.* key of the run, e.g. eval.beam_size=4 (repeatable)")
+    p.add_argument("--text", metavar="FILE", help="--model: the UTF-8 text to score "
+                   "(default: the held-out standard-library docstrings)")
+    p.add_argument("--window", type=int, help="--model: tokens per scored window "
+                   "(default: the context, at most 1024)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="--model: score at most this many tokens (default 0: all)")
+
+
+def eval_overrides(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """``eval.NAME=VALUE`` for each flag in ``flags`` that was given (a flag is named after its
+    eval key), so flags and ``--set`` go through the same config checks."""
+    return [f"eval.{name}={getattr(args, name)!r}" for name in flags
+            if getattr(args, name) is not None]
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -80,7 +112,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from .train import run
 
-    task, cfg, data, model = run.load(args.run_dir)
+    if run_dir_or_model(args, "eval"):
+        if args.overrides:
+            raise ValueError("--set applies to run directories; with --model use --text, "
+                             "--window and --max-tokens")
+        return model_commands.run_eval(args)
+    task, cfg, data, model = run.load(args.run_dir, overrides=args.overrides)
     with torch.no_grad():
         result = task.evaluate(model, data, cfg, final=True)
     print(task.summary(result))
@@ -89,31 +126,42 @@ def run_eval(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- generate
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    add_run_dir(p)
+    add_run_dir(p, or_model=True)
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, help="default: the run's eval.max_new_tokens")
     p.add_argument("--temperature", type=float, help="0 is greedy; default eval.temperature")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest (0: all); eval.top_k")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]; eval.top_p")
+    p.add_argument("--beam-size", type=int, help="> 1: beam search; default eval.beam_size")
     p.add_argument("--seed", type=int, default=0)
+
+
+GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_size")
+# --model has no run config to take defaults from: greedy, 64 tokens.
+MODEL_GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                           "beam_size": 1}
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from .train import run
 
-    task, cfg, data, model = run.load(args.run_dir)
-    if cfg.task != "lm":
-        raise run.RunError(f"`qkv generate` needs an lm run; {args.run_dir!r} is {cfg.task!r}")
-    n = cfg.eval.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-    t = cfg.eval.temperature if args.temperature is None else args.temperature
-    if n < 1 or t < 0:
-        raise ValueError("--max-new-tokens must be >= 1 and --temperature >= 0")
-    print(args.prompt + task.generate(model, data, cfg, args.prompt, n, t, args.seed))
+    if run_dir_or_model(args, "generate"):
+        for flag, default in MODEL_GENERATE_DEFAULTS.items():
+            if getattr(args, flag) is None:
+                setattr(args, flag, default)
+        return model_commands.run_generate(args)
+
+    task, cfg, data, model = run.load(args.run_dir, task="lm",
+                                      overrides=eval_overrides(args, GENERATE_FLAGS))
+    print(args.prompt + task.generate(model, data, cfg, args.prompt, seed=args.seed))
     return 0
 
 
 # ----------------------------------------------------------------------------- translate
 def add_translate_arguments(p: argparse.ArgumentParser) -> None:
     add_run_dir(p)
-    p.add_argument("text", nargs="+", help="one or more sentences to translate")
+    p.add_argument("text", nargs="+",
+                   help="one or more sentences to translate; - reads one per line from stdin")
     p.add_argument("--beam-size", type=int, help="default: the run's eval.beam_size; 1 is greedy")
     p.add_argument("--heatmap", help="also write the first sentence's cross-attention PNG here")
 
@@ -122,18 +170,18 @@ def run_translate(args: argparse.Namespace) -> int:
     from .train import run
     from .train.tasks.heatmap import cross_attention_png
 
-    task, cfg, data, model = run.load(args.run_dir)
-    if cfg.task != "translate":
-        raise run.RunError(
-            f"`qkv translate` needs a translate run; {args.run_dir!r} is {cfg.task!r}")
-    beam = cfg.eval.beam_size if args.beam_size is None else args.beam_size
-    if beam < 1:
-        raise ValueError(f"--beam-size must be >= 1, got {beam}")
-    outputs = task.translate(model, data, cfg, args.text, beam)
+    texts = args.text
+    if texts == ["-"]:
+        texts = sys.stdin.read().splitlines()
+        if not texts:
+            raise ValueError("`qkv translate RUN -` found no lines on standard input")
+    task, cfg, data, model = run.load(args.run_dir, task="translate",
+                                      overrides=eval_overrides(args, ("beam_size",)))
+    outputs = task.translate(model, data, cfg, texts, cfg.eval.beam_size)
     for text in outputs:
         print(text)
     if args.heatmap:
-        cross_attention_png(model, data.src_tok, data.tgt_tok, args.text[0], outputs[0],
+        cross_attention_png(model, data.src_tok, data.tgt_tok, texts[0], outputs[0],
                             args.heatmap)
         print(f"cross-attention heatmap: {args.heatmap}", file=sys.stderr)
     return 0
@@ -186,20 +234,40 @@ COMMANDS: dict[str, Command] = {
         add_train_arguments, run_train,
     ),
     "eval": Command(
-        "evaluate a run's newest checkpoint on its held-out data",
-        "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits",
-        add_run_dir, run_eval,
+        "evaluate a run's newest checkpoint on its held-out data, or a checkpoint's perplexity",
+        "  qkv eval runs/translate-20260101-120000\n  qkv eval runs/digits\n"
+        "  qkv eval --model smollm2 --text notes.txt       # perplexity\n"
+        "  qkv eval runs/demo --set eval.beam_size=8 --set eval.length_penalty=1.0",
+        add_eval_arguments, run_eval,
     ),
     "generate": Command(
-        "continue a prompt with a trained lm run",
+        "continue a prompt with a trained lm run or a pretrained checkpoint",
         '  qkv generate runs/lm --prompt "Return the"\n'
-        '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5',
+        '  qkv generate --model smollm2 --prompt "The capital of France is"\n'
+        '  qkv generate runs/lm --prompt "def " --max-new-tokens 300 --temperature 0.5\n'
+        '  qkv generate runs/lm --prompt "The " --top-k 20 --top-p 0.9\n'
+        '  qkv generate runs/lm --prompt "The " --beam-size 4',
         add_generate_arguments, run_generate,
+    ),
+    "chat": Command(
+        "talk with a pretrained chat model (its chat template; replies stream as they come)",
+        "  qkv chat --model smollm2\n"
+        '  qkv chat --model smollm2 --message "What is attention?" --max-new-tokens 100\n'
+        '  qkv chat --model smollm2 --system "Answer in one line." --temperature 0.7',
+        model_commands.add_chat_arguments, model_commands.run_chat,
+    ),
+    "embed": Command(
+        "sentence embeddings of a pretrained encoder: cosine similarities, or the vectors",
+        '  qkv embed --model minilm "A man eats food." "Someone is eating." "A cat sleeps."\n'
+        '  qkv embed --model minilm --json "one sentence" > vectors.json\n'
+        "  qkv embed --model minilm - < sentences.txt",
+        model_commands.add_embed_arguments, model_commands.run_embed,
     ),
     "translate": Command(
         "translate text with a trained translate run (beam search by default)",
         '  qkv translate runs/demo "zweiundvierzig"\n'
-        '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png',
+        '  qkv translate runs/demo "dreihundertzwölf" "elf" --beam-size 1 --heatmap a.png\n'
+        "  qkv translate runs/demo - < german.txt      # one sentence per line",
         add_translate_arguments, run_translate,
     ),
     "viz": Command(
@@ -223,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The attention mechanism and the Transformer, from one command.",
         epilog="examples:\n" + "\n".join(c.examples.splitlines()[0] for c in COMMANDS.values()),
     )
+    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help,

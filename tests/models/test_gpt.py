@@ -77,7 +77,7 @@ def test_from_pretrained_bad_inputs(hf_dir, tmp_path):
     (mismatched / "config.json").write_text(json.dumps({**config, "n_inner": 50}))
     with pytest.raises(ValueError, match=r"c_fc\.weight.*shape"):
         GPT.from_pretrained(mismatched)
-    (mismatched / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    (mismatched / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
     with pytest.raises(ValueError, match="gpt2"):
         GPT.from_pretrained(mismatched)
 

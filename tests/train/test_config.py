@@ -65,3 +65,46 @@ def test_config_file_for_another_task(lm, tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid"):
         read_config_file(path)
+
+
+@pytest.mark.parametrize("task, item, expected", [
+    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, inf)"),
+    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, inf)"),
+    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, inf)"),
+    ("lm", "model.block_size=0", "model.block_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.threads=-3", "train.threads: expected a value in [0, 4096], got -3"),
+    ("lm", "train.label_smoothing=2", "train.label_smoothing: expected a value in [0, 1], got 2.0"),
+    ("lm", "train.steps=-5", "train.steps: expected a value in [1, inf), got -5"),
+    ("translate", "eval.beam_size=0", "eval.beam_size: expected a value in [1, inf), got 0"),
+    ("lm", "train.schedule=linear", "train.schedule: expected one of cosine, noam, constant"),
+    ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),
+    ("lm", "train.lr=nan", "train.lr: expected a finite number, got nan"),
+    ("lm", "eval.top_p=0", "eval.top_p: expected a value in (0, 1], got 0.0"),
+    ("lm", "model.norm=batchnorm", "model.norm: expected one of layernorm, rmsnorm"),
+    ("lm", "model.dropout=1", "model.dropout: expected a value in [0, 1), got 1.0"),
+    ("lm", "model.n_head=3", "model: GPTConfig: d_model=32 must be divisible by n_head=3"),
+    ("vit", "model.patch_size=[2, 0]", "model.patch_size: expected a value in [1, inf), got 0"),
+    ("vit", "model.pooling=max", "model.pooling: expected one of cls, mean, got 'max'"),
+    ("translate", "data.tokenizer=word", "data.tokenizer: expected one of bpe, char"),
+])
+def test_out_of_range_values_name_the_key(task, item, expected):
+    schema = TASKS[task].schema
+    with pytest.raises(ConfigError) as info:
+        resolve(schema, task, TASKS[task].presets["tiny"], None, [item])
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+
+
+def test_a_missing_required_model_field_is_named(lm):
+    preset = {k: v for k, v in lm.presets["tiny"].items() if k != "model.block_size"}
+    with pytest.raises(ConfigError, match=r"^model.block_size is required"):
+        resolve(lm.schema, "lm", preset, None, [])
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_every_field_has_a_range_or_choices(task):
+    """Only booleans and file paths go unchecked."""
+    schema = TASKS[task].schema
+    free = {key for key, hint in schema.types.items()
+            if hint in (bool, bool | None) or key == "data.path"}
+    assert set(schema.types) - free == set(schema.limits)

@@ -59,9 +59,3 @@ def write_json_atomic(path: str | Path, obj) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def cache_dir() -> Path:
-    """The user cache folder for qkv: $QKV_CACHE, else $XDG_CACHE_HOME/qkv, else ~/.cache/qkv."""
-    if os.environ.get("QKV_CACHE"):
-        return Path(os.environ["QKV_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qkv"

@@ -15,7 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .atomic import cache_dir, write_text_atomic
+from ..cache import cache_dir
+from .atomic import write_text_atomic
 
 MAX_CHARS = 1_500_000
 SKIPPED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}

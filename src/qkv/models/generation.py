@@ -90,11 +90,12 @@ def choose_next(
 def sample(
     step: Step, first: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
     top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """Greedy or sampled decoding. first (B, n) is fed to ``step`` first. Returns (B, T),
     T <= max_new_tokens: it stops once every row has produced eos_id, and rows that finished
-    earlier are filled with eos_id."""
+    earlier are filled with eos_id. ``on_token(token (B,))`` sees each step's tokens as they
+    are chosen (streaming)."""
     logits = step(first)
     finished = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
     out = []
@@ -104,6 +105,8 @@ def sample(
             token = token.masked_fill(finished, eos_id)
             finished = finished | (token == eos_id)
         out.append(token)
+        if on_token is not None:
+            on_token(token)
         if t == max_new_tokens - 1 or bool(finished.all()):
             break
         logits = step(token[:, None])
@@ -172,15 +175,18 @@ def decode(
     step: Step, reorder: Callable[[Tensor], None], first: Tensor, batch: int, max_new_tokens: int,
     *, beam_size: int = 1, length_penalty: float = 1.0, temperature: float = 1.0,
     top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, on_token: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """Beam search when beam_size > 1 (``first`` then holds batch * beam_size rows), else greedy
-    or sampled decoding. Returns (batch, T) new tokens."""
+    or sampled decoding (``on_token`` streams its tokens; see ``sample``). Returns (batch, T)
+    new tokens."""
     check_sampling(temperature, top_k, top_p)
     if not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1; got {beam_size!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    if beam_size > 1 and on_token is not None:
+        raise ValueError("streaming (on_token) needs beam_size 1: beams change until the end")
     if beam_size > 1:
         return beam_search(
             step, reorder, first, batch, beam_size, max_new_tokens, eos_id=eos_id,
@@ -188,5 +194,5 @@ def decode(
         )
     return sample(
         step, first, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-        eos_id=eos_id, generator=generator,
+        eos_id=eos_id, generator=generator, on_token=on_token,
     )

@@ -123,7 +123,7 @@ class GPT(nn.Module):
         top_k: int | None = None, top_p: float | None = None, *, lengths: Tensor | None = None,
         eos_id: int | None = None, pad_id: int = 0, beam_size: int = 1,
         length_penalty: float = 1.0, use_cache: bool = True,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, on_token=None,
     ) -> Tensor:
         """Continue prompts idx (B, N) by up to max_new_tokens tokens -> (B, N + T).
 
@@ -131,7 +131,9 @@ class GPT(nn.Module):
         search (GNMT length penalty, exponent ``length_penalty``). Prompts of different
         lengths come right-padded with ``lengths`` (B,); each output row is its prompt, then
         its continuation, then pad_id. Rows that emit eos_id are filled with eos_id; the loop
-        stops when all rows have. The model runs in eval mode for the call."""
+        stops when all rows have. ``on_token(token (B,))`` is called with each step's tokens
+        as they are chosen (streaming; not with beam search). The model runs in eval mode for
+        the call."""
         check_ids("idx", idx)
         b, n = idx.shape
         lengths = check_lengths("lengths", lengths, b, n)
@@ -151,14 +153,15 @@ class GPT(nn.Module):
             new = decode(
                 step, reorder, aligned, b, max_new_tokens, beam_size=beam_size,
                 length_penalty=length_penalty, temperature=temperature, top_k=top_k,
-                top_p=top_p, eos_id=eos_id, generator=generator,
+                top_p=top_p, eos_id=eos_id, generator=generator, on_token=on_token,
             )
         return place_after(idx, lengths, new, pad_id)
 
     @classmethod
     def from_pretrained(cls, path) -> GPT:
-        """Load a Hugging Face GPT-2 directory (config.json + model.safetensors). Reads
-        safetensors only; pickle checkpoints are refused."""
-        from .hf_gpt2 import load_gpt2
+        """Load a Hugging Face GPT-2 or LLaMA-family directory (config.json +
+        model.safetensors, sharded too), a LLaMA-architecture ``.gguf`` file, or the short
+        name ``smollm2``. Reads safetensors and GGUF only; pickle checkpoints are refused."""
+        from .pretrained import load_gpt
 
-        return load_gpt2(cls, path)
+        return load_gpt(path)

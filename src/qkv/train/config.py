@@ -2,8 +2,10 @@
 
 A run's configuration has four sections: ``data`` and ``eval`` (a dataclass per task),
 ``train`` (shared) and ``model`` (the fields of the task's model config dataclass, minus
-the ones the data decides, such as vocabulary sizes). Every key is checked: an unknown key
-names its close matches, a value of the wrong type names the expected type.
+the ones the data decides, such as vocabulary sizes). Every key is checked when the
+configuration is built: an unknown key names its close matches, a value of the wrong type
+names the expected type, a value out of its field's range or choices names them (see
+``limited`` and ``MODEL_LIMITS``), and the model config's own cross-field checks run.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,29 +29,83 @@ class ConfigError(ValueError):
     """A configuration key or value the user gave cannot be used."""
 
 
+@dataclass(frozen=True)
+class Limit:
+    """The values a field accepts: an interval such as "[1, inf)" or "(0, 1]" (applied to
+    each element of a list), and/or a tuple of choices. Floats must also be finite."""
+
+    interval: str | None = None
+    choices: tuple = ()
+
+    def problem(self, value) -> str | None:
+        """What is wrong with ``value`` (already of the field's type), or None."""
+        if isinstance(value, (list, tuple)):
+            return next(filter(None, (self.problem(v) for v in value)), None)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"expected a finite number, got {value!r}"
+        if self.choices and value not in self.choices:
+            return f"expected one of {', '.join(map(str, self.choices))}, got {value!r}"
+        if self.interval is None or value is None or isinstance(value, (bool, str)):
+            return None
+        low, high = (float(x) for x in self.interval[1:-1].split(","))
+        above = value > low if self.interval[0] == "(" else value >= low
+        below = value < high if self.interval[-1] == ")" else value <= high
+        return None if above and below else f"expected a value in {self.interval}, got {value!r}"
+
+
+def limited(default, interval: str | None = None, choices: tuple = ()):
+    """A dataclass field whose values are checked (see Limit) when the configuration is built."""
+    return field(default=default, metadata={"limit": Limit(interval, choices)})
+
+
+SEEDS = "[0, 4294967295]"  # what numpy's and torch's generators all accept
+
+
 @dataclass
 class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 64  # the global batch: split across DDP ranks, summed over accumulation
-    accumulate: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3  # peak learning rate; for schedule="noam" a multiplier of the paper's rate
-    schedule: str = "cosine"  # "cosine" (warmup + cosine) | "noam" (the paper's) | "constant"
-    warmup: int = 100
-    min_lr_ratio: float = 0.1  # cosine ends at lr * min_lr_ratio
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.98
-    label_smoothing: float = 0.0
-    clip_grad: float = 1.0  # max global gradient norm; 0 turns clipping off
-    precision: str = "fp32"  # "fp32" | "bf16" (autocast)
+    steps: int = limited(1000, "[1, inf)")
+    # The global batch: split across DDP ranks, summed over accumulation.
+    batch_size: int = limited(64, "[1, inf)")
+    accumulate: int = limited(1, "[1, inf)")  # micro-batches per optimizer step
+    # Peak learning rate; for schedule="noam" a multiplier of the paper's rate.
+    lr: float = limited(1e-3, "(0, inf)")
+    # "cosine" (warmup + cosine) | "noam" (the paper's) | "constant"
+    schedule: str = limited("cosine", choices=("cosine", "noam", "constant"))
+    warmup: int = limited(100, "[0, inf)")
+    min_lr_ratio: float = limited(0.1, "[0, 1]")  # cosine ends at lr * min_lr_ratio
+    weight_decay: float = limited(0.01, "[0, inf)")
+    beta1: float = limited(0.9, "[0, 1)")
+    beta2: float = limited(0.98, "[0, 1)")
+    label_smoothing: float = limited(0.0, "[0, 1]")
+    clip_grad: float = limited(1.0, "[0, inf)")  # max global gradient norm; 0 turns clipping off
+    precision: str = limited("fp32", choices=("fp32", "bf16"))  # bf16: autocast
     compile: bool = False  # torch.compile the model
-    seed: int = 0
-    eval_every: int = 0  # 0: evaluate only at the end
-    checkpoint_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 20
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    seed: int = limited(0, SEEDS)
+    eval_every: int = limited(0, "[0, inf)")  # 0: evaluate only at the end
+    checkpoint_every: int = limited(200, "[1, inf)")
+    keep_checkpoints: int = limited(2, "[1, inf)")
+    log_every: int = limited(20, "[1, inf)")
+    device: str = limited("auto", choices=("auto", "cpu", "cuda"))
+    threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0 keeps torch's default
+
+
+def model_limits() -> dict[str, Limit]:
+    """The limits of the model sections' fields, by name (the model config classes check the
+    rules between fields, such as d_model divisible by n_head)."""
+    from ..attention.similarity import SIMILARITIES
+    from ..nn import ACTIVATIONS, ATTENTION_KINDS, NORMS, POSITION_KINDS
+
+    positive, count = Limit("[1, inf)"), Limit("[0, inf)")
+    return {
+        "n_layer": positive, "n_encoder_layers": positive, "n_decoder_layers": positive,
+        "n_head": positive, "n_kv_head": positive, "d_model": positive, "d_ff": positive,
+        "block_size": positive, "patch_size": positive, "window": count,
+        "dropout": Limit("[0, 1)"), "norm_eps": Limit("(0, inf)"), "rope_base": Limit("(0, inf)"),
+        "positions": Limit(choices=POSITION_KINDS), "norm": Limit(choices=NORMS),
+        "ffn": Limit(choices=ACTIVATIONS), "similarity": Limit(choices=tuple(SIMILARITIES)),
+        "attention": Limit(choices=tuple(ATTENTION_KINDS)),
+        "pooling": Limit(choices=("cls", "mean")),
+    }
 
 
 SECTIONS = ("data", "model", "train", "eval")
@@ -124,26 +181,57 @@ def unknown_key(key: str, known: list[str]) -> ConfigError:
 
 
 class Schema:
-    """The keys of one task's configuration and their types."""
+    """The keys of one task's configuration, their types and their limits.
 
-    def __init__(self, data_cls, eval_cls, model_cls, derived: set[str]):
+    ``derived`` maps each model field the data decides to a stand-in value (or a function of
+    the model section giving one), so that the model config's own checks can run when the
+    configuration is built, before any data is read.
+    """
+
+    def __init__(self, data_cls, eval_cls, model_cls, derived: dict[str, Any]):
         self.classes = {"data": data_cls, "train": TrainConfig, "eval": eval_cls}
         self.model_cls = model_cls
         self.types: dict[str, Any] = {}
+        self.limits: dict[str, Limit] = {}
         for section, cls in self.classes.items():
-            for name, hint in typing.get_type_hints(cls).items():
-                self.types[f"{section}.{name}"] = hint
+            for f in dataclasses.fields(cls):
+                self.types[f"{section}.{f.name}"] = typing.get_type_hints(cls)[f.name]
+                if "limit" in f.metadata:
+                    self.limits[f"{section}.{f.name}"] = f.metadata["limit"]
+        limits = model_limits()
         for name, hint in typing.get_type_hints(model_cls).items():
             if name not in derived:
                 self.types[f"model.{name}"] = hint
-        self.derived = {f"model.{name}" for name in derived}
+                if name in limits:
+                    self.limits[f"model.{name}"] = limits[name]
+        self.derived = derived
 
     def check(self, key: str, value):
-        if key in self.derived:
+        if key.startswith("model.") and key[6:] in self.derived:
             raise ConfigError(f"{key} is set from the data and cannot be configured")
         if key not in self.types:
             raise unknown_key(key, sorted(self.types))
-        return coerce(value, self.types[key], key)
+        value = coerce(value, self.types[key], key)
+        problem = self.limits[key].problem(value) if key in self.limits else None
+        if problem:
+            raise ConfigError(f"{key}: {problem}")
+        return value
+
+    def check_model(self, model: dict) -> None:
+        """Build the model config with stand-ins for the derived fields: a missing required
+        field or a rule between fields (d_model divisible by n_head, ...) is reported now."""
+        required = [f.name for f in dataclasses.fields(self.model_cls)
+                    if f.default is dataclasses.MISSING and f.name not in self.derived
+                    and f.default_factory is dataclasses.MISSING]
+        for name in required:
+            if name not in model:
+                raise ConfigError(f"model.{name} is required (it has no default)")
+        stand_ins = {name: value(model) if callable(value) else value
+                     for name, value in self.derived.items()}
+        try:
+            self.model_cls(**stand_ins, **model)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
 
     def build(self, task: str, values: dict[str, Any]) -> RunConfig:
         """A RunConfig from flat ``section.name`` values (the dataclass defaults fill the rest)."""
@@ -151,6 +239,7 @@ class Schema:
         for key, value in values.items():
             section, name = key.split(".", 1)
             sections[section][name] = self.check(key, value)
+        self.check_model(sections["model"])
         return RunConfig(
             task=task,
             data=self.classes["data"](**sections["data"]),

@@ -94,6 +94,10 @@ class Trainer:
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
         self.micro_step = 0  # the data position: micro-batches drawn from the stream so far
+        self.first_step = 0  # where this session started (> 0 when resumed)
+        # Training time of the earlier sessions, up to the checkpoint this one resumed from.
+        self.earlier_seconds = 0.0
+        self.started = self.seconds = 0.0
         self.metrics = MetricsLog(self.run_dir, env.is_main)
         # Each rank gets its own dropout stream; rank 0 keeps the plain seed.
         torch.manual_seed(t.seed + env.rank)
@@ -106,6 +110,7 @@ class Trainer:
         state = found.trainer_state
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.micro_step = state["step"], state["micro_step"]
+        self.first_step, self.earlier_seconds = self.step, state.get("seconds", 0.0)
         rngs = state["rng"]
         set_rng_state(rngs[self.env.rank] if self.env.rank < len(rngs) else rngs[0])
         self.metrics.truncate_after(self.step)
@@ -118,6 +123,7 @@ class Trainer:
                 "step": self.step,
                 "micro_step": self.micro_step,
                 "rng": rngs,
+                "seconds": self.earlier_seconds + time.perf_counter() - self.started,
             }
             checkpoint.save(
                 self.run_dir, self.step, self.model, state,
@@ -176,7 +182,7 @@ class Trainer:
         model.train()
         d_model = getattr(self.model.config, "d_model", 512)
         progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         while self.step < t.steps:
             lr = learning_rate(t, self.step, d_model)
             for group in self.optimizer.param_groups:
@@ -191,5 +197,13 @@ class Trainer:
                     progress.message(f"step {self.step}: {self.task.summary(result)}")
             if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                 self.save()
-        self.seconds = time.perf_counter() - started
+        self.seconds = time.perf_counter() - self.started
         return self.evaluate(final=True)
+
+    def time_report(self) -> str:
+        """The training time over every session, and this session's share when resumed."""
+        line = f"trained {self.step} steps in {self.earlier_seconds + self.seconds:.1f}s"
+        if 0 < self.first_step < self.step:
+            line += (f" in all (this session: steps {self.first_step + 1}-{self.step} in "
+                     f"{self.seconds:.1f}s)")
+        return line

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..data.atomic import write_json_atomic
 from . import checkpoint, distributed
-from .config import ConfigError, RunConfig, flatten
+from .config import ConfigError, RunConfig, flatten, parse_overrides, resolve
 from .loop import Trainer
 from .tasks import TASKS
 
@@ -27,8 +27,10 @@ def get_task(name: str):
     return TASKS[name]
 
 
-def read_run_config(run_dir: str | Path, expected_task: str | None = None) -> RunConfig:
-    """The RunConfig stored in ``RUN/config.json``, checked against the task's schema."""
+def read_run_config(run_dir: str | Path, expected_task: str | None = None,
+                    overrides: list[str] = ()) -> RunConfig:
+    """The RunConfig stored in ``RUN/config.json`` with ``--set`` style ``overrides``, checked
+    against the task's schema."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise RunError(f"{str(run_dir)!r} is not a qkv run directory (no config.json)")
@@ -39,7 +41,24 @@ def read_run_config(run_dir: str | Path, expected_task: str | None = None) -> Ru
         raise RunError(f"{str(path)!r} is not a readable qkv run configuration") from None
     if expected_task is not None and task_name != expected_task:
         raise RunError(f"{str(run_dir)!r} holds a {task_name!r} run, not {expected_task!r}")
-    return get_task(task_name).schema.build(task_name, flatten(tree, str(path)))
+    stored = flatten(tree, str(path))
+    return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
+
+
+def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunConfig:
+    """The configuration to continue ``run_dir`` with: the stored one plus ``overrides``.
+    A change to a model or data key is refused: the checkpoints hold that model, trained on
+    that data (and the tokenizers were learned from it)."""
+    stored = read_run_config(run_dir, task)
+    cfg = read_run_config(run_dir, task, overrides)
+    before, after = stored.to_dict(), cfg.to_dict()
+    for section in ("model", "data"):
+        for key in sorted(set(before[section]) | set(after[section])):
+            if before[section].get(key) != after[section].get(key):
+                raise ConfigError(
+                    f"--resume cannot change {section}.{key} (the run was trained with "
+                    f"{before[section].get(key)!r}); start a new --run-dir instead")
+    return cfg
 
 
 def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False) -> Trainer:
@@ -60,9 +79,17 @@ def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False
     return trainer
 
 
-def load(run_dir: str | Path, device: str = "cpu"):
-    """(task, cfg, data, model) of a run, the model holding its newest intact checkpoint."""
-    cfg = read_run_config(run_dir)
+def load(run_dir: str | Path, device: str = "cpu", task: str | None = None,
+         overrides: list[str] = ()):
+    """(task, cfg, data, model) of a run, the model holding its newest intact checkpoint.
+
+    ``task`` (when given) is the task the caller needs; ``overrides`` (``eval.KEY=VALUE``
+    items) change how the run is evaluated or used, never what it is.
+    """
+    for key in parse_overrides(list(overrides)):
+        if not key.startswith("eval."):
+            raise ConfigError(f"a trained run takes only eval.* overrides; got {key!r}")
+    cfg = read_run_config(run_dir, task, overrides)
     task = get_task(cfg.task)
     env = distributed.Env(0, 1, distributed.pick_device(device, 0))
     data = task.prepare(cfg, Path(run_dir), env, train=False)

@@ -16,27 +16,28 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
-from ..config import ConfigError, Schema
+from ..config import Schema, limited
 from .common import build, run_tokenizer
 
 
 @dataclass
 class LMData:
     path: str = ""  # a UTF-8 text file; empty: the standard library's docstrings
-    max_chars: int = 1_500_000  # embedded corpus size
-    test_fraction: float = 0.1  # the held-out tail of the text
-    tokenizer: str = "char"  # "char" | "bpe"
-    vocab_size: int = 1000  # bpe only
+    max_chars: int = limited(1_500_000, "[1, inf)")  # embedded corpus size
+    test_fraction: float = limited(0.1, "(0, 1)")  # the held-out tail of the text
+    tokenizer: str = limited("char", choices=("char", "bpe"))
+    vocab_size: int = limited(1000, "[5, inf)")  # bpe only; the 4 special tokens and more
 
 
 @dataclass
 class LMEval:
-    max_tokens: int = 100_000  # held-out tokens scored (0: all)
-    batch_size: int = 64
-    max_new_tokens: int = 200  # `qkv generate`
-    temperature: float = 0.8
-    top_k: int = 0  # 0: no top-k filtering
-    top_p: float = 1.0
+    max_tokens: int = limited(100_000, "[0, inf)")  # held-out tokens scored (0: all)
+    batch_size: int = limited(64, "[1, inf)")
+    max_new_tokens: int = limited(200, "[1, inf)")  # `qkv generate`
+    temperature: float = limited(0.8, "[0, inf)")  # 0: greedy
+    top_k: int = limited(0, "[0, inf)")  # 0: no top-k filtering
+    top_p: float = limited(1.0, "(0, 1]")
+    beam_size: int = limited(1, "[1, inf)")  # > 1: beam search instead of sampling
 
 
 PRESETS = {
@@ -95,14 +96,12 @@ class LMTask:
     def schema(self) -> Schema:
         from ...models import GPTConfig
 
-        return Schema(LMData, LMEval, GPTConfig, {"vocab_size"})
+        return Schema(LMData, LMEval, GPTConfig, {"vocab_size": 256})
 
     def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> TextData:
         train_text, test_text = corpus(cfg.data)
         tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer, lambda: [train_text],
                             cfg.data.vocab_size)
-        if "block_size" not in cfg.model:
-            raise ConfigError("model.block_size is required (the context length)")
         return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"])
 
     def build_model(self, cfg, data: TextData, run_dir: Path | None = None):
@@ -145,11 +144,14 @@ class LMTask:
         return (f"held-out loss {result['loss']:.4f} | perplexity {result['perplexity']:.2f} | "
                 f"bits/char {result['bits_per_char']:.3f} ({result['tokens']} tokens)")
 
-    def generate(self, model, data: TextData, cfg, prompt: str, max_new_tokens: int,
-                 temperature: float, seed: int) -> str:
-        """Continue ``prompt``; past the context length, the model sees the most recent half
-        of its context window while it writes the next half."""
+    def generate(self, model, data: TextData, cfg, prompt: str,
+                 max_new_tokens: int | None = None,
+                 seed: int = 0) -> str:
+        """Continue ``prompt`` by ``max_new_tokens`` (default eval.max_new_tokens) tokens, with
+        the run's eval sampling settings; past the context length, the model sees the most
+        recent half of its context window while it writes the next half."""
         e = cfg.eval
+        max_new_tokens = e.max_new_tokens if max_new_tokens is None else max_new_tokens
         ids = data.tokenizer.encode(prompt)[-data.block :] or [data.tokenizer.unk_id]
         start = len(ids)
         device = next(model.parameters()).device
@@ -159,12 +161,12 @@ class LMTask:
             n_new = min(max_new_tokens - (len(ids) - start), data.block - len(context))
             out = model.generate(
                 torch.tensor([context], device=device), max_new_tokens=n_new,
-                temperature=temperature, top_k=e.top_k or None, top_p=e.top_p,
-                generator=generator,
+                temperature=e.temperature, top_k=e.top_k or None, top_p=e.top_p,
+                beam_size=e.beam_size, generator=generator,
             )
             ids += out[0, len(context) :].tolist()
         return data.tokenizer.decode(ids[start:])
 
     def report(self, model, data: TextData, cfg, run_dir: Path, out) -> None:
-        sample = self.generate(model, data, cfg, "Return the", 120, cfg.eval.temperature, 0)
+        sample = self.generate(model, data, cfg, "Return the", 120)
         print(f"sample: Return the{sample}", file=out)

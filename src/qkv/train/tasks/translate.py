@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ...data.numbers import pairs, split_numbers
 from ...data.text import read_pairs_tsv, split_pairs
 from ...data.tokenizers import BOS_ID, EOS_ID, PAD_ID
-from ..config import Schema
+from ..config import SEEDS, Schema, limited
 from .common import build, run_tokenizer
 
 IGNORE = -100
@@ -25,22 +25,25 @@ IGNORE = -100
 @dataclass
 class TranslateData:
     path: str = ""  # a TSV of source<TAB>target lines; empty: the embedded number task
-    train_size: int = 30000  # embedded task: training numbers
-    test_size: int = 500  # embedded task: held-out numbers (never in training)
-    test_fraction: float = 0.1  # user TSV: the held-out share
-    split_seed: int = 0
-    tokenizer: str = "bpe"  # "bpe" | "char"
-    src_vocab_size: int = 100
-    tgt_vocab_size: int = 100
-    max_len: int = 64  # tokens per side; longer training pairs are dropped
+    train_size: int = limited(30000, "[1, inf)")  # embedded task: training numbers
+    # Embedded task: held-out numbers (never in training).
+    test_size: int = limited(500, "[1, inf)")
+    test_fraction: float = limited(0.1, "(0, 1)")  # user TSV: the held-out share
+    split_seed: int = limited(0, SEEDS)
+    tokenizer: str = limited("bpe", choices=("bpe", "char"))
+    src_vocab_size: int = limited(100, "[5, inf)")  # bpe only; the 4 special tokens and more
+    tgt_vocab_size: int = limited(100, "[5, inf)")
+    max_len: int = limited(64, "[1, inf)")  # tokens per side; longer training pairs are dropped
 
 
 @dataclass
 class TranslateEval:
-    beam_size: int = 4  # the final evaluation and `qkv translate`; during training: greedy
-    length_penalty: float = 0.6
-    max_examples: int = 200  # held-out examples scored during training (the final eval uses all)
-    batch_size: int = 128
+    # The final evaluation and `qkv translate`; during training: greedy.
+    beam_size: int = limited(4, "[1, inf)")
+    length_penalty: float = limited(0.6, "[0, inf)")
+    # Held-out examples scored during training (the final eval uses all).
+    max_examples: int = limited(200, "[1, inf)")
+    batch_size: int = limited(128, "[1, inf)")
 
 
 PRESETS = {
@@ -137,7 +140,8 @@ class TranslateTask:
     def schema(self) -> Schema:
         from ...models import TransformerConfig
 
-        derived = {"src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id", "max_len"}
+        derived = {"src_vocab_size": 100, "tgt_vocab_size": 100, "pad_id": PAD_ID,
+                   "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": 66}
         return Schema(TranslateData, TranslateEval, TransformerConfig, derived)
 
     def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> PairData:

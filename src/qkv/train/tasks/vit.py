@@ -14,24 +14,25 @@ import torch
 import torch.nn.functional as F
 
 from ...data import images
-from ..config import Schema
+from ..config import SEEDS, Schema, limited
 from .common import build
 
 
 @dataclass
 class VitData:
     path: str = ""  # a folder of class folders, or an .npz; empty: scikit-learn's digits
-    test_fraction: float = 0.2
-    split_seed: int = 0
-    image_size: int = 0  # user folders: resize to this square size; 0: the first image's size
+    test_fraction: float = limited(0.2, "(0, 1)")
+    split_seed: int = limited(0, SEEDS)
+    # User folders: resize to this square size; 0: the first image's size.
+    image_size: int = limited(0, "[0, inf)")
     # Augmentation: random translation by up to this many pixels. Off by default: on 8x8
     # digits with 2x2 patches a 1-pixel shift re-bins every patch and costs accuracy.
-    shift: int = 0
+    shift: int = limited(0, "[0, inf)")
 
 
 @dataclass
 class VitEval:
-    batch_size: int = 512
+    batch_size: int = limited(512, "[1, inf)")
 
 
 PRESETS = {
@@ -99,7 +100,11 @@ class VitTask:
     def schema(self) -> Schema:
         from ...models import ViTConfig
 
-        return Schema(VitData, VitEval, ViTConfig, {"image_size", "in_channels", "num_classes"})
+        # The stand-in image is one patch, so the divisibility check passes until the data
+        # gives the real size.
+        derived = {"image_size": lambda model: model["patch_size"], "in_channels": 1,
+                   "num_classes": 2}
+        return Schema(VitData, VitEval, ViTConfig, derived)
 
     def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> ImageData:
         train_set, test_set = load(cfg.data)

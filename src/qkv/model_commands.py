@@ -1,0 +1,199 @@
+"""``qkv generate | chat | embed | eval --model NAME_OR_PATH``: pretrained checkpoints.
+
+NAME_OR_PATH is a short name (``smollm2``, ``minilm``), a GPT-2 / LLaMA / BERT directory, or a
+``.gguf`` file (see ``qkv.models.load_pretrained``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+MODEL_HELP = ("a pretrained checkpoint: smollm2, minilm, a GPT-2 / LLaMA / BERT directory or "
+              "a .gguf file")
+
+
+def add_model_option(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("--model", metavar="NAME_OR_PATH", required=required, help=MODEL_HELP)
+
+
+def load(name: str, want: str, command: str):
+    """(model, tokenizer) of checkpoint ``name``; ``want`` is "decoder" or "encoder"."""
+    from .models import GPT, load_pretrained
+
+    model, tokenizer = load_pretrained(name)
+    if (want == "decoder") != isinstance(model, GPT):
+        other = "qkv embed" if want == "decoder" else "qkv generate"
+        article = "an" if want == "encoder" else "a"
+        raise ValueError(f"`{command}` needs {article} {want} checkpoint; {name!r} is not one "
+                         f"(try `{other}`)")
+    if tokenizer is None:
+        raise ValueError(f"{name!r} has no tokenizer (tokenizer.json); `{command}` needs one")
+    return model, tokenizer
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy); got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = no top-k filter); got {args.top_k}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1]; got {args.top_p}")
+    if args.beam_size < 1:
+        raise ValueError(f"--beam-size must be >= 1; got {args.beam_size}")
+
+
+def _generate(model, tokenizer, ids: list[int], args, write=None) -> list[int]:
+    """Continue ``ids``; with ``write``, text is streamed to it as tokens arrive."""
+    import torch
+
+    from .models.pretrained.usage import TextStream
+
+    if len(ids) + args.max_new_tokens > model.config.block_size:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens "
+                         f"({args.max_new_tokens}) exceeds the model's context of "
+                         f"{model.config.block_size} tokens")
+    stream = TextStream(tokenizer, write) if write is not None and args.beam_size == 1 else None
+    out = model.generate(
+        torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1 else None,
+        eos_id=tokenizer.eos_id, beam_size=args.beam_size, on_token=stream,
+        generator=torch.Generator().manual_seed(args.seed),
+    )[0, len(ids):].tolist()
+    if tokenizer.eos_id in out:
+        out = out[:out.index(tokenizer.eos_id)]
+    if write is not None and stream is None:
+        write(tokenizer.decode(out))
+    return out
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Continue --prompt with a pretrained decoder, streaming the text."""
+    check_sampling_flags(args)
+    model, tokenizer = load(args.model, "decoder", "qkv generate")
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise ValueError("--prompt is empty after tokenization")
+    _write(args.prompt)
+    _generate(model, tokenizer, ids, args, _write)
+    _write("\n")
+    return 0
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_option(p, required=True)
+    p.add_argument("--system", help="a system message (default: the template's own)")
+    p.add_argument("--message", action="append", default=[],
+                   help="a user message to answer, then exit (repeatable: one turn each); "
+                        "without it, turns are read from standard input")
+    add_sampling_arguments(p, max_new_tokens=256, temperature=0.0)
+
+
+def add_sampling_arguments(p, max_new_tokens: int, temperature: float) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"default {max_new_tokens}")
+    p.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 is greedy (default {temperature})")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    p.add_argument("--beam-size", type=int, default=1, help="> 1: beam search (no streaming)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _turns(args: argparse.Namespace):
+    if args.message:
+        yield from args.message
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            _write("you> ")
+        line = sys.stdin.readline()
+        if not line or (interactive and not line.strip()):
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """A conversation with a chat model: the chat template, replies streamed as they come."""
+    check_sampling_flags(args)
+    model, tokenizer = load(args.model, "decoder", "qkv chat")
+    if not tokenizer.chat_template:
+        raise ValueError(f"{args.model!r} has no chat template; use `qkv generate`")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    for turn in _turns(args):
+        messages.append({"role": "user", "content": turn})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        _write("model> ")
+        reply = _generate(model, tokenizer, ids, args, _write)
+        _write("\n")
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply).strip()})
+    return 0
+
+
+def add_embed_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_option(p, required=True)
+    p.add_argument("text", nargs="+", help="sentences to embed; - reads one per line from stdin")
+    p.add_argument("--json", action="store_true",
+                   help="print the vectors as JSON instead of the cosine-similarity matrix")
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    """Sentence embeddings: the cosine-similarity matrix, or the vectors as JSON."""
+    from .models.pretrained.usage import cosine_matrix, embed_texts
+
+    texts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if args.text == ["-"] \
+        else args.text
+    if not texts:
+        raise ValueError("no text to embed (standard input was empty)")
+    model, tokenizer = load(args.model, "encoder", "qkv embed")
+    vectors = embed_texts(model, tokenizer, texts)
+    if args.json:
+        print(json.dumps([{"text": t, "embedding": [round(x, 7) for x in v.tolist()]}
+                          for t, v in zip(texts, vectors, strict=True)]))
+        return 0
+    sims = cosine_matrix(vectors)
+    labels = [t if len(t) <= 40 else t[:37] + "..." for t in texts]
+    width = max(len(label) for label in labels)
+    print(" " * (width + 2) + " ".join(f"{i:>6}" for i in range(len(texts))))
+    for i, label in enumerate(labels):
+        print(f"{label:<{width}}  " + " ".join(f"{float(s):6.3f}" for s in sims[i])
+              + f"   [{i}]")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Perplexity of a pretrained decoder on --text FILE (default: held-out stdlib docstrings)."""
+    import torch
+
+    from .data.docstrings import stdlib_docstrings
+    from .data.text import read_text_file, split_text
+    from .models.pretrained.usage import perplexity, token_nll
+
+    model, tokenizer = load(args.model, "decoder", "qkv eval")
+    if args.text:
+        text, source = read_text_file(args.text), args.text
+    else:
+        text, source = split_text(stdlib_docstrings(), 0.1)[1], "held-out stdlib docstrings"
+    window = args.window or min(model.config.block_size, 1024)
+    if not 2 <= window <= model.config.block_size:
+        raise ValueError(f"--window must be in [2, {model.config.block_size}]; got {window}")
+    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+    if args.max_tokens:
+        ids = ids[:args.max_tokens + 1]
+    if len(ids) < 2:
+        raise ValueError(f"{source}: fewer than 2 tokens to score")
+    total, count = token_nll(model, ids, window)
+    print(f"{source}: {count} tokens in windows of {window}; mean NLL {total / count:.4f} "
+          f"nats/token; perplexity {perplexity(total, count):.3f}")
+    return 0

