@@ -66,7 +66,7 @@ def _pointer_at_cell(driver, q, k):
     rect = canvas.rect
     x = x0 + (k + 0.5) * size - rect["width"] / 2
     y = y0 + (q + 0.5) * size - rect["height"] / 2
-    ActionChains(driver).move_to_element_with_offset(canvas, int(x), int(y)).perform()
+    ActionChains(driver).move_to_element_with_offset(canvas, round(x), round(y)).perform()
     return canvas
 
 

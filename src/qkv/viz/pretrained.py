@@ -36,6 +36,9 @@ def pretrained_scene(args) -> Scene:
     if args.run_dir is not None:
         raise ValueError("give a run directory or --model, not both")
     model, tokenizer = load_pretrained(args.model)
+    if tokenizer is None:
+        raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer "
+                         "(tokenizer.json), so --text cannot be read")
     model.eval()
     is_gpt = isinstance(model, GPT)
     if args.generate < 0:
@@ -44,13 +47,13 @@ def pretrained_scene(args) -> Scene:
         raise ValueError(f"--generate needs a decoder (GPT) model; {args.model} is an encoder")
     text = args.text
     if args.chat:
-        if not hasattr(tokenizer, "apply_chat_template"):
-            raise ValueError(f"--chat needs a chat model; {args.model}'s tokenizer has no chat "
-                             "template")
         if text is None:
             raise ValueError("--chat needs --text (the user's message)")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True)
+        except ValueError as e:
+            raise ValueError(f"--chat: {args.model}: {e}") from None
     limit = model.config.block_size if is_gpt else model.config.max_len
     ids = encode_text(tokenizer, text, limit, "--model", args.generate)
     everything = list(ids)
