@@ -24,25 +24,31 @@ MATRIX_SCRIPT = r"""
   const zoom = { scale: 1, x: 0, y: 0 };  // cell size multiplier; first visible column, row
   let cell = null;  // the cell under the pointer: {q, k}
 
-  function shade(w) {  // white -> dark blue by sqrt(weight)
-    const t = Math.sqrt(Math.min(1, Math.max(0, w)));
-    return [Math.round(255 - 247 * t), Math.round(255 - 207 * t), Math.round(255 - 148 * t)];
+  // Colour by sqrt(weight), white -> dark blue, looked up per 1/255 step (the stored
+  // precision) as one 32-bit RGBA word: painting a head touches only its stored entries.
+  const SHADES = new Uint32Array(256);
+  const littleEndian = new Uint8Array(new Uint32Array([1]).buffer)[0] === 1;
+  for (let i = 0; i < 256; i++) {
+    const t = Math.sqrt(i / 255);
+    const rgb = [255 - 247 * t, 255 - 207 * t, 255 - 148 * t].map(Math.round);
+    SHADES[i] = littleEndian ? (255 << 24 | rgb[2] << 16 | rgb[1] << 8 | rgb[0]) >>> 0
+      : (rgb[0] << 24 | rgb[1] << 16 | rgb[2] << 8 | 255) >>> 0;
   }
   function paintRows(rows, nq, nk, width, height, combine) {
     const canvas = document.createElement("canvas");
     canvas.width = width; canvas.height = height;
     const ctx = canvas.getContext("2d");
     const image = ctx.createImageData(width, height);
+    const pixels = new Uint32Array(image.data.buffer);
     const best = new Float32Array(width * height);
+    const touched = [];
     rows.forEach((q, k, w) => {
       const i = Math.floor((q * height) / nq) * width + Math.floor((k * width) / nk);
+      if (best[i] === 0) touched.push(i);
       best[i] = combine(best[i], w);
     });
-    for (let i = 0; i < best.length; i++) {
-      const [r, g, b] = shade(best[i]);
-      image.data[4 * i] = r; image.data[4 * i + 1] = g; image.data[4 * i + 2] = b;
-      image.data[4 * i + 3] = 255;
-    }
+    pixels.fill(SHADES[0]);
+    for (const i of touched) pixels[i] = SHADES[Math.min(255, Math.round(best[i] * 255))];
     ctx.putImageData(image, 0, 0);
     return canvas;
   }
@@ -51,10 +57,13 @@ MATRIX_SCRIPT = r"""
     // "all heads" is one colour per head in the head view; as a heatmap it is their mean.
     return shown.length > 1 ? { head: "mean", rows: meanRows(state.view, state.layer) } : shown[0];
   }
-  function matrixImage(item) {
+  // One pixel per weight, or, when a cell is smaller than a pixel, one pixel per block of
+  // cells holding the block's largest weight (so a thin diagonal does not vanish).
+  function matrixImage(item, block) {
     const v = view(), nq = v.query_tokens.length, nk = v.key_tokens.length;
-    return cached(state.view + "/" + state.layer + "/" + item.head + "/image",
-      () => paintRows(item.rows, nq, nk, nk, nq, (a, w) => w));
+    return cached(state.view + "/" + state.layer + "/" + item.head + "/image/" + block,
+      () => paintRows(item.rows, nq, nk, Math.ceil(nk / block), Math.ceil(nq / block),
+                      Math.max));
   }
   function cellSize(v) {
     return (MATRIX.size * zoom.scale) / Math.max(v.query_tokens.length, v.key_tokens.length);
@@ -66,15 +75,16 @@ MATRIX_SCRIPT = r"""
   }
 
   function paintMatrix(canvas) {
-    const v = view(), item = matrixItem(), image = matrixImage(item);
+    const v = view(), item = matrixItem();
     const nq = v.query_tokens.length, nk = v.key_tokens.length, size = cellSize(v);
+    const block = size < 1 ? Math.ceil(1 / size) : 1, image = matrixImage(item, block);
     const ctx = canvas.getContext("2d");
     ctx.clearRect(0, 0, canvas.width, canvas.height);
     ctx.imageSmoothingEnabled = false;
     const cols = Math.min(nk - zoom.x, MATRIX.size / size);
     const rows = Math.min(nq - zoom.y, MATRIX.size / size);
-    ctx.drawImage(image, zoom.x, zoom.y, cols, rows, MATRIX.left, MATRIX.top, cols * size,
-                  rows * size);
+    ctx.drawImage(image, zoom.x / block, zoom.y / block, cols / block, rows / block,
+                  MATRIX.left, MATRIX.top, cols * size, rows * size);
     canvas.dataset.origin = JSON.stringify([MATRIX.left - zoom.x * size,
                                             MATRIX.top - zoom.y * size, size]);
     const x = (k) => MATRIX.left + (k - zoom.x) * size;
