@@ -44,7 +44,7 @@ def main_() -> None:
                  "The cat sat on the mat because it was warm.", "-o", str(minilm)]) == 0
     assert main(["viz", "--model", "smollm2", "--chat", "--text", "Name three colours.",
                  "--generate", "12", "-o", str(smol)]) == 0
-    driver = browser(1000, 800)
+    driver = browser(1000, 1100)  # a viewport of about 1000 x 950
     try:
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.by import By
@@ -55,16 +55,16 @@ def main_() -> None:
         ActionChains(driver).move_to_element(token).perform()
         shot(driver, "viz-head-view", (760, 560))
         set_(driver, display="neuron", layer="0", head="3")
-        shot(driver, "viz-neuron-view", (1000, 480))
+        shot(driver, "viz-neuron-view", (1000, 560))
         set_(driver, display="matrix", layer="rollout")
-        shot(driver, "viz-rollout", (760, 640))
+        shot(driver, "viz-rollout", (760, 760))
         open_ms(driver, smol)
         set_(driver, display="matrix", layer="5", head="4")
         canvas = driver.find_element(By.ID, "matrix")
         ActionChains(driver).move_to_element_with_offset(canvas, 60, 120).perform()
-        shot(driver, "viz-matrix-view", (1000, 800))
+        shot(driver, "viz-matrix-view", (1000, 900))
         set_(driver, display="model")
-        shot(driver, "viz-model-view", (620, 800))
+        shot(driver, "viz-model-view", (620, 900))
         set_(driver, display="summary")
         driver.find_element(By.CSS_SELECTOR, 'th[data-column="sink (first token)"]').click()
         shot(driver, "viz-head-summary", (760, 420))

@@ -11,7 +11,8 @@ MATRIX_STYLE = r"""
 #matrix-tools { font-size: 12px; margin-bottom: 4px; }
 #matrix-tools button { margin-right: 4px; }
 #matrix { border: 1px solid #ddd; cursor: crosshair; }
-#model-grid { display: grid; gap: 3px; align-items: center; font-size: 11px; }
+#model-grid { display: grid; justify-content: start; gap: 3px; align-items: center;
+              font-size: 11px; }
 #model-grid canvas { border: 1px solid #ddd; cursor: pointer; image-rendering: pixelated; }
 #model-grid canvas.current { border: 2px solid #c0392b; }
 """
