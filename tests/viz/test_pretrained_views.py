@@ -122,9 +122,15 @@ def test_gpt2_directory_page_and_labels(browser, gpt2_dir, tmp_path):
     (["--model", "GPT2", "--text", "the", "--heads", "3"], r"valid heads are 0\.\.2"),
     (["--model", "GPT2", "--text", "the", "--chat"], "--chat: .*no chat template"),
     (["--model", "GPT2", "--text", "the", "--generate", "-1"], "--generate must be >= 0"),
+    (["--model", "NO_TOKENIZER", "--text", "the"], "has no tokenizer"),
+    (["--model", "minilm", "--text", "the", "--generate", "2"], "needs a decoder"),
 ])
 def test_bad_model_requests_print_one_line(gpt2_dir, tmp_path, capsys, argv, message):
-    argv = [str(gpt2_dir) if a == "GPT2" else a for a in argv]
+    bare = tmp_path / "bare"  # the model without its tokenizer.json
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((gpt2_dir / name).read_bytes())
+    argv = [{"GPT2": str(gpt2_dir), "NO_TOKENIZER": str(bare)}.get(a, a) for a in argv]
     assert main(["viz", *argv, "-o", str(tmp_path / "a.html")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qkv: error:") and err.count("\n") == 1 and re.search(message, err), err

@@ -28,11 +28,14 @@ PANELS_SCRIPT = r"""
     cosine: "q/|q| and k/|k| (unit vectors)", mahalanobis: "qL\u1d40 and kL\u1d40",
   };
   function neuronLayer(v) { return v.neurons.find((n) => n.layer === state.layer); }
+  // The last query row with a stored weight, and its strongest key.
   function defaultPair(v, rows) {
-    const q = v.query_tokens.length - 1;
-    let best = 0, bestW = -1;
-    rows.row(q, (k, w) => { if (w > bestW) { best = k; bestW = w; } });
-    return { q: q, k: best };
+    for (let q = v.query_tokens.length - 1; q >= 0; q--) {
+      let best = -1, bestW = 0;
+      rows.row(q, (k, w) => { if (w > bestW) { best = k; bestW = w; } });
+      if (best >= 0) return { q: q, k: best };
+    }
+    return { q: v.query_tokens.length - 1, k: 0 };
   }
 
   function drawNeuron() {
