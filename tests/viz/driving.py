@@ -75,6 +75,11 @@ def check_matrix_view(driver, stored, view, layer, head, cells):
     show(driver, "matrix", view, layer, head)
     meta = stored.meta["views"][view]
     want = stored.weights(view, layer, head)
+    # The page says what it leaves out of this head.
+    mean, worst = meta["maps"][layer][head]["left_out"]
+    omitted = driver.find_element("id", "omitted").text
+    assert f"{100 * mean:.2f}% of a query's attention on average, {100 * worst:.2f}% at most" \
+        in omitted, omitted
     for q, k in cells:
         canvas = _pointer_at_cell(driver, q, k)
         assert (int(canvas.get_attribute("data-q")), int(canvas.get_attribute("data-k"))) == \

@@ -202,3 +202,6 @@ def test_long_input_matrix_zoom_mean_and_head_view_window(browser, tmp_path):
     assert "tokens 90-249 of 300" in browser.find_element(By.ID, "legend").text
     drawn = _drawn(browser)
     assert drawn and all(90 <= q < 250 and 90 <= k < 250 for q, k in drawn)
+    browser.execute_script("const s = document.getElementById('window-start'); s.value = 5;"
+                           "s.dispatchEvent(new Event('change'))")
+    assert "tokens 5-164 of 300" in browser.find_element(By.ID, "legend").text

@@ -218,9 +218,16 @@ CORE_SCRIPT = r"""
       note = (state.display === "graph" ? "arrows: query -> the key it attends to; " : "") +
         "edges below weight " + META.threshold + " are not drawn. " +
         (b - a < n ? "tokens " + a + "-" + (b - 1) + " of " + n +
-          " (click a cell in the matrix view to move). " : "");
+          " (click a cell in the matrix view, or start at token " : "");
     }
     html("span", {}, box, note);
+    if (note.endsWith("start at token ")) {
+      const start = html("input", { id: "window-start", type: "number", min: 0, max: n - 1,
+                                    value: a }, box);
+      start.style.width = "70px";
+      start.addEventListener("change", () => { state.start = Number(start.value); draw(); });
+      html("span", {}, box, "). ");
+    }
     if (state.display === "lines" || state.display === "graph" || state.display === "image") {
       for (const item of matrices()) {
         const s = html("span", { class: "swatch" }, box, "\u25A0 " + headName(item) + " ");
@@ -234,15 +241,16 @@ CORE_SCRIPT = r"""
 
   // What the page leaves out, for the maps on screen.
   function omitted() {
-    const shown = state.layer === "rollout" || !isFinite(Number(state.head))
-      ? matrices() : matrices().slice(0, 1);
+    const shown = matrices(), v = view();
     const mean = shown.reduce((s, m) => s + m.rows.leftOut[0], 0) / shown.length;
     const worst = Math.max(...shown.map((m) => m.rows.leftOut[1]));
     document.getElementById("omitted").textContent =
       "Stored: weights of at least " + META.threshold +
       (META.max_per_row ? ", at most " + META.max_per_row + " per query," : "") +
       " to 1/" + META.levels + ". Left out here: " + (100 * mean).toFixed(2) +
-      "% of a query's attention on average, " + (100 * worst).toFixed(2) + "% at most.";
+      "% of a query's attention on average, " + (100 * worst).toFixed(2) + "% at most." +
+      (v.neurons.length && v.neurons.length < v.layers.length ? " Neuron view: q and k kept " +
+        "for " + v.neurons.map((n) => "layer " + v.layers[n.layer]).join(", ") + " only." : "");
   }
 
   function draw() {
