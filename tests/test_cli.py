@@ -2,6 +2,8 @@
 
 import io
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -46,6 +48,11 @@ def test_train_translate_writes_a_complete_run(translate_run):
             "metrics.jsonl", "checkpoints", "cross_attention.png"} <= names
     assert json.loads((translate_run / "config.json").read_text())["train"]["steps"] == 6
     assert (translate_run / "cross_attention.png").read_bytes()[:4] == b"\x89PNG"
+    # Files get the user's umask, as `open` would give them, not a temp file's 0600.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    files = [p for p in translate_run.rglob("*") if p.is_file()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o666 & ~umask}
 
 
 def test_eval_and_translate(translate_run, capsys, tmp_path):
@@ -75,6 +82,8 @@ def test_translate_reads_stdin(translate_run, capsys, monkeypatch):
     assert code == expected == 0 and out == capsys.readouterr().out and out.count("\n") == 3
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     one_line_error(capsys, ["translate", str(translate_run), "-"], "no lines on standard input")
+    one_line_error(capsys, ["translate", str(translate_run), "x", "--beam-size", "0"],
+                   "eval.beam_size: expected a value in [1, inf), got 0")
 
 
 def test_version(capsys):
@@ -94,6 +103,11 @@ def test_generate_sampling_and_beam_flags(lm_run, capsys):
     code, out, _ = run(capsys, "generate", str(lm_run), "--prompt", "Re", "--max-new-tokens",
                        "12", "--beam-size", "3")
     assert code == 0 and out.startswith("Re") and len(out.rstrip("\n")) >= 12
+    for flags, expected in ((["--top-p", "2"], "eval.top_p: expected a value in (0, 1], got 2.0"),
+                            (["--top-k", "-1"], "eval.top_k: expected a value in [0, inf)"),
+                            (["--beam-size", "0"], "eval.beam_size: expected a value in [1, inf)"),
+                            (["--temperature", "-1"], "eval.temperature: expected a value in")):
+        one_line_error(capsys, ["generate", str(lm_run), "--prompt", "Re", *flags], expected)
 
 
 def test_train_lm_eval_generate(lm_run, capsys):
@@ -134,6 +148,7 @@ def one_line_error(capsys, argv, expected):
     code, _, err = run(capsys, *argv)
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("qkv: error: ") and expected in err, err
+    return err
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -153,6 +168,25 @@ def test_image_folder_with_one_class(tmp_path, capsys):
     argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
             "--set", f"data.path={tmp_path / 'imgs'}"]
     one_line_error(capsys, argv, "1 class folder")
+
+
+@pytest.mark.parametrize("arrays, expected", [
+    (None, "is not an image set: expected a NumPy .npz archive"),
+    ({"pictures": [[[0.0]]], "labels": [0]},
+     "has no 'images' array (it holds 'pictures', 'labels')"),
+])
+def test_npz_that_is_no_image_set(tmp_path, capsys, arrays, expected):
+    import numpy as np
+
+    path = tmp_path / "set.npz"
+    if arrays is None:
+        path.write_text("a text file")
+    else:
+        np.savez(path, **{name: np.array(value) for name, value in arrays.items()})
+    argv = ["train", "vit", "--preset", "tiny", "--run-dir", str(tmp_path / "r"),
+            "--set", f"data.path={path}"]
+    assert "pickle" not in one_line_error(capsys, argv, expected)
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("item, expected", [
@@ -213,6 +247,31 @@ def test_corrupt_checkpoints(tmp_path, capsys, lm_run):
     assert code == 2 and err.splitlines()[-1].startswith("qkv: error: no intact checkpoint")
 
 
+def test_a_corrupt_tokenizer_is_named(tmp_path, capsys, lm_run):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(lm_run, copy)
+    (copy / "tokenizer.json").write_text('{"kind": "char", "chars": ')
+    one_line_error(capsys, ["eval", str(copy)],
+                   f"tokenizer file {str(copy / 'tokenizer.json')!r} is corrupt")
+
+
+def test_a_run_missing_its_tokenizer_or_edited_after_training(tmp_path, capsys, lm_run):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(lm_run, copy)
+    (copy / "tokenizer.json").unlink()
+    one_line_error(capsys, ["eval", str(copy)],
+                   f"tokenizer file {str(copy / 'tokenizer.json')!r} does not exist")
+    shutil.copy(lm_run / "tokenizer.json", copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["model"]["d_model"] = 64
+    (copy / "config.json").write_text(json.dumps(config))
+    one_line_error(capsys, ["eval", str(copy)], "does not fit the model: Error(s) in loading")
+
+
 def test_the_installed_command_prints_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "qkv.cli", "train", "translate", "--set",
@@ -231,6 +290,12 @@ def test_train_on_user_files(tmp_path_factory, tmp_path, capsys):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data"]["path"] == str(pairs)
     assert "Ä" in json.loads((run_dir / "tokenizer_src.json").read_text())["chars"]
+    # "3 apples" is 2 tokens: BLEU (4-grams) is 0 by construction, and the summary says so.
+    capsys.readouterr()
+    code, out, _ = run(capsys, "eval", str(run_dir))
+    assert code == 0 and out.startswith("held-out exact match ") and "% | chrF " in out
+    assert "| BLEU 0.0 (of little meaning here: 100% of the references are shorter than 4 " \
+           "tokens, where BLEU is 0 by construction)" in out
     text = tmp_path / "story.txt"
     text.write_text("Once upon a time there was a model. " * 60, encoding="utf-8")
     run_dir = train_tiny(tmp_path_factory, "lm", "--set", f"data.path={text}")

@@ -112,3 +112,8 @@ def test_eval_model_reports_perplexity(capsys, tmp_path):
 def test_bad_model_input_is_one_line_and_status_2(capsys, argv, message):
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_weights_flag_is_for_checkpoints_only(capsys):
+    code, _, err = run(capsys, "generate", "runs/none", "--prompt", "x", "--weights", "bf16")
+    assert code == 2 and "--weights applies to --model" in err

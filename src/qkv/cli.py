@@ -134,6 +134,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]; eval.top_p")
     p.add_argument("--beam-size", type=int, help="> 1: beam search; default eval.beam_size")
     p.add_argument("--seed", type=int, default=0)
+    model_commands.add_weights_option(p)
 
 
 GENERATE_FLAGS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_size")
@@ -150,6 +151,8 @@ def run_generate(args: argparse.Namespace) -> int:
             if getattr(args, flag) is None:
                 setattr(args, flag, default)
         return model_commands.run_generate(args)
+    if args.weights != "fp32":
+        raise ValueError("--weights applies to --model checkpoints, not to run directories")
 
     task, cfg, data, model = run.load(args.run_dir, task="lm",
                                       overrides=eval_overrides(args, GENERATE_FLAGS))
@@ -201,7 +204,8 @@ def run_viz(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- bench
-BENCHMARKS = {"attention": "attention_cpu.py", "train": "train_cpu.py"}
+BENCHMARKS = {"attention": "attention_cpu.py", "generate": "generate_cpu.py",
+              "train": "train_cpu.py"}
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"  # src/qkv/cli.py -> repo root
 
 

@@ -18,9 +18,17 @@ def add_model_option(p: argparse.ArgumentParser, required: bool = False) -> None
     p.add_argument("--model", metavar="NAME_OR_PATH", required=required, help=MODEL_HELP)
 
 
-def load(name: str, want: str, command: str):
-    """(model, tokenizer) of checkpoint ``name``; ``want`` is "decoder" or "encoder"."""
+def add_weights_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: weight-only bf16 linear layers, 2-4x faster on CPU, logits "
+                        "within about 2e-2 relative (default fp32: exact)")
+
+
+def load(name: str, want: str, command: str, weights: str = "fp32"):
+    """(model, tokenizer) of checkpoint ``name``; ``want`` is "decoder" or "encoder";
+    ``weights`` "bf16" packs the linear layers (``qkv.nn.packed``)."""
     from .models import GPT, load_pretrained
+    from .nn.packed import pack_linears
 
     model, tokenizer = load_pretrained(name)
     if (want == "decoder") != isinstance(model, GPT):
@@ -30,7 +38,7 @@ def load(name: str, want: str, command: str):
                          f"(try `{other}`)")
     if tokenizer is None:
         raise ValueError(f"{name!r} has no tokenizer (tokenizer.json); `{command}` needs one")
-    return model, tokenizer
+    return (pack_linears(model) if weights == "bf16" else model), tokenizer
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
@@ -78,7 +86,7 @@ def _write(text: str) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Continue --prompt with a pretrained decoder, streaming the text."""
     check_sampling_flags(args)
-    model, tokenizer = load(args.model, "decoder", "qkv generate")
+    model, tokenizer = load(args.model, "decoder", "qkv generate", args.weights)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
@@ -106,6 +114,7 @@ def add_sampling_arguments(p, max_new_tokens: int, temperature: float) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     p.add_argument("--beam-size", type=int, default=1, help="> 1: beam search (no streaming)")
     p.add_argument("--seed", type=int, default=0)
+    add_weights_option(p)
 
 
 def _turns(args: argparse.Namespace):
@@ -126,7 +135,7 @@ def _turns(args: argparse.Namespace):
 def run_chat(args: argparse.Namespace) -> int:
     """A conversation with a chat model: the chat template, replies streamed as they come."""
     check_sampling_flags(args)
-    model, tokenizer = load(args.model, "decoder", "qkv chat")
+    model, tokenizer = load(args.model, "decoder", "qkv chat", args.weights)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model!r} has no chat template; use `qkv generate`")
     messages = [{"role": "system", "content": args.system}] if args.system else []

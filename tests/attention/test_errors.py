@@ -110,3 +110,50 @@ def test_backend_errors():
         qkv.attention(*qkv4(), similarity="l1", backend="sdpa")
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
         qkv.attention(*qkv4(), backend="cuda-magic")
+
+
+def test_per_head_score_mods_name_both_head_counts():
+    with pytest.raises(ValueError, match=r"alibi has 3 slopes \(heads\) but the attention has "
+                                         r"4 query heads; use qkv.alibi\(4\)"):
+        qkv.attention(*qkv4(h=4, hkv=2), score_mod=qkv.alibi(3))
+    table = torch.zeros(8, 3)
+    with pytest.raises(ValueError, match="relative_bias has a table for 3 heads but the "
+                                         "attention has 2 query heads"):
+        qkv.attention(*qkv4(), score_mod=[qkv.softcap(5.0), qkv.relative_bias(table, 8, 16)])
+
+
+def test_a_zero_head_dim_is_a_value_error():
+    with pytest.raises(ValueError, match=r"head dim D of q and k must be at least 1; got q "
+                                         r"\(1, 2, 4, 0\)"):
+        qkv.attention(*qkv4(d=0))
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "auto"])
+def test_a_float64_tensor_in_a_score_mod_keeps_the_call_float32(backend):
+    """The modified scores go back to the input dtype, on every engine alike."""
+    q, k, v = qkv4(h=4, hkv=4)
+    buf64 = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)
+    out = qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * buf64[h], backend=backend)
+    expected = qkv.attention(q, k, v, scale=(0.5 + 0.5 * torch.arange(4.0)) / 3**0.5,
+                             backend="reference")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "sdpa"])
+def test_nan_in_q_or_k_spoils_only_the_rows_that_read_it(backend):
+    """What qkv.attention's docstring says about non-finite inputs."""
+    torch.manual_seed(0)
+    q, k, v = qkv4(nq=6, nk=6, d=8, dv=8)
+    clean = qkv.attention(q, k, v, mask=qkv.causal(), backend=backend)
+    bad_k = k.clone()
+    bad_k[0, :, 3, 0] = float("nan")
+    out = qkv.attention(q, bad_k, v, mask=qkv.causal(), backend=backend)
+    torch.testing.assert_close(out[:, :, :3], clean[:, :, :3])
+    assert out[:, :, 3:].isnan().all()
+    bad_q = q.clone()
+    bad_q[0, :, 1, 0] = float("nan")
+    out = qkv.attention(bad_q, k, v, mask=qkv.causal(), backend=backend)
+    others = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(out[:, :, others], clean[:, :, others])
+    assert out[:, :, 1].isnan().all() or (backend == "sdpa" and (out[:, :, 1] == 0).all())

@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 
 import pytest
 
@@ -23,3 +25,13 @@ def test_a_failed_write_leaves_the_old_file(tmp_path):
 def test_write_creates_folders(tmp_path):
     write_json_atomic(tmp_path / "a" / "b.json", [1])
     assert json.loads((tmp_path / "a" / "b.json").read_text()) == [1]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_files_get_the_users_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "config.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "config.json").stat().st_mode) == mode

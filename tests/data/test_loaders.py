@@ -1,3 +1,5 @@
+import pickle
+
 import numpy as np
 import pytest
 
@@ -90,5 +92,31 @@ def test_npz_images(tmp_path):
     assert data.images.shape == (4, 1, 4, 4) and data.images.max() <= 1.0
     assert data.classes == ["3", "7"] and list(data.labels) == [1, 0, 1, 0]
     np.savez(npz, pictures=np.zeros(3))
-    with pytest.raises(DataError, match="'images' and 'labels'"):
+    with pytest.raises(DataError, match="has no 'images' or 'labels' array \\(it holds 'pictures'"):
         load_images(npz)
+    np.savez(npz, images=np.zeros((2, 4, 4)), labels_=np.zeros(2))
+    with pytest.raises(DataError, match="has no 'labels' array"):
+        load_images(npz)
+
+
+def save_bare_npy(path):
+    """A single array saved with np.save, named .npz."""
+    with path.open("wb") as f:
+        np.save(f, np.zeros(3))
+
+
+@pytest.mark.parametrize("write", [
+    lambda path: path.write_text("not an archive"),
+    save_bare_npy,
+    lambda path: np.savez(path, images=np.array([{"a": 1}] * 2), labels=np.zeros(2)),
+    lambda path: np.savez(path, images=np.array(["x", "y"]), labels=np.zeros(2)),
+    lambda path: path.write_bytes(pickle.dumps({"images": [1]})),
+])
+def test_an_npz_that_is_not_an_image_set_says_so(tmp_path, write):
+    npz = tmp_path / "x.npz"
+    write(npz)
+    with pytest.raises(DataError) as info:
+        load_images(npz)
+    message = str(info.value)
+    assert message.startswith(f"{str(npz)!r} is not an image set")
+    assert "pickle" not in message

@@ -41,3 +41,19 @@ def test_bad_kind_and_file(tmp_path):
     (tmp_path / "x.json").write_text('{"kind": "other"}')
     with pytest.raises(ValueError, match="not a qkv tokenizer"):
         load_tokenizer(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("{not json", "is corrupt"),
+    ('{"kind": "bpe", "tokenizer": {"model": 3}}', "is not a readable bpe tokenizer"),
+    ('{"kind": "char"}', "is not a readable char tokenizer"),
+    ("[1, 2]", "is not a qkv tokenizer file"),
+])
+def test_a_corrupt_tokenizer_file_is_named(tmp_path, content, expected):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(content)
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(path)
+    message = str(info.value)
+    assert message.startswith(f"tokenizer file {str(path)!r}") and expected in message
+    assert "\n" not in message

@@ -66,3 +66,9 @@ def test_an_interrupted_save_is_invisible(tmp_path, monkeypatch):
         checkpoint.save(tmp_path, 4, Tied(), {"step": 4}, keep=2)
     assert checkpoint.load_latest(tmp_path).step == 3
     assert checkpoint.load_latest(tmp_path / "nothing") is None
+
+
+def test_keeping_no_checkpoint_is_refused_before_writing(tmp_path):
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        checkpoint.save(tmp_path, 1, Tied(), {"step": 1}, keep=0)
+    assert not (tmp_path / "checkpoints").exists()

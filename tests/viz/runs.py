@@ -3,6 +3,7 @@ tokenizers, weights), built without training, for the viz tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -23,12 +24,19 @@ def start_run(run_dir, task, overrides=()):
     return cfg
 
 
+def build_run_model(run_dir, model_cls, config_cls, derived, configured):
+    """The model, with its config in RUN/model.json as ``qkv train`` writes it."""
+    model = build(model_cls, config_cls, derived, configured)
+    (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model.config)))
+    return model
+
+
 def make_lm_run(run_dir, overrides=()):
     cfg = start_run(run_dir, "lm", overrides)
     tok = CharTokenizer.train([TEXT + "Return"])
     save_tokenizer(tok, run_dir / "tokenizer.json")
     torch.manual_seed(0)
-    model = build(GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model, run_dir)
+    model = build_run_model(run_dir, GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model)
     checkpoint.save(run_dir, 1, model, {}, keep=1)
     return model, tok
 
@@ -42,7 +50,7 @@ def make_translate_run(run_dir):
     derived = {"src_vocab_size": src_tok.vocab_size, "tgt_vocab_size": tgt_tok.vocab_size,
                "pad_id": 0, "bos_id": 1, "eos_id": 2, "max_len": cfg.data.max_len + 2}
     torch.manual_seed(0)
-    model = build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
+    model = build_run_model(run_dir, Transformer, TransformerConfig, derived, cfg.model)
     # A bare model.safetensors (no checkpoints/) is a model too.
     from safetensors.torch import save_model
 
@@ -55,6 +63,6 @@ def make_vit_run(run_dir):
     cfg = start_run(run_dir, "vit")
     derived = {"image_size": 8, "in_channels": 1, "num_classes": 10}
     torch.manual_seed(0)
-    model = build(ViT, ViTConfig, derived, cfg.model, run_dir)
+    model = build_run_model(run_dir, ViT, ViTConfig, derived, cfg.model)
     checkpoint.save(run_dir, 1, model, {}, keep=1)
     return model

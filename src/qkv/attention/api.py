@@ -50,6 +50,12 @@ def attention(
 
     Returns:
         out (B, H, Nq, Dv), or (out, weights). Rows with no allowed key give zeros.
+
+    NaN or inf in q or k is not checked (that would cost a pass over the inputs). The output
+    rows whose scores read one come out wrong, silently: a bad key makes NaN every row that
+    may attend it; a bad query makes its own row NaN, or zeros where torch's SDPA runs the
+    call. Other rows are unaffected. Check with ``torch.isfinite`` where inputs may hold
+    them; ``qkv train`` stops at the first non-finite loss.
     """
     problem = build_problem(
         q,

@@ -117,6 +117,8 @@ def _check_qkv(q, k, v) -> None:
         raise ValueError(
             f"q and k must have the same head dim D; got q {_shape(q)} and k {_shape(k)}"
         )
+    if q.shape[3] == 0:
+        raise ValueError(f"the head dim D of q and k must be at least 1; got q {_shape(q)}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"the number of query heads H={q.shape[1]} must be a multiple of the number of "
@@ -173,12 +175,15 @@ def build_problem(
         mask.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
+    score_mod = as_score_mod(score_mod)
+    if score_mod is not None:
+        score_mod.check_heads(q.shape[1])
     return Problem(
         q=q,
         k=k,
         v=v,
         mask=mask,
-        score_mod=as_score_mod(score_mod),
+        score_mod=score_mod,
         similarity=sim,
         scale=_check_scale(scale, sim, q),
         metric=_check_metric(metric, sim, q),

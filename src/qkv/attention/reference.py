@@ -48,7 +48,8 @@ def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
     scores = p.similarity.scores(q, expand_kv_heads(k, p.heads), scale, metric)
     b, h, qi, ki = _index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
     if p.score_mod is not None:
-        scores = p.score_mod(scores, b, h, qi, ki, p.offset)
+        # Back to the scores' dtype: a modifier may read a float64 tensor in a float32 call.
+        scores = p.score_mod(scores, b, h, qi, ki, p.offset).to(scores.dtype)
     if p.mask is not None:
         allowed = p.mask.materialize(p.batch, p.heads, p.nq, p.nk, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))

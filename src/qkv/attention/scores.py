@@ -25,6 +25,9 @@ class ScoreMod:
     def tensors(self) -> tuple[Tensor, ...]:
         return ()
 
+    def check_heads(self, heads: int) -> None:
+        """Raise ValueError when the modifier holds per-head values for another head count."""
+
     def then(self, other) -> ScoreMod:
         """Apply ``self`` and then ``other``."""
         return ChainedScoreMod([self, as_score_mod(other)])
@@ -43,6 +46,10 @@ class ChainedScoreMod(ScoreMod):
 
     def tensors(self):
         return tuple(t for mod in self.mods for t in mod.tensors())
+
+    def check_heads(self, heads: int) -> None:
+        for mod in self.mods:
+            mod.check_heads(heads)
 
     def __repr__(self) -> str:
         return " then ".join(repr(m) for m in self.mods)
@@ -75,6 +82,12 @@ class Alibi(ScoreMod):
 
     def tensors(self):
         return (self.slopes,)
+
+    def check_heads(self, heads: int) -> None:
+        if self.slopes.numel() != heads:
+            raise ValueError(
+                f"alibi has {self.slopes.numel()} slopes (heads) but the attention has {heads} "
+                f"query heads; use qkv.alibi({heads})")
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
         distance = (q_idx + offset - kv_idx).abs().to(score.dtype)
@@ -130,6 +143,12 @@ class RelativeBias(ScoreMod):
 
     def tensors(self):
         return (self.table,)
+
+    def check_heads(self, heads: int) -> None:
+        if self.table.shape[1] != heads:
+            raise ValueError(
+                f"relative_bias has a table for {self.table.shape[1]} heads but the attention "
+                f"has {heads} query heads")
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
         relative = kv_idx - (q_idx + offset)

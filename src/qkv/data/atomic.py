@@ -1,6 +1,8 @@
 """Atomic file writes: temp file in the same folder, fsync, rename, fsync the folder.
 
-A kill at any moment leaves either the old file or the new one, never a torn one.
+A kill at any moment leaves either the old file or the new one, never a torn one. The file
+gets the permissions a plain ``open(path, "w")`` would give (0644 under the usual umask), not
+the temp file's private 0600.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
         write(temp)
         with open(temp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(temp, 0o666 & ~current_umask())
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
@@ -29,6 +32,13 @@ def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def current_umask() -> int:
+    """The process umask (reading it means setting it, so it is put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(folder: str | Path) -> None:

@@ -56,27 +56,41 @@ def check_classes(labels: np.ndarray, classes: list[str], where: str) -> None:
 def load_npz(path: str | Path) -> ImageSet:
     """An .npz with ``images`` (N, H, W) or (N, C, H, W) and integer ``labels`` (N,)."""
     path = Path(path)
+    where = repr(str(path))
     if not path.is_file():
-        raise DataError(f"image file {str(path)!r} does not exist")
+        raise DataError(f"image file {where} does not exist")
+    not_images = (f"{where} is not an image set: expected a NumPy .npz archive of numeric "
+                  "arrays 'images' and 'labels'")
     try:
-        arrays = np.load(path)
-        images, labels = arrays["images"], arrays["labels"]
-    except KeyError as e:
-        raise DataError(f"{str(path)!r} needs arrays 'images' and 'labels' (missing {e})") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{str(path)!r} is not a readable .npz file: {e}") from None
+        arrays = np.load(path)  # no pickles: anything but plain arrays fails here or below
+    except (OSError, ValueError, EOFError):
+        raise DataError(not_images) from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):  # a bare .npy under an .npz name
+        raise DataError(not_images)
+    with arrays:
+        missing = [name for name in ("images", "labels") if name not in arrays.files]
+        if missing:
+            held = ", ".join(repr(f) for f in arrays.files) or "no arrays"
+            raise DataError(f"{where} has no {' or '.join(map(repr, missing))} array (it holds "
+                            f"{held})")
+        try:
+            images, labels = arrays["images"], arrays["labels"]
+        except (OSError, ValueError):
+            raise DataError(not_images) from None
+    if not all(np.issubdtype(a.dtype, np.number) for a in (images, labels)):
+        raise DataError(not_images)
     if images.ndim == 3:
         images = images[:, None]
-    if images.ndim != 4 or len(images) != len(labels) or len(images) == 0:
+    if images.ndim != 4 or labels.ndim != 1 or len(images) != len(labels) or len(images) == 0:
         raise DataError(
-            f"{str(path)!r}: expected images (N, H, W) or (N, C, H, W) and labels (N,), got "
+            f"{where}: expected images (N, H, W) or (N, C, H, W) and labels (N,), got "
             f"{images.shape} and {labels.shape}"
         )
     images = images.astype(np.float32)
     if images.max() > 1.0:
         images = images / 255.0
     values, labels = np.unique(labels, return_inverse=True)
-    check_classes(labels, [str(v) for v in values], repr(str(path)))
+    check_classes(labels, [str(v) for v in values], where)
     return ImageSet(images, labels.astype(np.int64), [str(v) for v in values])
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .atomic import write_json_atomic
+from .errors import DataError
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -99,12 +100,28 @@ def save_tokenizer(tokenizer, path: str | Path) -> None:
     write_json_atomic(path, tokenizer.to_json())
 
 
-def load_tokenizer(path: str | Path):
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    if data.get("kind") == "char":
-        return CharTokenizer(data["chars"])
-    if data.get("kind") == "bpe":
-        from tokenizers import Tokenizer
+def tokenizer_from_json(data: dict, where: str = "tokenizer"):
+    """The tokenizer ``to_json`` described; ``where`` names the source in errors."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    try:
+        if kind == "char":
+            return CharTokenizer(list(data["chars"]))
+        if kind == "bpe":
+            from tokenizers import Tokenizer
 
-        return BPETokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
-    raise ValueError(f"{str(path)!r} is not a qkv tokenizer file (kind {data.get('kind')!r})")
+            return BPETokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
+    except Exception as e:  # the Hugging Face parser raises a bare Exception on a bad file
+        raise DataError(f"{where} is not a readable {kind} tokenizer: {e}") from None
+    raise DataError(f"{where} is not a qkv tokenizer file (kind {kind!r})")
+
+
+def load_tokenizer(path: str | Path):
+    """A tokenizer saved by ``save_tokenizer``; a missing or corrupt file is named."""
+    where = repr(str(path))
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"tokenizer file {where} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"tokenizer file {where} is corrupt: {e}") from None
+    return tokenizer_from_json(data, f"tokenizer file {where}")

@@ -115,9 +115,11 @@ class MultiHeadAttention(nn.Module):
     def new_cache(self, batch: int, max_len: int, *, device=None, dtype=None) -> KVCache:
         """An empty cache for ``batch`` rows and up to ``max_len`` key positions."""
         weight = self.k_proj.weight
+        # A PackedLinear keeps a bf16 weight but float32 activations; the cache holds those.
+        activations = getattr(self.k_proj, "activation_dtype", weight.dtype)
         return KVCache(
             batch, self.n_kv_head, max_len, self.head_dim, self.head_dim,
-            device=device or weight.device, dtype=dtype or weight.dtype,
+            device=device or weight.device, dtype=dtype or activations,
         )
 
     def forward(

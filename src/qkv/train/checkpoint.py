@@ -39,7 +39,12 @@ class Checkpoint:
         from safetensors.torch import load_model
 
         device = next(model.parameters()).device
-        load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
+        try:
+            load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
+        except RuntimeError as e:  # names or shapes that differ from the model's
+            detail = " ".join(line.strip() for line in str(e).splitlines()[:2])
+            raise CheckpointError(f"checkpoint {self.path} does not fit the model: {detail}"
+                                  ) from None
 
 
 def sha256(path: Path) -> str:
@@ -56,8 +61,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict,
          keep: int) -> Path:
-    """Write checkpoint ``step`` and delete all but the newest ``keep`` ones."""
+    """Write checkpoint ``step`` and delete all but the newest ``keep`` (>= 1) ones."""
     from safetensors.torch import save_model
+
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint being written); got {keep}")
 
     root = checkpoint_root(run_dir)
     final = root / f"step-{step:06d}"
@@ -75,6 +83,30 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: 
     for old in list_checkpoints(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_partials(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary folders of saves whose process was killed before it could finish
+    (a folder named after a live process other than this one is left alone); returns them."""
+    root = checkpoint_root(run_dir)
+    removed = []
+    for temp in sorted(root.glob(".step-*.partial-*")) if root.is_dir() else []:
+        pid = temp.name.rsplit("-", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and process_alive(int(pid)):
+            continue
+        shutil.rmtree(temp, ignore_errors=True)
+        removed.append(temp)
+    return removed
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

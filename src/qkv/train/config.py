@@ -5,7 +5,7 @@ A run's configuration has four sections: ``data`` and ``eval`` (a dataclass per 
 the ones the data decides, such as vocabulary sizes). Every key is checked when the
 configuration is built: an unknown key names its close matches, a value of the wrong type
 names the expected type, a value out of its field's range or choices names them (see
-``limited`` and ``MODEL_LIMITS``), and the model config's own cross-field checks run.
+``limited`` and ``model_limits``), and the model config's own cross-field checks run.
 """
 
 from __future__ import annotations

@@ -64,6 +64,15 @@ def all_sum(env: Env, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def broadcast_object(env: Env, obj):
+    """Rank 0's ``obj`` on every rank (``obj`` itself in a single process)."""
+    if not env.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_objects(env: Env, obj) -> list:
     """``obj`` from every rank, in rank order (a one-element list in a single process)."""
     if not env.distributed:

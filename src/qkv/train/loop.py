@@ -13,16 +13,24 @@ one-process run with the same global batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ..data.atomic import write_json_atomic
 from . import checkpoint, distributed
 from .config import RunConfig
 from .progress import MetricsLog, Progress
 from .schedule import learning_rate
+
+
+class DivergedError(ValueError):
+    """The loss or the gradient stopped being finite; the weights were not updated with it."""
 
 
 class Stream:
@@ -76,19 +84,28 @@ def autocast(cfg, device: torch.device):
 
 
 class Trainer:
-    """Runs ``task`` with ``cfg`` in ``run_dir``; only rank 0 writes files or prints."""
+    """Runs ``task`` with ``cfg`` in ``run_dir``; only rank 0 writes files or prints.
+
+    Building a Trainer writes nothing: ``commit`` writes the run's files once the whole start
+    (data, tokenizers, model, the checkpoint to resume from) has succeeded. A fresh Trainer
+    learns its tokenizers anew; a resumed one (``resume=True``) reads the run's.
+    """
 
     def __init__(self, task, cfg: RunConfig, run_dir: str | Path, env: distributed.Env,
-                 quiet: bool = False):
+                 quiet: bool = False, resume: bool = False):
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
+        # The checkpoint first: a run without one fails before any data is read.
+        found = checkpoint.load_latest(self.run_dir) if resume else None
+        if resume and found is None:
+            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
         if t.threads:
             torch.set_num_threads(t.threads)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
-        self.data = task.prepare(cfg, self.run_dir, env)
-        self.model = task.build_model(cfg, self.data, self.run_dir if env.is_main else None)
+        self.data = task.prepare(cfg, self.run_dir if resume else None, env)
+        self.model = task.build_model(cfg, self.data)
         self.model.to(env.device)
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
@@ -101,11 +118,10 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir, env.is_main)
         # Each rank gets its own dropout stream; rank 0 keeps the plain seed.
         torch.manual_seed(t.seed + env.rank)
+        if found is not None:
+            self.resume(found)
 
-    def resume(self) -> None:
-        found = checkpoint.load_latest(self.run_dir)
-        if found is None:
-            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
+    def resume(self, found: checkpoint.Checkpoint) -> None:
         found.load_weights(self.model)
         state = found.trainer_state
         self.optimizer.load_state_dict(state["optimizer"])
@@ -113,7 +129,22 @@ class Trainer:
         self.first_step, self.earlier_seconds = self.step, state.get("seconds", 0.0)
         rngs = state["rng"]
         set_rng_state(rngs[self.env.rank] if self.env.rank < len(rngs) else rngs[0])
-        self.metrics.truncate_after(self.step)
+
+    def commit(self) -> None:
+        """Write the run's files: config.json, model.json and new tokenizers; cut
+        metrics.jsonl back to the checkpoint resumed from (or empty it for a fresh start); remove
+        the partial checkpoint folders that killed runs left."""
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in checkpoint.remove_partials(self.run_dir):
+                print(f"qkv: removed {path}, a checkpoint a killed run left unfinished",
+                      file=sys.stderr)
+            files = {"config.json": self.cfg.to_dict(),
+                     "model.json": dataclasses.asdict(self.model.config), **self.data.new_files}
+            for name, tree in files.items():
+                write_json_atomic(self.run_dir / name, tree)
+            self.metrics.truncate_after(self.step)
+        distributed.barrier(self.env)
 
     def save(self) -> None:
         rngs = distributed.gather_objects(self.env, rng_state())
@@ -169,11 +200,24 @@ class Trainer:
                 (loss_sum.float() * env.world_size / weight).backward()
             total += loss_sum.detach().float()
             units += self.data.units(local)
-        if t.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
+        loss = distributed.all_sum(env, total).item() / weight
+        # Always measured (an infinite limit clips nothing), so a non-finite gradient stops
+        # the run before it reaches the weights and, from there, a checkpoint.
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                    t.clip_grad or math.inf))
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            self.stop_diverged(loss, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return distributed.all_sum(env, total).item() / weight, units
+        return loss, units
+
+    def stop_diverged(self, loss: float, norm: float) -> None:
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
+        saved = checkpoint.list_checkpoints(self.run_dir)
+        kept = f"its newest checkpoint is {saved[0].name}" if saved else "it has no checkpoint"
+        raise DivergedError(
+            f"training stopped at step {self.step + 1}: {what}; the weights were not updated "
+            f"and {kept} (try a lower train.lr or train.clip_grad > 0)")
 
     def run(self) -> dict | None:
         """Train to ``train.steps``, evaluating and checkpointing on the way; the final eval."""

@@ -65,7 +65,8 @@ class MetricsLog:
         self.enabled = enabled
 
     def truncate_after(self, step: int) -> None:
-        """Drop the records of steps after ``step`` (a resumed run writes them again)."""
+        """Drop the records of steps after ``step`` (a resumed run writes them again; a fresh
+        one, at step 0, starts the file empty)."""
         if not self.enabled or not self.path.exists():
             return
         kept = []

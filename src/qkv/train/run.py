@@ -3,14 +3,17 @@
 A run directory holds everything needed to reproduce or use the run: ``config.json`` (the
 full configuration, usable as ``--config``), ``model.json`` (the model's config),
 the tokenizers (``tokenizer*.json``), ``metrics.jsonl`` and ``checkpoints/``.
+
+A start that fails (bad data, a model the config cannot build, no intact checkpoint to
+resume) leaves the directory exactly as it was: nothing is written before it has succeeded.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from ..data.atomic import write_json_atomic
 from . import checkpoint, distributed
 from .config import ConfigError, RunConfig, flatten, parse_overrides, resolve
 from .loop import Trainer
@@ -61,21 +64,44 @@ def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunCo
     return cfg
 
 
-def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False) -> Trainer:
-    """A Trainer for ``cfg`` in ``run_dir``: fresh (the folder must hold no run yet) or
-    resumed from the newest intact checkpoint."""
-    run_dir = Path(run_dir)
-    env = distributed.setup(cfg.train.device)
-    if not resume and checkpoint.list_checkpoints(run_dir):
+RUN_FILES = ("config.json", "model.json", "metrics.jsonl", "tokenizer.json",
+             "tokenizer_src.json", "tokenizer_tgt.json")
+
+
+def unfinished_run(run_dir: Path, task: str) -> bool:
+    """Whether a fresh ``task`` start in ``run_dir`` replaces a run of that task killed before
+    its first checkpoint (True) or starts in a folder that holds no run (False). A folder that
+    holds a run with checkpoints or of another task, or files of a run's names that are not a
+    qkv run's, is refused."""
+    if checkpoint.list_checkpoints(run_dir):
         raise RunError(
             f"{str(run_dir)!r} already holds a run; add --resume or pick a new --run-dir")
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    distributed.barrier(env)
-    trainer = Trainer(get_task(cfg.task), cfg, run_dir, env, quiet)
-    if resume:
-        trainer.resume()
+    present = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not present:
+        return False
+    try:
+        stored = read_run_config(run_dir)
+    except ValueError:
+        raise RunError(f"{str(run_dir)!r} holds {', '.join(present)} but no readable qkv run; "
+                       "pick a new --run-dir") from None
+    if stored.task != task:
+        raise RunError(f"{str(run_dir)!r} holds a {stored.task!r} run stopped before its first "
+                       f"checkpoint; pick a new --run-dir for a {task!r} run")
+    return True
+
+
+def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False) -> Trainer:
+    """A Trainer for ``cfg`` in ``run_dir``: fresh or resumed from the newest intact
+    checkpoint. A fresh start over a run killed before its first checkpoint starts that run
+    afresh (its metrics, tokenizers and configuration are replaced) and says so."""
+    run_dir = Path(run_dir)
+    env = distributed.setup(cfg.train.device)
+    afresh = not resume and unfinished_run(run_dir, cfg.task)
+    trainer = Trainer(get_task(cfg.task), cfg, run_dir, env, quiet, resume=resume)
+    trainer.commit()
+    if afresh and env.is_main:
+        print(f"qkv: {str(run_dir)!r} held a run stopped before its first checkpoint; "
+              "started it afresh", file=sys.stderr)
     return trainer
 
 

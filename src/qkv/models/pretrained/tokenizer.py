@@ -153,7 +153,11 @@ def from_gguf(meta) -> PretrainedTokenizer:
                               f"expected one of {GGUF_PRE_TOKENIZERS}")
     tokens = list(meta.require("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
-    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False)
+    try:
+        bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False)
+    except Exception as e:  # the Rust side raises a bare Exception ("Token `x` out of vocab")
+        raise CheckpointError(f"{meta.path}: tokenizer.ggml.merges do not fit "
+                              f"tokenizer.ggml.tokens: {e}") from None
     tokenizer = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "smollm":

@@ -1,8 +1,9 @@
 """The tasks the ``qkv`` command trains: one object per task, looked up by name.
 
 A task provides: ``schema`` (its configuration keys), ``presets``, ``prepare`` (data and
-tokenizers), ``build_model``, ``loss_sum`` (summed loss of a batch), ``evaluate``,
-``summary`` (one line of an evaluation) and ``report`` (the end-of-training printout).
+tokenizers; the data's ``new_files`` are tokenizer files still to write), ``build_model``,
+``loss_sum`` (summed loss of a batch), ``evaluate``, ``summary`` (one line of an evaluation)
+and ``report`` (the end-of-training printout).
 """
 
 from .lm import LMTask

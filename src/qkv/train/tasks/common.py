@@ -1,37 +1,31 @@
-"""Pieces every task shares: tokenizers kept in the run directory, model building, loading."""
+"""Pieces every task shares: tokenizers kept in the run directory, model building."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from ...data.atomic import write_json_atomic
-from ...data.tokenizers import load_tokenizer, save_tokenizer, train_tokenizer
+from ...data.tokenizers import load_tokenizer, tokenizer_from_json, train_tokenizer
 from .. import distributed
-from ..config import ConfigError
 
 
-def run_tokenizer(run_dir: Path, name: str, env, kind: str, texts, vocab_size: int):
-    """The tokenizer ``RUN/name.json``: loaded when present, else trained by rank 0 and saved
-    (other ranks wait and load it, so every rank uses byte-identical vocabularies)."""
-    path = run_dir / f"{name}.json"
-    if not path.exists() and env.is_main:
-        save_tokenizer(train_tokenizer(kind, texts(), vocab_size), path)
-    distributed.barrier(env)
-    return load_tokenizer(path)
-
-
-def build(model_cls, config_cls, derived: dict, configured: dict, run_dir: Path | None):
-    """``model_cls(config_cls(**derived, **configured))``; the full model config is written to
-    ``RUN/model.json`` when ``run_dir`` is given."""
-    try:
-        config = config_cls(**derived, **configured)
-    except TypeError as e:  # a required model field the configuration does not set
-        raise ConfigError(f"model: {e}") from None
-    model = model_cls(config)
+def run_tokenizer(run_dir: Path | None, name: str, env, kind: str, texts, vocab_size: int,
+                  new_files: dict[str, dict]):
+    """The tokenizer ``RUN/name.json`` of an existing run (a missing file is named). For a new
+    run (``run_dir`` None), one learned by rank 0 and sent to the other ranks, so that every
+    rank uses a byte-identical vocabulary; it is added to ``new_files`` (file name -> JSON)
+    for the start to write once everything else has succeeded."""
     if run_dir is not None:
-        write_json_atomic(run_dir / "model.json", dataclasses.asdict(config))
-    return model
+        return load_tokenizer(run_dir / f"{name}.json")
+    tree = train_tokenizer(kind, texts(), vocab_size).to_json() if env.is_main else None
+    tree = distributed.broadcast_object(env, tree)
+    new_files[f"{name}.json"] = tree
+    return tokenizer_from_json(tree)
+
+
+def build(model_cls, config_cls, derived: dict, configured: dict):
+    """``model_cls(config_cls(**derived, **configured))`` (the configuration has checked that
+    every required field is set)."""
+    return model_cls(config_cls(**derived, **configured))
 
 
 def n_parameters(model) -> int:

@@ -64,8 +64,9 @@ class TextData:
 
     unit = "tok"
 
-    def __init__(self, tokenizer, train_text: str, test_text: str, block_size: int):
-        self.tokenizer, self.block = tokenizer, block_size
+    def __init__(self, tokenizer, train_text: str, test_text: str, block_size: int,
+                 new_files: dict[str, dict]):
+        self.tokenizer, self.block, self.new_files = tokenizer, block_size, new_files
         self.train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
         self.test_ids = torch.tensor(tokenizer.encode(test_text), dtype=torch.long)
         self.chars_per_token = len(test_text) / max(1, len(self.test_ids))
@@ -98,16 +99,18 @@ class LMTask:
 
         return Schema(LMData, LMEval, GPTConfig, {"vocab_size": 256})
 
-    def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> TextData:
+    def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> TextData:
         train_text, test_text = corpus(cfg.data)
+        new_files = {}
         tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer, lambda: [train_text],
-                            cfg.data.vocab_size)
-        return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"])
+                            cfg.data.vocab_size, new_files)
+        return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"],
+                        new_files)
 
-    def build_model(self, cfg, data: TextData, run_dir: Path | None = None):
+    def build_model(self, cfg, data: TextData):
         from ...models import GPT, GPTConfig
 
-        return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model, run_dir)
+        return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
         logits = model(batch["x"])

@@ -79,8 +79,10 @@ class PairData:
 
     unit = "tok"
 
-    def __init__(self, src_tok, tgt_tok, train_pairs, test_pairs, max_len: int):
+    def __init__(self, src_tok, tgt_tok, train_pairs, test_pairs, max_len: int,
+                 new_files: dict[str, dict]):
         self.src_tok, self.tgt_tok, self.test_pairs = src_tok, tgt_tok, test_pairs
+        self.new_files = new_files
         encoded = [(src_tok.encode(s), tgt_tok.encode(t)) for s, t in train_pairs]
         self.train = [(s, t) for s, t in encoded if len(s) <= max_len and len(t) < max_len]
         self.targets = torch.tensor([len(t) + 1 for _, t in self.train], dtype=torch.long)
@@ -144,25 +146,29 @@ class TranslateTask:
                    "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": 66}
         return Schema(TranslateData, TranslateEval, TransformerConfig, derived)
 
-    def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> PairData:
+    def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> PairData:
         make_train_pairs, test_pairs = embedded_or_user_pairs(cfg.data)
         train_pairs = functools.cache(make_train_pairs)
 
         d = cfg.data
+        new_files = {}
         src_tok = run_tokenizer(run_dir, "tokenizer_src", env, d.tokenizer,
-                                lambda: [s for s, _ in train_pairs()], d.src_vocab_size)
+                                lambda: [s for s, _ in train_pairs()], d.src_vocab_size,
+                                new_files)
         tgt_tok = run_tokenizer(run_dir, "tokenizer_tgt", env, d.tokenizer,
-                                lambda: [t for _, t in train_pairs()], d.tgt_vocab_size)
-        return PairData(src_tok, tgt_tok, train_pairs() if train else [], test_pairs, d.max_len)
+                                lambda: [t for _, t in train_pairs()], d.tgt_vocab_size,
+                                new_files)
+        return PairData(src_tok, tgt_tok, train_pairs() if train else [], test_pairs, d.max_len,
+                        new_files)
 
-    def build_model(self, cfg, data: PairData, run_dir: Path | None = None):
+    def build_model(self, cfg, data: PairData):
         from ...models import Transformer, TransformerConfig
 
         derived = {
             "src_vocab_size": data.src_tok.vocab_size, "tgt_vocab_size": data.tgt_tok.vocab_size,
             "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": cfg.data.max_len + 2,
         }
-        return build(Transformer, TransformerConfig, derived, cfg.model, run_dir)
+        return build(Transformer, TransformerConfig, derived, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
         logits = model(batch["src"], batch["tgt_in"], src_lengths=batch["src_lengths"],
@@ -181,25 +187,36 @@ class TranslateTask:
         return out
 
     def evaluate(self, model, data: PairData, cfg, final: bool) -> dict:
-        """Held-out exact match (%), BLEU and chrF (sacrebleu); beam search when final."""
+        """Held-out exact match (%), chrF and BLEU (sacrebleu), and the share (%) of references
+        shorter than 4 tokens (sacrebleu's 13a tokens); beam search when final."""
         import sacrebleu
+        from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
         pairs = data.test_pairs if final else data.test_pairs[: cfg.eval.max_examples]
         beam = cfg.eval.beam_size if final else 1
         hyps = self.translate(model, data, cfg, [s for s, _ in pairs], beam)
         refs = [t for _, t in pairs]
         exact = sum(h == r for h, r in zip(hyps, refs, strict=True)) / len(refs)
+        tokenize = Tokenizer13a()
+        short = sum(len(tokenize(r).split()) < 4 for r in refs) / len(refs)
         return {
             "exact_match": 100 * exact,
-            "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
             "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score,
+            "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+            "short_references": 100 * short,
             "examples": len(refs), "beam_size": beam,
         }
 
     def summary(self, result: dict) -> str:
+        """Exact match and chrF first; BLEU, which scores matching 4-grams, is 0 by
+        construction on a reference shorter than 4 tokens, and says so when most are."""
         r = result
-        return (f"held-out exact match {r['exact_match']:.1f}% | BLEU {r['bleu']:.1f} | "
-                f"chrF {r['chrf']:.1f} ({r['examples']} examples, beam {r['beam_size']})")
+        bleu = f"BLEU {r['bleu']:.1f}"
+        if r["short_references"] > 50:
+            bleu += (f" (of little meaning here: {r['short_references']:.0f}% of the references "
+                     "are shorter than 4 tokens, where BLEU is 0 by construction)")
+        return (f"held-out exact match {r['exact_match']:.1f}% | chrF {r['chrf']:.1f} | {bleu} "
+                f"({r['examples']} examples, beam {r['beam_size']})")
 
     def report(self, model, data: PairData, cfg, run_dir: Path, out) -> None:
         """Five held-out translations and a cross-attention heatmap of the first one."""

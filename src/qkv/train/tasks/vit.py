@@ -70,6 +70,7 @@ class ImageData:
         self.test_labels = torch.from_numpy(test.labels)
         self.classes, self.shift = test.classes, shift
         self.train_size = len(self.train_labels)
+        self.new_files: dict[str, dict] = {}  # no tokenizers
 
     def weight(self, index: torch.Tensor) -> int:
         return len(index)
@@ -106,16 +107,16 @@ class VitTask:
                    "num_classes": 2}
         return Schema(VitData, VitEval, ViTConfig, derived)
 
-    def prepare(self, cfg, run_dir: Path, env, train: bool = True) -> ImageData:
+    def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> ImageData:
         train_set, test_set = load(cfg.data)
         return ImageData(train_set, test_set, cfg.data.shift)
 
-    def build_model(self, cfg, data: ImageData, run_dir: Path | None = None):
+    def build_model(self, cfg, data: ImageData):
         from ...models import ViT, ViTConfig
 
         _, c, h, _ = data.test_images.shape
         derived = {"image_size": h, "in_channels": c, "num_classes": len(data.classes)}
-        return build(ViT, ViTConfig, derived, cfg.model, run_dir)
+        return build(ViT, ViTConfig, derived, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
         return F.cross_entropy(model(batch["x"]).float(), batch["y"],

