@@ -61,6 +61,7 @@ def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path,
     (["--text", "cat", "--heads", "0,5"], r"valid heads are 0\.\.1"),
     ([], "needs --text"),
     (["--text", "cat", "--neuron-layers", "3"], r"--neuron-layers: .* valid layers are 0\.\.1"),
+    (["--text", "cat", "--layers", "0", "--neuron-layers", "1"], r"layer 1 is not captured"),
     (["--text", "cat", "--generate", "2"], "--generate works with --model"),
     (["--text", "cat", "--threshold", "0"], r"--threshold must be in \(0, 1\)"),
 ])
@@ -117,3 +118,15 @@ def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
     assert len(data["views"][0]["query_tokens"]) == 5
     assert (pictures / "vit-rollout.svg").is_file()
     assert main(["viz", str(run_dir), "--image", "9999", "-o", str(out)]) == 2
+
+
+def test_neuron_view_data_follows_the_captured_layers(lm_run, tmp_path):
+    run_dir, _, _ = lm_run
+    out = tmp_path / "n.html"
+    assert main(["viz", str(run_dir), "--text", "cat", "--layers", "1", "-o", str(out)]) == 0
+    view = read_page(out).meta["views"][0]
+    assert view["layers"] == [1] and [n["layer"] for n in view["neurons"]] == [0]
+    assert main(["viz", str(run_dir), "--text", "cat", "--neuron-layers", "-1", "-o",
+                 str(out)]) == 0
+    view = read_page(out).meta["views"][0]
+    assert [view["layers"][n["layer"]] for n in view["neurons"]] == [1]

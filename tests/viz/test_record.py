@@ -119,5 +119,6 @@ def test_neuron_scores_are_the_layers_scores(similarity):
 
 
 def test_neuron_budget_picks_whole_layers():
-    assert neuron_layers_within(8 << 20, 30, 9, 3, 2048, 64) == [0]
-    assert neuron_layers_within(8 << 20, 2, 4, 2, 16, 8) == [0, 1]
+    assert neuron_layers_within(8 << 20, list(range(30)), 9, 3, 2048, 64) == [0]
+    assert neuron_layers_within(8 << 20, [0, 1], 4, 2, 16, 8) == [0, 1]
+    assert neuron_layers_within(8 << 20, [5, 7], 9, 3, 2048, 64) == [5]

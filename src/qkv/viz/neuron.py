@@ -48,9 +48,6 @@ class NeuronLayer:
     _score_parts: list[list[np.ndarray]] = field(default_factory=list, repr=False)
     _sim_parts: list[list[np.ndarray]] = field(default_factory=list, repr=False)
 
-    def nbytes(self) -> int:
-        return int(self.q_features.nbytes + self.k_features.nbytes)
-
 
 def _features(call: ObservedCall, heads: list[int]):
     m = call.module

@@ -23,11 +23,11 @@ from .rollout import rollout_step
 NEURON_BUDGET = 8 << 20  # bytes of float32 q and k features kept by default for the neuron view
 
 
-def neuron_layers_within(budget: int, layers: int, heads: int, kv_heads: int, tokens: int,
-                         head_dim: int) -> list[int]:
-    """The first layers whose q and k features fit ``budget`` bytes (at least one layer)."""
+def neuron_layers_within(budget: int, layers: list[int], heads: int, kv_heads: int,
+                         tokens: int, head_dim: int) -> list[int]:
+    """The first of ``layers`` whose q and k features fit ``budget`` bytes (at least one)."""
     per_layer = (heads + kv_heads) * tokens * head_dim * 4
-    return list(range(max(1, min(layers, budget // max(1, per_layer)))))
+    return list(layers[: max(1, budget // max(1, per_layer))])
 
 
 @dataclass

@@ -36,17 +36,24 @@ def encode_text(tokenizer, text: str | None, limit: int, task: str, extra: int =
 
 
 def _neuron_layers(args, model, count: int, tokens: int) -> list[int]:
-    """--neuron-layers checked against the layer count, or the default budget."""
+    """--neuron-layers checked against the layer count and --layers, or the first captured
+    layers that fit the default budget."""
+    # Among the captured layers (capture itself reports an --layers entry out of range).
+    captured = sorted({layer % count for layer in args.layers if -count <= layer < count}) \
+        if args.layers else list(range(count))
     if args.neuron_layers is not None:
         for layer in args.neuron_layers:
             if not -count <= layer < count:
                 raise ValueError(f"--neuron-layers: layer {layer} is out of range: valid layers "
                                  f"are 0..{count - 1}")
+            if layer % count not in captured:
+                raise ValueError(f"--neuron-layers: layer {layer} is not captured; --layers "
+                                 f"captures {captured}")
         return sorted({layer % count for layer in args.neuron_layers})
     cfg = model.config
     heads = len(args.heads) if args.heads else cfg.n_head
     kv_heads = min(heads, getattr(cfg, "n_kv_head", None) or cfg.n_head)
-    return neuron_layers_within(NEURON_BUDGET, count, heads, kv_heads, tokens,
+    return neuron_layers_within(NEURON_BUDGET, captured, heads, kv_heads, tokens,
                                 cfg.d_model // cfg.n_head)
 
 
