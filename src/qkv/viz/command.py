@@ -91,7 +91,7 @@ def _translate_scene(run: LoadedRun, args) -> Scene:
     model_cfg = run.model.config
     maps, recorder = record_maps(
         run.model, args, lambda: run.model(src, tgt_in), rollout_stacks=("encoder",),
-        layer_count=min(model_cfg.n_encoder_layers, model_cfg.n_decoder_layers),
+        layer_count=max(model_cfg.n_encoder_layers, model_cfg.n_decoder_layers),
         tokens=max(len(src_ids), len(tgt_ids) + 1))
     src_labels = token_labels(src_tok, src_ids)
     tgt_in_labels = token_labels(tgt_tok, [BOS_ID] + tgt_ids)
