@@ -279,7 +279,13 @@ MAIN_SCRIPT = r"""
   pick.display.addEventListener("change", () => {
     state.display = pick.display.value; state.hover = null; draw();
   });
-  ARRAYS = await inflate(document.getElementById("qkv-arrays").textContent);
+  try {
+    ARRAYS = await inflate(document.getElementById("qkv-arrays").textContent);
+  } catch (error) {
+    document.getElementById("info").textContent = "This page needs a browser with " +
+      "DecompressionStream (Chrome 80+, Firefox 113+, Safari 16.4+): " + error;
+    return;
+  }
   const longest = Math.max(...META.views.map((v) => v.query_tokens.length));
   state.display = META.image ? "image" : longest > LINE_LIMIT ? "matrix" : "lines";
   fillControls();
