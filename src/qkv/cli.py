@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -38,6 +39,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a TOML or JSON file with [data] [model] [train] [eval]")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, e.g. train.steps=500 (repeatable)")
+    p.add_argument("--init", metavar="NAME_OR_PATH",
+                   help="lm: start from a pretrained checkpoint's weights and tokenizer "
+                        "(smollm2, a GPT-2 / LLaMA directory, a .gguf file)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its newest intact checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -47,9 +51,13 @@ def run_train(args: argparse.Namespace) -> int:
     from .train import config, distributed, run
 
     task = run.get_task(args.task)
+    if args.init:
+        args.overrides = [*args.overrides, f"train.init={json.dumps(args.init)}"]
     if args.resume:
         if not args.run_dir:
             raise config.ConfigError("--resume needs --run-dir (the run to continue)")
+        if args.init:
+            raise config.ConfigError("--init starts a new run; --resume continues one")
         cfg = run.resume_config(args.run_dir, args.task, args.overrides)
     else:
         if args.preset not in task.presets:
@@ -58,6 +66,8 @@ def run_train(args: argparse.Namespace) -> int:
         tree = config.read_config_file(args.config) if args.config else None
         cfg = config.resolve(task.schema, args.task, task.presets[args.preset], tree,
                              args.overrides)
+        if cfg.train.init:
+            cfg = run.adopt_checkpoint(task, cfg, config.explicit_keys(tree, args.overrides))
     run_dir = Path(args.run_dir or f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     trainer = run.start(cfg, run_dir, args.resume, quiet=args.quiet)
     result = trainer.run()

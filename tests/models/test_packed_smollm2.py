@@ -9,9 +9,9 @@ from qkv.nn.packed import pack_linears
 pytestmark = pytest.mark.slow
 
 
-def test_bf16_weights_on_smollm2():
-    model, tok = load_pretrained("smollm2")
-    packed, _ = load_pretrained("smollm2")
+def test_bf16_weights_on_smollm2(smollm2):
+    model, tok = smollm2
+    packed, _ = load_pretrained("smollm2")  # its own copy: packing works in place
     pack_linears(packed)
     ids = torch.tensor([tok.encode("The capital of France is Paris, and the capital of "
                                    "Germany is")])

@@ -84,20 +84,21 @@ def test_batched_greedy_generation_matches_hugging_face(smollm2, hf_smollm2):
 @pytest.mark.slow
 def test_held_out_perplexity_matches_hugging_face(smollm2, hf_smollm2):
     model, tokenizer = smollm2
-    # The held-out tail (10%) of the `qkv train lm` tiny preset's corpus: ~500 tokens.
-    _, held_out = corpus(LMData(max_chars=20_000))
+    # The held-out tail (10%) of the corpus `qkv train lm` builds from 12,000 characters of
+    # standard-library docstrings: ~270 tokens, enough to average over and quick to score.
+    _, held_out = corpus(LMData(max_chars=12_000))
     ids = torch.tensor([tokenizer.encode(held_out)])
-    assert 300 <= ids.shape[1] <= 1200
+    assert 200 <= ids.shape[1] <= 1200
 
-    def perplexity(logits):
-        return math.exp(F.cross_entropy(logits[0, :-1], ids[0, 1:]).item())
+    def perplexity(logits):  # in float64, so the comparison is not hidden by rounding
+        return math.exp(F.cross_entropy(logits[0, :-1].double(), ids[0, 1:]).item())
 
     with torch.no_grad():
         ours, ref = perplexity(model(ids)), perplexity(hf_smollm2(ids).logits)
     print(f"SmolLM2 held-out perplexity qkv {ours:.6f} HF {ref:.6f} "
           f"rel {abs(ours - ref) / ref:.2e}")
     assert abs(ours - ref) <= 1e-4 * ref
-    assert ours < 30  # a model that reads English (a broken load scores in the thousands)
+    assert ours < 60  # a model that reads English (a broken load scores in the thousands)
 
 
 SMOLLM_SPLIT = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")

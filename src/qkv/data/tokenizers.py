@@ -110,6 +110,10 @@ def tokenizer_from_json(data: dict, where: str = "tokenizer"):
             from tokenizers import Tokenizer
 
             return BPETokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
+        if kind == "pretrained":  # a checkpoint's tokenizer, kept by a run started from it
+            from ..models.pretrained.tokenizer import PretrainedTokenizer
+
+            return PretrainedTokenizer.from_json(data)
     except Exception as e:  # the Hugging Face parser raises a bare Exception on a bad file
         raise DataError(f"{where} is not a readable {kind} tokenizer: {e}") from None
     raise DataError(f"{where} is not a qkv tokenizer file (kind {kind!r})")

@@ -87,6 +87,9 @@ class TrainConfig:
     log_every: int = limited(20, "[1, inf)")
     device: str = limited("auto", choices=("auto", "cpu", "cuda"))
     threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0 keeps torch's default
+    # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
+    # whose weights and tokenizer the run starts from; empty: train from scratch.
+    init: str = ""
 
 
 def model_limits() -> dict[str, Limit]:
@@ -288,6 +291,13 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         flat[key.strip()] = parse_value(text.strip())
     return flat
+
+
+def explicit_keys(file_tree: dict | None, overrides: list[str]) -> set[str]:
+    """The section.name keys the user set (in the config file or with --set), not the
+    preset's."""
+    keys = set(flatten(file_tree, "config file")) if file_tree else set()
+    return keys | set(parse_overrides(overrides))
 
 
 def resolve(

@@ -106,6 +106,8 @@ class Trainer:
         random.seed(t.seed)
         self.data = task.prepare(cfg, self.run_dir if resume else None, env)
         self.model = task.build_model(cfg, self.data)
+        if t.init and not resume:
+            task.initialize(self.model, t.init)
         self.model.to(env.device)
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)

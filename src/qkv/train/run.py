@@ -48,6 +48,17 @@ def read_run_config(run_dir: str | Path, expected_task: str | None = None,
     return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
 
 
+def adopt_checkpoint(task, cfg: RunConfig, explicit: set[str]) -> RunConfig:
+    """``cfg`` with the model section of its ``train.init`` checkpoint (and the attention
+    options the user set that add no parameters); refused for tasks that cannot start from
+    one."""
+    adopt = getattr(task, "adopt_checkpoint", None)
+    if adopt is None:
+        raise ConfigError(f"train.init (--init) starts lm runs from a pretrained checkpoint; "
+                          f"the {cfg.task!r} task cannot")
+    return adopt(cfg, explicit)
+
+
 def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunConfig:
     """The configuration to continue ``run_dir`` with: the stored one plus ``overrides``.
     A change to a model or data key is refused: the checkpoints hold that model, trained on

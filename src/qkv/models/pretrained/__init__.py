@@ -11,6 +11,7 @@ Only safetensors and GGUF are read; nothing is unpickled and nothing is download
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from . import bert, gpt2, llama
@@ -26,9 +27,20 @@ from .gguf import GGUFFile
 from .tokenizer import PretrainedTokenizer, from_directory, from_gguf
 
 __all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "load_encoder", "load_gpt",
-           "load_pretrained", "load_tokenizer", "resolve"]
+           "load_gpt_config", "load_pretrained", "load_tokenizer", "resolve"]
 
 DECODER_TYPES = ("gpt2", "llama")
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf(path: Path, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed file, parsed once per process (the vocabulary arrays take seconds) while the
+    file is unchanged; the tensors stay memory-mapped."""
+    return _gguf(path.resolve(), path.stat().st_mtime_ns)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -44,33 +56,33 @@ def _model_type(path: Path) -> str:
     return str(read_config(path).get("model_type"))
 
 
+def load_gpt_config(name_or_path):
+    """The GPTConfig of a decoder checkpoint, without reading its weights."""
+    path = resolve(name_or_path)
+    kind = _model_type(path)
+    if kind == "gguf":
+        meta = open_gguf(path)
+        return llama.config_from_gguf(meta, has_output="output.weight" in meta.names())
+    if kind not in DECODER_TYPES:
+        raise CheckpointError(f"{path}: model_type {kind!r} is not a decoder qkv reads as GPT; "
+                              f"expected one of {DECODER_TYPES} or a .gguf file")
+    return (gpt2 if kind == "gpt2" else llama).config_from_hf(read_config(path))
+
+
 def load_gpt(name_or_path):
     """A GPT from a GPT-2 or LLaMA-family directory, a ``.gguf`` file, or ``smollm2``."""
     from ..gpt import GPT
 
     path = resolve(name_or_path)
-    kind = _model_type(path)
+    model = GPT(load_gpt_config(path))
+    kind, where = _model_type(path), str(path)
     if kind == "gguf":
-        meta = GGUFFile(path)
-        config = llama.config_from_gguf(meta, has_output="output.weight" in meta.names())
-        model = GPT(config)
-        llama.load_weights(model, TensorSource(meta.tensors(), str(path)), gguf=True)
-        return model.eval()
-    if kind not in DECODER_TYPES:
-        raise CheckpointError(f"{path}: model_type {kind!r} is not a decoder qkv reads as GPT; "
-                              f"expected one of {DECODER_TYPES} or a .gguf file")
-    hf = read_config(path)
-    module = gpt2 if kind == "gpt2" else llama
-    config = module.config_from_hf(hf)
-    tensors = read_safetensors(path)
-    if kind == "gpt2":
-        tensors = gpt2.normalize_names(tensors)
-    model = GPT(config)
-    source = TensorSource(tensors, str(path))
-    if kind == "gpt2":
-        gpt2.load_weights(model, source)
+        llama.load_weights(model, TensorSource(open_gguf(path).tensors(), where), gguf=True)
+    elif kind == "gpt2":
+        tensors = gpt2.normalize_names(read_safetensors(path))
+        gpt2.load_weights(model, TensorSource(tensors, where))
     else:
-        llama.load_weights(model, source, gguf=False)
+        llama.load_weights(model, TensorSource(read_safetensors(path), where), gguf=False)
     return model.eval()
 
 
@@ -94,7 +106,7 @@ def load_tokenizer(name_or_path) -> PretrainedTokenizer:
     """The tokenizer of a checkpoint: its tokenizer.json, or a GGUF file's metadata."""
     path = resolve(name_or_path)
     if _is_gguf(path):
-        return from_gguf(GGUFFile(path))
+        return from_gguf(open_gguf(path))
     if path.is_file() and path.name == "tokenizer.json":
         path = path.parent
     if not path.is_dir():

@@ -42,6 +42,10 @@ class PretrainedTokenizer:
         self.bos, self.eos, self.pad = bos, eos, pad
         self.add_bos, self.chat_template = add_bos, chat_template
         self.max_length: int | None = None  # the checkpoint's own input limit, when it has one
+        unk = getattr(tokenizer.model, "unk_token", None)
+        # What an empty prompt starts from (qkv's lm task): the unknown token, else BOS/EOS.
+        self.unk_id = next((i for i in (self._id(unk), self.bos_id, self.eos_id)
+                            if i is not None), 0)
         self.special_ids = {
             i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
 

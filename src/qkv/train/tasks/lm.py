@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
-from ..config import Schema, limited
+from ..config import ConfigError, Schema, limited
 from .common import build, run_tokenizer
 
 
@@ -89,9 +89,56 @@ def corpus(data: LMData) -> tuple[str, str]:
     return split_text(text, data.test_fraction)
 
 
+# What a run may change on a pretrained checkpoint: options that add no parameters.
+# block_size is the training window (at most the checkpoint's context).
+CHANGEABLE_ON_CHECKPOINT = ("window", "dropout", "similarity", "block_size")
+DEFAULT_INIT_BLOCK = 256
+# Fine-tuning steps are small: a pretrained model forgets at the from-scratch preset's 1e-3.
+DEFAULT_INIT_LR = 3e-5
+
+
 class LMTask:
     name = "lm"
     presets = PRESETS
+
+    def adopt_checkpoint(self, cfg, explicit: set[str]):
+        """``cfg`` whose model section is the ``train.init`` checkpoint's, with the
+        changeable options the user set (``explicit``: section.name keys); any other model key
+        is refused. train.lr defaults to a fine-tuning rate."""
+        import dataclasses
+
+        from ...models.pretrained import load_gpt_config
+
+        explicit_model = {key[6:] for key in explicit if key.startswith("model.")}
+        fixed = sorted(explicit_model - set(CHANGEABLE_ON_CHECKPOINT))
+        if fixed:
+            raise ConfigError(
+                f"model.{fixed[0]} cannot change on a pretrained checkpoint (--init); a run "
+                f"may set model.{', model.'.join(CHANGEABLE_ON_CHECKPOINT)}")
+        base = dataclasses.asdict(load_gpt_config(cfg.train.init))
+        model = {k: v for k, v in base.items() if k != "vocab_size"}
+        model["block_size"] = min(base["block_size"], DEFAULT_INIT_BLOCK)
+        model.update({key: cfg.model[key] for key in explicit_model})
+        if model["block_size"] > base["block_size"]:
+            raise ConfigError(f"model.block_size={model['block_size']} exceeds the checkpoint's "
+                              f"context of {base['block_size']} tokens")
+        if model["similarity"] == "mahalanobis":
+            raise ConfigError("model.similarity='mahalanobis' adds parameters a pretrained "
+                              "checkpoint does not have")
+        train = cfg.train if "train.lr" in explicit else dataclasses.replace(
+            cfg.train, lr=DEFAULT_INIT_LR)
+        return dataclasses.replace(cfg, model=model, train=train)
+
+    def initialize(self, model, init: str) -> None:
+        """Copy the weights of checkpoint ``init`` into ``model`` (built from its config)."""
+        from ...models.pretrained import load_gpt
+
+        weights = load_gpt(init).state_dict()
+        vocab = weights["tok_emb.weight"].shape[0]
+        if vocab != model.config.vocab_size:
+            raise ConfigError(f"{init}: the model's vocabulary ({vocab}) and its tokenizer's "
+                              f"({model.config.vocab_size}) differ; qkv cannot start from it")
+        model.load_state_dict(weights)
 
     @property
     def schema(self) -> Schema:
@@ -102,8 +149,14 @@ class LMTask:
     def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> TextData:
         train_text, test_text = corpus(cfg.data)
         new_files = {}
-        tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer, lambda: [train_text],
-                            cfg.data.vocab_size, new_files)
+        if cfg.train.init and run_dir is None:  # a new run keeps its checkpoint's tokenizer
+            from ...models import load_tokenizer
+
+            tok = load_tokenizer(cfg.train.init)
+            new_files["tokenizer.json"] = tok.to_json()
+        else:
+            tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer,
+                                lambda: [train_text], cfg.data.vocab_size, new_files)
         return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"],
                         new_files)
 

@@ -1,0 +1,95 @@
+"""``qkv train lm --init``: a run that starts from a pretrained checkpoint (a tiny LLaMA
+directory with its own tokenizer.json, so the tests stay fast)."""
+
+import json
+import string
+
+import pytest
+import torch
+
+from qkv import cli
+from qkv.models import load_pretrained
+from qkv.train import run
+
+ALPHABET = string.ascii_lowercase + " .,\n"
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A random 2-layer LLaMA (grouped heads, RoPE, SwiGLU) and a character tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama") / "tiny"
+    vocab = {c: i for i, c in enumerate(["<unk>", "<s>", "</s>", *ALPHABET])}
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    Tokenizer(models.BPE(vocab, [], unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("attention is a weighted average of values.\n" * 60)
+    return path
+
+
+def init_argv(llama_dir, text_file, run_dir, *extra):
+    return ["train", "lm", "--init", str(llama_dir), "--run-dir", str(run_dir), "--quiet",
+            "--set", f"data.path={text_file}", "--set", "train.steps=2",
+            "--set", "train.batch_size=2", "--set", "train.threads=1",
+            "--set", "eval.max_tokens=64", "--set", "eval.max_new_tokens=4", *extra]
+
+
+def test_init_run_starts_from_the_checkpoint_and_keeps_its_tokenizer(
+        llama_dir, text_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert cli.main(init_argv(llama_dir, text_file, run_dir, "--set", "model.window=8",
+                              "--set", "model.block_size=32")) == 0
+    stored = json.loads((run_dir / "config.json").read_text())
+    assert stored["train"]["init"] == str(llama_dir)
+    assert stored["train"]["lr"] == pytest.approx(3e-5)  # the fine-tuning default
+    model_cfg = stored["model"]
+    assert (model_cfg["positions"], model_cfg["norm"], model_cfg["ffn"]) == (
+        "rope", "rmsnorm", "swiglu")
+    assert (model_cfg["n_kv_head"], model_cfg["window"], model_cfg["block_size"]) == (2, 8, 32)
+    tokenizer = json.loads((run_dir / "tokenizer.json").read_text())
+    assert tokenizer["kind"] == "pretrained" and tokenizer["eos"] == "</s>"
+    # The run's model is the checkpoint's at step 0: rebuild it and compare weights.
+    cfg = run.read_run_config(run_dir)
+    trainer = run.start(cfg, tmp_path / "again", resume=False, quiet=True)
+    original, _ = load_pretrained(llama_dir)
+    for name, value in original.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], value), name
+    capsys.readouterr()
+    assert cli.main(["eval", str(run_dir)]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert cli.main(["generate", str(run_dir), "--prompt", "attention is",
+                     "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("attention is")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--set", "model.d_model=64"], "model.d_model cannot change on a pretrained checkpoint"),
+    (["--set", "model.block_size=500"], "exceeds the checkpoint's context of 128"),
+    (["--set", "model.similarity=mahalanobis"], "adds parameters"),
+    (["--resume"], "--init starts a new run"),
+])
+def test_init_refusals_are_one_line(llama_dir, text_file, tmp_path, capsys, extra, message):
+    run_dir = tmp_path / "run"
+    assert cli.main(init_argv(llama_dir, text_file, run_dir, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not run_dir.exists()  # nothing written
+
+
+def test_init_is_for_lm_runs(llama_dir, tmp_path, capsys):
+    code = cli.main(["train", "translate", "--init", str(llama_dir), "--run-dir",
+                     str(tmp_path / "t")])
+    assert code == 2 and "the 'translate' task cannot" in capsys.readouterr().err
