@@ -13,6 +13,7 @@ mean attended distance, the share on the first token (the "sink") and on the pre
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,22 +60,23 @@ class HeadSummary:
         return np.where(per > 0, self.sums / np.maximum(per, 1), 0.0)
 
 
-def _summary(w: Tensor, positions: Tensor) -> tuple[np.ndarray, int, int]:
-    """w (Nq, Nk) float rows of one head; positions (Nq,) each query's position in the keys."""
-    live = w.sum(-1) > 0
-    logs = torch.where(w > 0, torch.log2(w.clamp_min(1e-30)), 0.0)
-    entropy = -(w * logs).sum(-1)
-    keys = torch.arange(w.shape[1], device=w.device)
-    distance = (w * (positions[:, None] - keys[None, :]).abs()).sum(-1)
+def _summary(w: Tensor, row_sums: Tensor, distance: Tensor, positions: Tensor):
+    """w (Nq, Nk) float rows of one head, their sums (Nq,), distance (Nq, Nk) |position - key|
+    and positions (Nq,) each query's position among the keys -> (sums (4,), rows, rows with a
+    previous token)."""
+    live = row_sums > 0
+    entropy = -torch.special.xlogy(w, w).sum(-1) / math.log(2)
+    attended = (w * distance).sum(-1)
     sink = w[:, 0]
     has_prev = (positions >= 1) & (positions - 1 < w.shape[1]) & live
     prev_index = (positions - 1).clamp(0, w.shape[1] - 1)
     prev = torch.where(has_prev, w.gather(1, prev_index[:, None])[:, 0], 0.0)
-    sums = [float(x[live].sum()) for x in (entropy, distance, sink)] + [float(prev.sum())]
+    sums = [float(x[live].sum()) for x in (entropy, attended, sink)] + [float(prev.sum())]
     return np.array(sums), int(live.sum()), int(has_prev.sum())
 
 
-def compress_head(w: Tensor, threshold: float, max_per_row: int | None) -> HeadRows:
+def compress_head(w: Tensor, threshold: float, max_per_row: int | None,
+                  row_sums: Tensor | None = None) -> HeadRows:
     """w (Nq, Nk) float rows -> HeadRows: entries >= threshold, the largest max_per_row."""
     keep = w >= threshold
     if max_per_row is not None and max_per_row < w.shape[1]:
@@ -83,9 +85,12 @@ def compress_head(w: Tensor, threshold: float, max_per_row: int | None) -> HeadR
     rows, cols = keep.nonzero(as_tuple=True)
     kept = w[rows, cols]
     values = torch.round(kept * LEVELS).clamp(1, LEVELS).to(torch.uint8)
-    dropped = (w.sum(-1) - (w * keep).sum(-1)).clamp_min(0)
-    return HeadRows(keep.sum(-1).cpu().numpy().astype(np.int32), cols.cpu().numpy().astype(
-        np.int32), values.cpu().numpy(), dropped.float().cpu().numpy())
+    row_sums = w.sum(-1) if row_sums is None else row_sums
+    kept_sums = torch.zeros_like(row_sums).index_add_(0, rows, kept)
+    dropped = (row_sums - kept_sums).clamp_min(0)
+    counts = torch.bincount(rows, minlength=w.shape[0])
+    return HeadRows(counts.cpu().numpy().astype(np.int32), cols.cpu().numpy().astype(np.int32),
+                    values.cpu().numpy(), dropped.float().cpu().numpy())
 
 
 @dataclass
@@ -105,10 +110,13 @@ class RowsBuilder:
             raise ValueError(f"weights must be ({self.heads}, Nq, Nk); got {tuple(weights.shape)}")
         w = weights.detach().float()
         positions = torch.arange(w.shape[1], device=w.device) + first_position
+        keys = torch.arange(w.shape[2], device=w.device)
+        distance = (positions[:, None] - keys[None, :]).abs().float()  # shared by the heads
         part, sums, rows, prev = [], [], [], []
         for h in range(self.heads):
-            part.append(compress_head(w[h], self.threshold, self.max_per_row))
-            s, r, p = _summary(w[h], positions)
+            row_sums = w[h].sum(-1)
+            part.append(compress_head(w[h], self.threshold, self.max_per_row, row_sums))
+            s, r, p = _summary(w[h], row_sums, distance, positions)
             sums.append(s)
             rows.append(r)
             prev.append(p)
