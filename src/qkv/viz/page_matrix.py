@@ -60,11 +60,17 @@ MATRIX_SCRIPT = r"""
   }
   // One pixel per weight, or, when a cell is smaller than a pixel, one pixel per block of
   // cells holding the block's largest weight (so a thin diagonal does not vanish).
+  // A full-size image is Nq x Nk x 4 bytes (16 MB at 2,048 tokens): keep the newest few.
+  const images = new Map();
   function matrixImage(item, block) {
     const v = view(), nq = v.query_tokens.length, nk = v.key_tokens.length;
-    return cached(state.view + "/" + state.layer + "/" + item.head + "/image/" + block,
-      () => paintRows(item.rows, nq, nk, Math.ceil(nk / block), Math.ceil(nq / block),
-                      Math.max));
+    const key = state.view + "/" + state.layer + "/" + item.head + "/" + block;
+    if (!images.has(key)) {
+      if (images.size >= 12) images.delete(images.keys().next().value);
+      images.set(key, paintRows(item.rows, nq, nk, Math.ceil(nk / block), Math.ceil(nq / block),
+                                Math.max));
+    }
+    return images.get(key);
   }
   function cellSize(v) {
     return (MATRIX.size * zoom.scale) / Math.max(v.query_tokens.length, v.key_tokens.length);

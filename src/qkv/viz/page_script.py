@@ -114,10 +114,16 @@ CORE_SCRIPT = r"""
     const v = META.views[vi];
     return cached(vi + "/" + li + "/" + hi, () => new Rows(v.maps[li][hi], v.query_tokens.length));
   }
+  // Mean maps are dense (Nq x Nk floats): keep the newest few.
+  const means = new Map();
   function meanRows(vi, li) {
-    const v = META.views[vi];
-    return cached(vi + "/" + li + "/mean", () => new MeanRows(
-      v.heads.map((_, h) => headRows(vi, li, h)), v.query_tokens.length, v.key_tokens.length));
+    const v = META.views[vi], key = vi + "/" + li;
+    if (!means.has(key)) {
+      if (means.size >= 4) means.delete(means.keys().next().value);
+      means.set(key, new MeanRows(v.heads.map((_, h) => headRows(vi, li, h)),
+                                  v.query_tokens.length, v.key_tokens.length));
+    }
+    return means.get(key);
   }
 
   function el(name, attrs, parent) {
