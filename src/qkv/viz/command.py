@@ -30,8 +30,6 @@ from .rollout import patch_relevance
 from .runs import LoadedRun, load_run
 from .scene import Scene, encode_text, record_maps
 
-BOS, EOS = "<bos>", "<eos>"
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", nargs="?", help="a run directory written by `qkv train`")
