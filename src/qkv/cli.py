@@ -285,10 +285,12 @@ COMMANDS: dict[str, Command] = {
         add_translate_arguments, run_translate,
     ),
     "viz": Command(
-        "write an interactive attention page (and pictures) for a trained run",
+        "write an interactive attention page (and pictures) for a run or a pretrained model",
         '  qkv viz runs/lm --text "Return the" -o attention.html\n'
         '  qkv viz runs/demo --text "zweiundvierzig" --png pictures/\n'
-        "  qkv viz runs/digits --image 3 --layers 0,-1 --heads 0",
+        "  qkv viz runs/digits --image 3 --layers 0,-1 --heads 0\n"
+        '  qkv viz --model smollm2 --chat --text "Name three colours." --generate 12\n'
+        '  qkv viz --model minilm --text "The cat sat on the mat."',
         add_viz_arguments, run_viz,
     ),
     "bench": Command(

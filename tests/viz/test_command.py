@@ -3,46 +3,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from qkv.cli import main
-from qkv.data.tokenizers import CharTokenizer, save_tokenizer
-from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
-from qkv.train import checkpoint, config, run
-from qkv.train.tasks.common import build
 from qkv.viz import capture
+from qkv.viz.labels import visible
+from qkv.viz.page import read_page
 
-TEXT = "the cat sat"
-
-
-def _start(run_dir, task, overrides=()):
-    cfg = config.resolve(run.get_task(task).schema, task, run.get_task(task).presets["tiny"],
-                         None, list(overrides))
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return cfg
-
-
-def build_run_model(run_dir, model_cls, config_cls, derived, configured):
-    """The model, with its config in RUN/model.json as ``qkv train`` writes it."""
-    model = build(model_cls, config_cls, derived, configured)
-    (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model.config)))
-    return model
-
-
-def make_lm_run(run_dir, overrides=()):
-    cfg = _start(run_dir, "lm", overrides)
-    tok = CharTokenizer.train([TEXT + "Return"])
-    save_tokenizer(tok, run_dir / "tokenizer.json")
-    torch.manual_seed(0)
-    model = build_run_model(run_dir, GPT, GPTConfig, {"vocab_size": tok.vocab_size}, cfg.model)
-    checkpoint.save(run_dir, 1, model, {}, keep=1)
-    return model, tok
+from .runs import TEXT, make_lm_run, make_translate_run, make_vit_run, start_run
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +25,14 @@ def lm_run(tmp_path_factory):
 
 
 def _page_data(path):
-    html = path.read_text()
-    found = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', html,
-                      re.S)
-    return html, json.loads(found.group(1).replace("<\\/", "</"))
+    return path.read_text(), read_page(path).meta
+
+
+def assert_stored(stored: np.ndarray, weights: torch.Tensor, threshold: float = 0.01) -> None:
+    """The page keeps weights >= threshold to 1/255 and leaves out the rest."""
+    want = weights.detach().float().numpy()
+    want = np.where(want >= threshold, want, 0.0)
+    np.testing.assert_allclose(stored, want, atol=0.5 / 255 + 1e-6, rtol=0)
 
 
 def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path, capsys):
@@ -69,12 +45,11 @@ def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path,
     assert "http://" not in html.replace("http://www.w3.org/2000/svg", "")
     assert data["mode"] == "gpt"
     view = data["views"][0]
-    assert view["query_tokens"] == list(TEXT) and view["layers"] == [0, 1]
-    assert view["heads"] == [1]
+    assert view["query_tokens"] == [visible(c) for c in TEXT] and view["layers"] == [0, 1]
+    assert view["heads"] == [1] and "\u2423" in view["query_tokens"]
     with capture(model.eval(), heads=[1]) as maps:
         model(torch.tensor([tok.encode(TEXT)]))
-    page = torch.tensor(view["weights"])
-    torch.testing.assert_close(page[1, 0], maps[1][0, 0], atol=6e-5, rtol=0)
+    assert_stored(read_page(out).weights(0, 1, 0), maps[1][0, 0])
     assert sorted(p.name for p in pictures.iterdir()) == [
         "gpt-self-attention-layer0.png", "gpt-self-attention-layer1.png"]
     assert "attention page:" in capsys.readouterr().out
@@ -84,7 +59,11 @@ def test_lm_page_holds_the_captured_maps_and_is_self_contained(lm_run, tmp_path,
     (["--text", "x" * 17], "17 tokens long but the model's context holds 16"),
     (["--text", "cat", "--layers", "2"], r"valid layers are 0\.\.1"),
     (["--text", "cat", "--heads", "0,5"], r"valid heads are 0\.\.1"),
-    ([], "need --text"),
+    ([], "needs --text"),
+    (["--text", "cat", "--neuron-layers", "3"], r"--neuron-layers: .* valid layers are 0\.\.1"),
+    (["--text", "cat", "--layers", "0", "--neuron-layers", "1"], r"layer 1 is not captured"),
+    (["--text", "cat", "--generate", "2"], "--generate works with --model"),
+    (["--text", "cat", "--threshold", "0"], r"--threshold must be in \(0, 1\)"),
 ])
 def test_bad_requests_print_one_clear_line(lm_run, tmp_path, capsys, argv, message):
     run_dir, _, _ = lm_run
@@ -99,7 +78,7 @@ def test_run_directories_without_a_model(tmp_path, capsys):
     assert main(["viz", str(tmp_path), "--text", "a"]) == 2
     assert "not a qkv run directory" in capsys.readouterr().err
     run_dir = tmp_path / "untrained"
-    _start(run_dir, "lm")
+    start_run(run_dir, "lm")
     assert main(["viz", str(run_dir), "--text", "a"]) == 2
     assert "holds no model" in capsys.readouterr().err
 
@@ -115,17 +94,7 @@ def test_linear_attention_run_says_it_has_no_weights(tmp_path, capsys):
 
 def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
     run_dir = tmp_path / "translate"
-    cfg = _start(run_dir, "translate", ["data.max_len=6"])
-    src_tok, tgt_tok = CharTokenizer.train(["zweiundvierzig"]), CharTokenizer.train(["forty"])
-    save_tokenizer(src_tok, run_dir / "tokenizer_src.json")
-    save_tokenizer(tgt_tok, run_dir / "tokenizer_tgt.json")
-    derived = {"src_vocab_size": src_tok.vocab_size, "tgt_vocab_size": tgt_tok.vocab_size,
-               "pad_id": 0, "bos_id": 1, "eos_id": 2, "max_len": cfg.data.max_len + 2}
-    model = build_run_model(run_dir, Transformer, TransformerConfig, derived, cfg.model)
-    # A bare model.safetensors (no checkpoints/) is a model too.
-    from safetensors.torch import save_model
-
-    save_model(model, str(run_dir / "model.safetensors"))
+    make_translate_run(run_dir)
     out = tmp_path / "t.html"
     assert main(["viz", str(run_dir), "--text", "zwei", "-o", str(out)]) == 0
     _, data = _page_data(out)
@@ -133,17 +102,14 @@ def test_translate_page_has_encoder_decoder_and_cross_views(tmp_path):
     assert kinds == [("encoder self-attention", "self"), ("decoder self-attention", "self"),
                      ("decoder cross-attention", "cross")]
     cross = data["views"][2]
-    assert cross["key_tokens"] == list("zwei") and cross["query_tokens"][-1] == "</s>"
+    assert cross["key_tokens"] == list("zwei") and cross["query_tokens"][-1] == "<eos>"
     assert data["views"][0]["rollout"] is not None
     assert main(["viz", str(run_dir), "--text", "zweiundvierzig", "-o", str(out)]) == 2
 
 
 def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
     run_dir = tmp_path / "vit"
-    cfg = _start(run_dir, "vit")
-    derived = {"image_size": 8, "in_channels": 1, "num_classes": 10}
-    model = build_run_model(run_dir, ViT, ViTConfig, derived, cfg.model)
-    checkpoint.save(run_dir, 1, model, {}, keep=1)
+    make_vit_run(run_dir)
     out, pictures = tmp_path / "v.html", tmp_path / "pics"
     assert main(["viz", str(run_dir), "--image", "2", "-o", str(out), "--png", str(pictures),
                  "--svg"]) == 0
@@ -152,3 +118,15 @@ def test_vit_page_shows_the_image_and_rollout_picture(tmp_path):
     assert len(data["views"][0]["query_tokens"]) == 5
     assert (pictures / "vit-rollout.svg").is_file()
     assert main(["viz", str(run_dir), "--image", "9999", "-o", str(out)]) == 2
+
+
+def test_neuron_view_data_follows_the_captured_layers(lm_run, tmp_path):
+    run_dir, _, _ = lm_run
+    out = tmp_path / "n.html"
+    assert main(["viz", str(run_dir), "--text", "cat", "--layers", "1", "-o", str(out)]) == 0
+    view = read_page(out).meta["views"][0]
+    assert view["layers"] == [1] and [n["layer"] for n in view["neurons"]] == [0]
+    assert main(["viz", str(run_dir), "--text", "cat", "--neuron-layers", "-1", "-o",
+                 str(out)]) == 0
+    view = read_page(out).meta["views"][0]
+    assert [view["layers"][n["layer"]] for n in view["neurons"]] == [1]

@@ -1,12 +1,13 @@
 """Seeing attention: maps captured from the fast path, rollout, pictures and a page."""
 
 from .capture import AttentionMaps, CapturedMap, attention_layers, capture
-from .page import PageImage, PageView, render_page, write_page
-from .rollout import attention_rollout, patch_relevance
+from .labels import token_labels
+from .page import PageImage, PageView, read_page, render_page, write_page
+from .rollout import attention_rollout, patch_relevance, rollout_step
 from .weights import head_weights
 
 __all__ = [
     "AttentionMaps", "CapturedMap", "PageImage", "PageView", "attention_layers",
-    "attention_rollout", "capture", "head_weights", "patch_relevance", "render_page",
-    "write_page",
+    "attention_rollout", "capture", "head_weights", "patch_relevance", "read_page",
+    "render_page", "rollout_step", "token_labels", "write_page",
 ]

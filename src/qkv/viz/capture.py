@@ -15,7 +15,7 @@ dropout, if a training-mode call applies it, is not in them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -165,7 +165,22 @@ def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, Captured
     return plan
 
 
-def _observer(site: CapturedMap, previous):
+@dataclass
+class ObservedCall:
+    """What a layer handed its observer on one forward call: q (B, H, Nq, D) and k
+    (B, Hkv, Nk, D) as the engine saw them (after RoPE and the KV cache), mask, score_mod."""
+
+    module: nn.Module
+    q: Tensor
+    k: Tensor
+    mask: object
+    score_mod: object
+
+
+OnWeights = Callable[[CapturedMap, Tensor, ObservedCall], None]
+
+
+def _observer(site: CapturedMap, previous, on_weights: OnWeights | None):
     # ``lse``: a layer that can hand over its engine's saved log-sum-exp passes it, and the
     # chosen heads' weights are then exp(score - lse), with no row reduction.
     def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None, lse=None) -> None:
@@ -174,11 +189,16 @@ def _observer(site: CapturedMap, previous):
             previous(module, q, k, mask=mask, score_mod=score_mod, **extra)
         with torch.no_grad():
             metric = None if module.metric is None else module.metric.detach()
-            site.calls.append(head_weights(
+            weights = head_weights(
                 q.detach(), k.detach(), site.heads, mask=mask, score_mod=score_mod,
                 similarity=module.similarity, scale=module.scale, metric=metric,
                 lse=None if lse is None else lse.detach(),
-            ))
+            )
+            if on_weights is None:
+                site.calls.append(weights)
+            else:
+                on_weights(site, weights, ObservedCall(module, q.detach(), k.detach(), mask,
+                                                       score_mod))
     return observe
 
 
@@ -186,7 +206,7 @@ def _observer(site: CapturedMap, previous):
 def capture(
     model: nn.Module, *, layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None, stacks: str | Sequence[str] | None = None,
-    cross: bool | None = None,
+    cross: bool | None = None, on_weights: OnWeights | None = None,
 ) -> Iterator[AttentionMaps]:
     """Record the post-softmax weights of chosen layers and heads during forward passes.
 
@@ -197,6 +217,10 @@ def capture(
         stacks: limit to these stacks, e.g. "encoder" or "decoder" (the module path up to the
             layer number; ``AttentionMaps.stacks`` lists them).
         cross: True for cross-attention layers only, False for self-attention only.
+        on_weights: streaming: each call's (B, len(heads), Nq, Nk) weights go to
+            ``on_weights(site, weights, call)`` (``call``: the layer's q, k, mask and score
+            modifier) instead of into ``site.calls``, so nothing accumulates; the callback
+            keeps what it needs (e.g. ``qkv.viz.compact.RowsBuilder``) and drops the rest.
 
     Yields:
         AttentionMaps, filled as the model runs.
@@ -205,7 +229,7 @@ def capture(
     previous = [module.weights_observer for module, _ in plan]
     try:
         for (module, site), before in zip(plan, previous, strict=True):
-            module.weights_observer = _observer(site, before)
+            module.weights_observer = _observer(site, before, on_weights)
         yield AttentionMaps([site for _, site in plan])
     finally:
         for (module, _), before in zip(plan, previous, strict=True):

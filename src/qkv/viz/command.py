@@ -1,34 +1,46 @@
-"""``qkv viz RUN_DIR``: the interactive attention page (and pictures) of a trained run.
+"""``qkv viz``: the interactive attention page (and pictures) of a trained run or a
+pretrained model.
 
     qkv viz runs/lm --text "Return the" -o attention.html
     qkv viz runs/demo --text "zweiundvierzig" --png pictures/
     qkv viz runs/digits --image 3
+    qkv viz --model smollm2 --text "The capital of France is" --generate 8
+    qkv viz --model minilm --text "The cat sat on the mat."
 
 lm runs show GPT's causal self-attention over the text; translate runs translate the text and
 show the encoder's and decoder's self-attention and the cross-attention; vit runs show a
-held-out image's patches. Maps come from ``qkv.viz.capture`` on the normal forward pass.
+held-out image's patches; ``--model`` shows a checkpoint's self-attention (``pretrained``).
+Maps come from ``qkv.viz.capture`` on the normal forward pass, streamed layer by layer into
+compact rows (``qkv.viz.record``).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from .capture import AttentionMaps, CapturedMap, capture
-from .page import PageImage, PageView, write_page
-from .rollout import attention_rollout, patch_relevance
+from .labels import token_labels
+from .page import PageImage, write_page
+from .record import NEURON_BUDGET
+from .rollout import patch_relevance
 from .runs import LoadedRun, load_run
-
-BOS, EOS = "<s>", "</s>"
+from .scene import Scene, encode_text, record_maps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a run directory written by `qkv train`")
-    p.add_argument("--text", help="the text to look at (lm and translate runs)")
+    p.add_argument("run_dir", nargs="?", help="a run directory written by `qkv train`")
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="a pretrained checkpoint instead of a run: minilm, smollm2, or a "
+                   "GPT-2 / LLaMA-family / BERT directory or .gguf file")
+    p.add_argument("--text", help="the text to look at (lm and translate runs, --model)")
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="--model GPT: also generate N tokens (greedy) and show their rows")
+    p.add_argument("--chat", action="store_true",
+                   help="--model chat models: wrap --text in the chat template first")
     p.add_argument("--image", type=int, default=0,
                    help="vit runs: which held-out image (default 0)")
     p.add_argument("-o", "--output", default="attention.html", help="the page to write")
@@ -38,7 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cross-attention alignments, the ViT rollout) into DIR")
     p.add_argument("--svg", action="store_true", help="write the pictures as SVG instead of PNG")
     p.add_argument("--threshold", type=float, default=0.01,
-                   help="the page draws edges of at least this weight (default 0.01)")
+                   help="the page stores and draws weights of at least this (default 0.01)")
+    p.add_argument("--max-per-row", type=int, metavar="K",
+                   help="store at most the K largest weights per query (default: no cap)")
+    p.add_argument("--neuron-layers", type=_indices,
+                   help="layers whose q and k the page keeps for the neuron view (default: "
+                   f"the first layers that fit {NEURON_BUDGET >> 20} MB)")
 
 
 def _indices(text: str) -> list[int]:
@@ -49,85 +66,44 @@ def _indices(text: str) -> list[int]:
             f"expected comma-separated integers; got {text!r}") from None
 
 
-@dataclass
-class Scene:
-    """What one run shows: the page's views, its mode, and the ViT image when there is one."""
-
-    mode: str
-    views: list[PageView]
-    image: PageImage | None = None
-    relevance: torch.Tensor | None = None  # (gh, gw) ViT rollout over the patches
-
-
-def _labels(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i]) or f"#{i}" for i in ids]
-
-
-def _encode(tokenizer, text: str | None, limit: int, task: str) -> list[int]:
-    if text is None:
-        raise ValueError(f"{task} runs need --text (the text to look at)")
-    ids = tokenizer.encode(text)
-    if not ids:
-        raise ValueError("--text encodes to no tokens")
-    if len(ids) > limit:
-        raise ValueError(f"--text is {len(ids)} tokens long but the model's context holds "
-                         f"{limit}; shorten it")
-    return ids
-
-
-def _view(sites: list[CapturedMap], name: str, q_labels, k_labels, rollout: bool) -> PageView:
-    weights = torch.stack([s.weights[0].float().cpu() for s in sites])  # (L, h, Nq, Nk)
-    rolled = None
-    if rollout:
-        rolled = attention_rollout([s.weights.float().cpu() for s in sites])[0]
-    return PageView(name, "cross" if sites[0].is_cross else "self", q_labels, k_labels,
-                    [s.layer for s in sites], list(sites[0].heads), weights, rolled)
-
-
-def _full(args) -> bool:
-    """Rollout needs every layer; a chosen subset of heads is fused as given."""
-    return args.layers is None
-
-
-def _capture(model, args, forward) -> AttentionMaps:
-    with capture(model, layers=args.layers, heads=args.heads) as maps, torch.no_grad():
-        forward()
-    return maps
-
-
 def _lm_scene(run: LoadedRun, args) -> Scene:
-    tok = run.tokenizers["tokenizer"]
-    ids = _encode(tok, args.text, run.model.config.block_size, "lm")
-    maps = _capture(run.model, args, lambda: run.model(torch.tensor([ids])))
-    labels = _labels(tok, ids)
-    return Scene("gpt", [_view(maps.select(), "GPT self-attention", labels, labels, False)])
+    tok, model = run.tokenizers["tokenizer"], run.model
+    ids = encode_text(tok, args.text, model.config.block_size, "an lm run")
+    maps, recorder = record_maps(model, args, lambda: model(torch.tensor([ids])),
+                                 layer_count=model.config.n_layer, tokens=len(ids))
+    labels = token_labels(tok, ids)
+    return Scene("gpt", [recorder.view(maps.select(), "GPT self-attention", labels, labels)])
 
 
 def _translate_scene(run: LoadedRun, args) -> Scene:
-    from ..data.tokenizers import BOS_ID
+    from ..data.tokenizers import BOS_ID, EOS_ID
     from ..train.tasks.translate import translate_batch
 
     src_tok, tgt_tok, cfg = run.tokenizers["tokenizer_src"], run.tokenizers["tokenizer_tgt"], \
         run.config
-    src_ids = _encode(src_tok, args.text, cfg.data.max_len, "translate")
+    src_ids = encode_text(src_tok, args.text, cfg.data.max_len, "a translate run")
     translation = translate_batch(run.model, tgt_tok, src_tok, [args.text], cfg.eval.beam_size,
                                   cfg.eval.length_penalty, cfg.data.max_len)[0]
     tgt_ids = tgt_tok.encode(translation)
     src, tgt_in = torch.tensor([src_ids]), torch.tensor([[BOS_ID] + tgt_ids])
-    maps = _capture(run.model, args, lambda: run.model(src, tgt_in))
-    src_labels = _labels(src_tok, src_ids)
-    tgt_in_labels = [BOS] + _labels(tgt_tok, tgt_ids)
+    model_cfg = run.model.config
+    maps, recorder = record_maps(
+        run.model, args, lambda: run.model(src, tgt_in), rollout_stacks=("encoder",),
+        layer_count=max(model_cfg.n_encoder_layers, model_cfg.n_decoder_layers),
+        tokens=max(len(src_ids), len(tgt_ids) + 1))
+    src_labels = token_labels(src_tok, src_ids)
+    tgt_in_labels = token_labels(tgt_tok, [BOS_ID] + tgt_ids)
     # Decoder position i reads tgt_in[:i+1] and predicts output i: label queries by output.
-    tgt_out_labels = _labels(tgt_tok, tgt_ids) + [EOS]
+    tgt_out_labels = token_labels(tgt_tok, tgt_ids + [EOS_ID])
     views = []
     for stack, name in (("encoder", "encoder self-attention"),
                         ("decoder", "decoder self-attention")):
         if stack in maps.stacks():
             labels = src_labels if stack == "encoder" else tgt_in_labels
-            views.append(_view(maps.select(stack=stack), name, labels, labels,
-                               stack == "encoder" and _full(args)))
-    views.append(_view(maps.select(cross=True), "decoder cross-attention (target x source)",
-                       tgt_out_labels, src_labels, False))
+            views.append(recorder.view(maps.select(stack=stack), name, labels, labels))
+    views.append(recorder.view(maps.select(cross=True),
+                               "decoder cross-attention (target x source)", tgt_out_labels,
+                               src_labels))
     print(f"translation: {translation}")
     return Scene("seq2seq", views)
 
@@ -142,11 +118,13 @@ def _vit_scene(run: LoadedRun, args) -> Scene:
         raise ValueError(f"--image {args.image} is out of range: the held-out set has images "
                          f"0..{len(test.labels) - 1}")
     image = torch.from_numpy(test.images[args.image : args.image + 1])
-    maps = _capture(run.model, args, lambda: run.model(image))
     gh, gw = run.model.config.grid
+    maps, recorder = record_maps(run.model, args, lambda: run.model(image),
+                                 layer_count=run.model.config.n_layer, tokens=gh * gw + 1,
+                                 rollout_stacks=("blocks",))
     labels = ["[CLS]"] + [f"p({r},{c})" for r in range(gh) for c in range(gw)]
-    view = _view(maps.select(), f"ViT self-attention (image {args.image}, class "
-                 f"{test.classes[test.labels[args.image]]})", labels, labels, _full(args))
+    view = recorder.view(maps.select(), f"ViT self-attention (image {args.image}, class "
+                         f"{test.classes[test.labels[args.image]]})", labels, labels)
     relevance = None
     if view.rollout is not None:
         rolled = view.rollout.unsqueeze(0)
@@ -165,19 +143,21 @@ def _slug(name: str) -> str:
 
 def write_pictures(scene: Scene, folder, suffix: str) -> list[Path]:
     """Per view and layer a grid of heads; cross-attention also as a head-mean alignment;
-    for a ViT the rollout over the image."""
+    for a ViT the rollout over the image. The pictures show the weights the page stores,
+    under the page's token labels."""
     from . import plots
 
     folder, written = Path(folder), []
     for view in scene.views:
+        nk = len(view.key_tokens)
         for i, layer in enumerate(view.layers):
+            weights = torch.from_numpy(np.stack([rows.dense(nk) for rows in view.rows[i]]))
             base = f"{_slug(view.name)}-layer{layer}"
-            fig = plots.plot_heads(view.weights[i], view.query_tokens, view.key_tokens,
+            fig = plots.plot_heads(weights, view.query_tokens, view.key_tokens,
                                    heads=view.heads, title=f"layer {layer}")
             written.append(plots.save_figure(fig, folder / f"{base}{suffix}"))
             if view.kind == "cross":
-                fig = plots.plot_alignment(view.weights[i].mean(0), view.key_tokens,
-                                           view.query_tokens,
+                fig = plots.plot_alignment(weights.mean(0), view.key_tokens, view.query_tokens,
                                            title=f"cross-attention layer {layer}, head mean")
                 written.append(plots.save_figure(fig, folder / f"{base}-alignment{suffix}"))
     if scene.relevance is not None:
@@ -186,11 +166,30 @@ def write_pictures(scene: Scene, folder, suffix: str) -> list[Path]:
     return written
 
 
-def run(args: argparse.Namespace) -> int:
+def _scene(args) -> tuple[Scene, str]:
+    """The scene to show and the page's title."""
+    if args.model is not None:
+        from .pretrained import pretrained_scene
+
+        return pretrained_scene(args), f"qkv attention: {args.model}"
+    if args.run_dir is None:
+        raise ValueError("give a run directory (from `qkv train`) or --model NAME_OR_PATH")
+    for flag, given in (("--generate", args.generate), ("--chat", args.chat)):
+        if given:
+            raise ValueError(f"{flag} works with --model (a pretrained checkpoint), not with "
+                             "a run directory")
     loaded = load_run(args.run_dir)
-    scene = SCENES[loaded.task](loaded, args)
+    return SCENES[loaded.task](loaded, args), f"qkv attention: {loaded.path.name}"
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.0 < args.threshold < 1.0:
+        raise ValueError(f"--threshold must be in (0, 1); got {args.threshold}")
+    if args.max_per_row is not None and args.max_per_row < 1:
+        raise ValueError(f"--max-per-row must be at least 1; got {args.max_per_row}")
+    scene, title = _scene(args)
     path = write_page(args.output, scene.views, mode=scene.mode, image=scene.image,
-                      threshold=args.threshold, title=f"qkv attention: {loaded.path.name}")
+                      threshold=args.threshold, max_per_row=args.max_per_row, title=title)
     print(f"attention page: {path}")
     if args.png:
         for picture in write_pictures(scene, args.png, ".svg" if args.svg else ".png"):

@@ -8,28 +8,36 @@ patches on the image."""
 
 from __future__ import annotations
 
+import base64
+import gzip
 import html
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..data.atomic import write_text_atomic
+from .compact import LEVELS, SUMMARY_COLUMNS, HeadRows, compress_dense, compress_head
+from .neuron import NeuronLayer
 from .page_script import SCRIPT, STYLE
 
 MODES = ("gpt", "encoder", "seq2seq", "vit")
 KINDS = ("self", "cross")
-_DECIMALS = 4
 
 
 @dataclass
 class PageView:
-    """One attention site for the page.
+    """One attention site for the page, for one example.
 
-    weights: (L, H, Nq, Nk) for one example, L = len(layers), H = len(heads).
-    rollout: optional (Nq, Nk) rollout of this self-attention stack."""
+    Either ``weights`` (L, H, Nq, Nk) dense, L = len(layers), H = len(heads) (small inputs;
+    the page stores them compactly), or ``rows`` [layer][head] already compact with
+    ``summary`` (L, H, 4) (``qkv.viz.compact``; what ``qkv viz`` streams out of capture).
+    rollout: optional (Nq, Nk) rollout of this self-attention stack. neurons: per-dimension
+    data of some layers. first_generated: index of the first generated token, if any."""
 
     name: str
     kind: str
@@ -37,24 +45,42 @@ class PageView:
     key_tokens: list[str]
     layers: list[int]
     heads: list[int]
-    weights: Tensor
+    weights: Tensor | None = None
     rollout: Tensor | None = None
+    rows: list[list[HeadRows]] | None = None
+    summary: np.ndarray | None = None
+    neurons: list[NeuronLayer] = field(default_factory=list)
+    first_generated: int | None = None
 
     def check(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"view {self.name!r}: kind must be one of {KINDS}; got {self.kind!r}")
         expected = (len(self.layers), len(self.heads), len(self.query_tokens),
                     len(self.key_tokens))
-        if tuple(self.weights.shape) != expected:
+        if (self.weights is None) == (self.rows is None):
+            raise ValueError(f"view {self.name!r}: give weights (dense) or rows (compact)")
+        if self.weights is not None and tuple(self.weights.shape) != expected:
             raise ValueError(
                 f"view {self.name!r}: weights must be (layers, heads, Nq, Nk) = {expected}; "
                 f"got {tuple(self.weights.shape)}"
             )
+        if self.rows is not None:
+            shape = (len(self.rows), len(self.rows[0]) if self.rows else 0)
+            nq = {len(r.counts) for layer in self.rows for r in layer}
+            if shape != expected[:2] or nq != {expected[2]} or self.summary is None:
+                raise ValueError(f"view {self.name!r}: rows must be [layers][heads] = "
+                                 f"{expected[:2]} of {expected[2]} query rows, with a summary")
         if self.rollout is not None and tuple(self.rollout.shape) != expected[2:]:
             raise ValueError(
                 f"view {self.name!r}: rollout must be (Nq, Nk) = {expected[2:]}; got "
                 f"{tuple(self.rollout.shape)}"
             )
+
+    def compact(self, threshold: float, max_per_row: int | None):
+        """(rows [layer][head], summary means (L, H, 4))."""
+        if self.rows is not None:
+            return self.rows, self.summary
+        return compress_dense(self.weights.detach().float().cpu(), threshold, max_per_row)
 
 
 @dataclass
@@ -81,45 +107,121 @@ class PageImage:
         return {"pixels": _rounded(pixels, 3), "grid": [gh, gw], "cls": self.cls_token}
 
 
-def _rounded(t: Tensor, decimals: int = _DECIMALS):
+def _rounded(t: Tensor, decimals: int):
     return torch.round(t.detach().to(torch.float64).cpu(), decimals=decimals).tolist()
 
 
+class Blob:
+    """Typed arrays packed into one byte string, each at a 4-byte aligned offset; the page
+    reads them as ``[type, offset, length]`` views of one ArrayBuffer."""
+
+    TYPES = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "f32": np.float32}
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, array, kind: str) -> list:
+        data = np.ascontiguousarray(np.asarray(array).astype(self.TYPES[kind])).tobytes()
+        offset = self.size
+        pad = (-len(data)) % 4
+        self.parts.append(data + b"\0" * pad)
+        self.size += len(data) + pad
+        return [kind, offset, len(data) // np.dtype(self.TYPES[kind]).itemsize]
+
+    def bytes(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def _index_kind(n: int) -> str:
+    return "u16" if n <= 0xFFFF else "u32"
+
+
+def _pack_rows(blob: Blob, rows: HeadRows, nk: int) -> dict:
+    """Columns as differences within each row (small numbers gzip well); dropped mass as
+    one byte per row."""
+    starts = np.concatenate([[0], np.cumsum(rows.counts)[:-1]]).astype(np.int64)
+    deltas = rows.cols.astype(np.int64).copy()
+    if len(deltas):
+        previous = np.concatenate([[0], rows.cols[:-1]]).astype(np.int64)
+        first = np.zeros(len(deltas), bool)
+        first[starts[rows.counts > 0]] = True
+        deltas = np.where(first, deltas, deltas - previous)
+    kind = _index_kind(nk)
+    return {
+        "counts": blob.add(rows.counts, kind), "cols": blob.add(deltas, kind),
+        "values": blob.add(rows.values, "u8"),
+        "dropped": blob.add(np.round(np.clip(rows.dropped, 0, 1) * LEVELS), "u8"),
+        "left_out": [round(float(rows.dropped.mean()), 4) if len(rows.dropped) else 0.0,
+                     round(float(rows.dropped.max()), 4) if len(rows.dropped) else 0.0],
+    }
+
+
+def _pack_neuron(blob: Blob, n: NeuronLayer, layer_index: int) -> dict:
+    return {
+        "layer": layer_index, "similarity": n.similarity, "kernel": n.kernel,
+        "scale": [float(s) for s in n.scale], "dims": int(n.q_features.shape[-1]),
+        "q": blob.add(n.q_features.ravel(), "f32"), "k": blob.add(n.k_features.ravel(), "f32"),
+        "k_of_head": list(n.k_of_head),
+        "scores": [blob.add(s, "f32") for s in n.scores],
+        "similarity_scores": None if n.similarity_scores is None
+        else [blob.add(s, "f32") for s in n.similarity_scores],
+    }
+
+
+def _pack_view(blob: Blob, v: PageView, threshold: float, max_per_row: int | None) -> dict:
+    rows, summary = v.compact(threshold, max_per_row)
+    nk = len(v.key_tokens)
+    rollout = None
+    if v.rollout is not None:
+        rollout = _pack_rows(blob, compress_head(v.rollout.detach().float().cpu(), threshold,
+                                                 max_per_row), nk)
+    return {
+        "name": v.name, "kind": v.kind, "query_tokens": list(map(str, v.query_tokens)),
+        "key_tokens": list(map(str, v.key_tokens)), "layers": list(v.layers),
+        "heads": list(v.heads), "first_generated": v.first_generated,
+        "maps": [[_pack_rows(blob, r, nk) for r in layer] for layer in rows],
+        "summary": np.round(np.asarray(summary, np.float64), 4).tolist(),
+        "rollout": rollout,
+        "neurons": [_pack_neuron(blob, n, v.layers.index(n.layer)) for n in v.neurons],
+    }
+
+
 def page_data(views: list[PageView], *, mode: str, image: PageImage | None = None,
-              threshold: float = 0.01) -> dict:
-    """The JSON the page's script reads."""
+              threshold: float = 0.01, max_per_row: int | None = None) -> tuple[dict, bytes]:
+    """The JSON the page's script reads, and the binary arrays it points into."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     if not views:
         raise ValueError("a page needs at least one view")
-    if not 0.0 <= threshold < 1.0:
-        raise ValueError(f"threshold must be in [0, 1); got {threshold}")
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"threshold must be in (0, 1); got {threshold}")
+    if max_per_row is not None and max_per_row < 1:
+        raise ValueError(f"max_per_row must be at least 1; got {max_per_row}")
     if mode == "vit" and image is None:
         raise ValueError("mode='vit' needs the image (PageImage)")
     for v in views:
         v.check()
-    return {
-        "mode": mode,
-        "threshold": threshold,
+    blob = Blob()
+    meta = {
+        "mode": mode, "threshold": threshold, "max_per_row": max_per_row, "levels": LEVELS,
+        "summary_columns": list(SUMMARY_COLUMNS),
         "image": None if image is None else image.as_json(),
-        "views": [
-            {
-                "name": v.name, "kind": v.kind, "query_tokens": list(map(str, v.query_tokens)),
-                "key_tokens": list(map(str, v.key_tokens)), "layers": list(v.layers),
-                "heads": list(v.heads), "weights": _rounded(v.weights),
-                "rollout": None if v.rollout is None else _rounded(v.rollout),
-            }
-            for v in views
-        ],
+        "views": [_pack_view(blob, v, threshold, max_per_row) for v in views],
     }
+    return meta, blob.bytes()
 
 
 def render_page(views: list[PageView], *, mode: str, title: str = "qkv attention",
-                image: PageImage | None = None, threshold: float = 0.01) -> str:
-    """The page as one HTML string."""
-    data = json.dumps(page_data(views, mode=mode, image=image, threshold=threshold))
+                image: PageImage | None = None, threshold: float = 0.01,
+                max_per_row: int | None = None) -> str:
+    """The page as one HTML string: the JSON, and the arrays gzip-compressed and base64
+    encoded (the browser inflates them with its own DecompressionStream; nothing is fetched)."""
+    meta, arrays = page_data(views, mode=mode, image=image, threshold=threshold,
+                             max_per_row=max_per_row)
     # "</" inside the JSON would close the script element early (a token can be anything).
-    data = data.replace("</", "<\\/")
+    data = json.dumps(meta, ensure_ascii=False).replace("</", "<\\/")
+    packed = base64.b64encode(gzip.compress(arrays, compresslevel=6, mtime=0)).decode("ascii")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <title>{html.escape(title)}</title>
@@ -128,14 +230,17 @@ def render_page(views: list[PageView], *, mode: str, title: str = "qkv attention
 <h3>{html.escape(title)}</h3>
 <div id="controls">
 <label>attention <select id="view"></select></label>
+<label>show <select id="display"></select></label>
 <label>layer <select id="layer"></select></label>
 <label>head <select id="head"></select></label>
-<label>show <select id="display"></select></label>
+<span id="pair"></span>
 </div>
 <div id="legend"></div>
-<svg id="canvas" xmlns="http://www.w3.org/2000/svg"></svg>
+<div id="stage"><svg id="canvas" xmlns="http://www.w3.org/2000/svg"></svg></div>
 <div id="info">hover a token</div>
+<div id="omitted"></div>
 <script type="application/json" id="qkv-data">{data}</script>
+<script type="application/octet-stream" id="qkv-arrays">{packed}</script>
 <script>{SCRIPT}</script>
 </body></html>
 """
@@ -145,3 +250,42 @@ def write_page(path, views: list[PageView], **kwargs) -> Path:
     """Write ``render_page(views, **kwargs)`` to ``path`` (UTF-8), atomically: an interrupted
     write leaves the previous page, never half of one."""
     return write_text_atomic(path, render_page(views, **kwargs))
+
+
+@dataclass
+class StoredPage:
+    """A written page read back (tests, benchmarks): its JSON and its arrays."""
+
+    meta: dict
+    arrays: bytes
+
+    def array(self, ref: list) -> np.ndarray:
+        kind, offset, length = ref
+        return np.frombuffer(self.arrays, Blob.TYPES[kind], length, offset)
+
+    def rows(self, ref: dict) -> HeadRows:
+        counts = self.array(ref["counts"]).astype(np.int64)
+        cols = self.array(ref["cols"]).astype(np.int64)
+        # Undo the per-row differences: a running sum restarted at each row's first entry.
+        starts = np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        total = np.cumsum(cols)
+        absolute = total - np.concatenate([[0], total])[starts]
+        return HeadRows(counts, absolute, self.array(ref["values"]),
+                        self.array(ref["dropped"]) / LEVELS)
+
+    def weights(self, view: int, layer: int, head: int) -> np.ndarray:
+        """The stored (Nq, Nk) weights of one head (layer and head are positions in the view's
+        lists), left-out entries 0."""
+        v = self.meta["views"][view]
+        return self.rows(v["maps"][layer][head]).dense(len(v["key_tokens"]))
+
+
+def read_page(path) -> StoredPage:
+    text = Path(path).read_text(encoding="utf-8")
+    meta = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', text, re.S)
+    arrays = re.search(r'<script type="application/octet-stream" id="qkv-arrays">(.*?)</script>',
+                       text, re.S)
+    if meta is None or arrays is None:
+        raise ValueError(f"{path} is not a qkv attention page")
+    return StoredPage(json.loads(meta.group(1).replace("<\\/", "</")),
+                      gzip.decompress(base64.b64decode(arrays.group(1))))

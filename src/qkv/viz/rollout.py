@@ -63,18 +63,25 @@ def attention_rollout(
     if not 0.0 <= residual <= 1.0:
         raise ValueError(f"residual must be in [0, 1]; got {residual}")
     _check_layers(layers)
-    first = layers[0]
-    n = first.shape[-1]
-    dtype = torch.float64 if first.dtype == torch.float64 else torch.float32
-    eye = torch.eye(n, dtype=dtype, device=first.device)
-    result = eye.expand(first.shape[0], n, n)
+    result = None
     for w in layers:
-        a = (1.0 - residual) * _fuse_heads(w.to(dtype), head_fusion) + residual * eye
-        # Rows of padded or fully masked queries sum to r only; re-normalizing keeps rows stochastic
-        # (the paper: "re-normalize the weights").
-        a = a / a.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(dtype).tiny)
-        result = a @ result
+        result = rollout_step(result, w, residual=residual, head_fusion=head_fusion)
     return result
+
+
+def rollout_step(result: Tensor | None, weights: Tensor, *, residual: float = 0.5,
+                 head_fusion: str = "mean") -> Tensor:
+    """One more layer: Â·result, with result (B, N, N) the rollout so far (None before the
+    first layer) and weights (B, H, N, N) the next layer's. Lets a caller roll out layer by
+    layer as maps are captured, holding one (N, N) product instead of every layer."""
+    n = weights.shape[-1]
+    dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    eye = torch.eye(n, dtype=dtype, device=weights.device)
+    a = (1.0 - residual) * _fuse_heads(weights.to(dtype), head_fusion) + residual * eye
+    # Rows of padded or fully masked queries sum to r only; re-normalizing keeps rows stochastic
+    # (the paper: "re-normalize the weights").
+    a = a / a.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(dtype).tiny)
+    return a if result is None else a @ result.to(dtype)
 
 
 def patch_relevance(rollout: Tensor, grid: tuple[int, int], *, cls_token: bool) -> Tensor:

@@ -1,0 +1,71 @@
+"""What ``qkv viz`` shows for one source (a run directory or a pretrained model), and the
+steps every source shares: encoding the text within the context, and recording the maps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .capture import AttentionMaps, capture
+from .page import PageImage, PageView
+from .record import NEURON_BUDGET, Recorder, neuron_layers_within
+
+
+@dataclass
+class Scene:
+    """What one run shows: the page's views, its mode, and the ViT image when there is one."""
+
+    mode: str
+    views: list[PageView]
+    image: PageImage | None = None
+    relevance: torch.Tensor | None = None  # (gh, gw) ViT rollout over the patches
+
+
+def encode_text(tokenizer, text: str | None, limit: int, task: str, extra: int = 0) -> list[int]:
+    if text is None:
+        raise ValueError(f"{task} needs --text (the text to look at)")
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError("--text encodes to no tokens")
+    if len(ids) + extra > limit:
+        more = f" plus {extra} generated" if extra else ""
+        raise ValueError(f"--text is {len(ids)} tokens long{more} but the model's context holds "
+                         f"{limit}; shorten it")
+    return ids
+
+
+def _neuron_layers(args, model, count: int, tokens: int) -> list[int]:
+    """--neuron-layers checked against the layer count and --layers, or the first captured
+    layers that fit the default budget."""
+    # Among the captured layers (capture itself reports an --layers entry out of range).
+    captured = sorted({layer % count for layer in args.layers if -count <= layer < count}) \
+        if args.layers else list(range(count))
+    if args.neuron_layers is not None:
+        for layer in args.neuron_layers:
+            if not -count <= layer < count:
+                raise ValueError(f"--neuron-layers: layer {layer} is out of range: valid layers "
+                                 f"are 0..{count - 1}")
+            if layer % count not in captured:
+                raise ValueError(f"--neuron-layers: layer {layer} is not captured; --layers "
+                                 f"captures {captured}")
+        return sorted({layer % count for layer in args.neuron_layers})
+    cfg = model.config
+    heads = len(args.heads) if args.heads else cfg.n_head
+    kv_heads = min(heads, getattr(cfg, "n_kv_head", None) or cfg.n_head)
+    return neuron_layers_within(NEURON_BUDGET, captured, heads, kv_heads, tokens,
+                                cfg.d_model // cfg.n_head)
+
+
+def record_maps(model, args, forward, *, layer_count: int, tokens: int,
+                rollout_stacks=()) -> tuple[AttentionMaps, Recorder]:
+    """Run ``forward`` under capture, streaming every call into a Recorder."""
+    recorder = Recorder(args.threshold, args.max_per_row,
+                        _neuron_layers(args, model, layer_count, tokens),
+                        rollout_stacks if args.layers is None else ())
+    with capture(model, layers=args.layers, heads=args.heads, on_weights=recorder) as maps, \
+            torch.no_grad():
+        forward()
+    return maps, recorder
+
+
