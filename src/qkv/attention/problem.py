@@ -77,6 +77,7 @@ class Problem:
             extra.append(self.metric)
         if isinstance(self.scale, Tensor):
             extra.append(self.scale)
+        extra.extend(self.similarity.tensors())
         if self.score_mod is not None:
             extra.extend(self.score_mod.tensors())
         return tuple(t for t in extra if t.is_floating_point())

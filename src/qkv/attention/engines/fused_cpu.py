@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
+from ..similarity import DOT
 from . import graph_gather, native
 from .tiles import (
     TileSpec,
@@ -155,33 +156,17 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-def _batched_view(t: Tensor) -> Tensor:
-    """(B, X, n, d) -> (B·X, n, d) as a view (never a copy: results are accumulated into it)."""
-    return t.view(-1, *t.shape[2:])
-
-
-def _add_kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
-                      dk: Tensor) -> None:
-    """Add the pairwise kernel's gradients for the query and key tile into dq (like fq_t) and
-    dk (like fk_t), from draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
-
-    The engine's one restatement of the core: the analytic derivatives of the kernels.
-    dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
-    dq = 2(dS·k - rowsum(dS)·q), dk = 2(dSᵀ·q - colsum(dS)·k). The kernel's clamp at 0 only
-    touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone.
-    neg_l1 -Σ|q-k|: the C kernel (``native.l1_grads``)."""
-    if kernel == "neg_l1":
-        gq, gk = native.l1_grads(draw, fq_t, fk_t)
-        dq += gq
-        dk += gk
+def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
+                    dk: Tensor) -> None:
+    """Add the pairwise term's gradients for the query and key tile into dq (like fq_t) and
+    dk (like fk_t), from draw = d(loss)/d(term scores) (B, Hk, (H/Hk)·bq, bk): the torch
+    derivative registered with the term, else its C loops (``analytic_kernel`` said which)."""
+    if spec.pair.tile_grads is not None:
+        spec.pair.tile_grads(draw, fq_t, fk_t, dq, dk)
         return
-    alpha = 2.0 if kernel == "neg_sqdist" else 1.0
-    d3, q3, k3 = draw.flatten(0, 1), fq_t.flatten(0, 1), fk_t.flatten(0, 1)
-    _batched_view(dq).baddbmm_(d3, k3, alpha=alpha)
-    _batched_view(dk).baddbmm_(d3.transpose(1, 2), q3, alpha=alpha)
-    if kernel == "neg_sqdist":
-        dq.sub_(draw.sum(-1, keepdim=True) * fq_t, alpha=2.0)
-        dk.sub_(draw.sum(-2).unsqueeze(-1) * fk_t, alpha=2.0)
+    gq, gk = native.tile_loops(spec.pair, fq_t.dtype).grads(draw, fq_t, fk_t)
+    dq += gq
+    dk += gk
 
 
 def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
@@ -199,7 +184,8 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
     runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
     and the modifier's tensor gradients; the kernel's gradients are matmuls or C
-    (``_add_kernel_grads``). L1 without its C kernel (cdist) is differentiated by autograd."""
+    (``_add_pair_grads``). A term without either (L1 without its C loops, a user's term) is
+    differentiated by autograd."""
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
@@ -238,7 +224,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        _batched_view(sums[1][:, :, k0:k1]).baddbmm_(
+        sums[1][:, :, k0:k1].view(-1, k1 - k0, sums[1].shape[-1]).baddbmm_(
             kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), do_t.flatten(0, 1))
         ds = _softmax_grad(p, dp, delta_t)
         if graph:
@@ -256,8 +242,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 continue
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
-        _add_kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t, dfq_t,
-                          sums[0][:, :, k0:k1])
+        _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1])
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -322,7 +307,7 @@ def _spec(p: Problem, scale) -> TileSpec:
     block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(
-        kernel=p.similarity.kernel, scale=scale, score_mod=p.score_mod, mask=p.mask,
+        pair=p.similarity.pairwise, scale=scale, score_mod=p.score_mod, mask=p.mask,
         batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
         block_q=block_q, block_k=block_k, span_k=span_k,
     )
@@ -336,7 +321,7 @@ def _features(p: Problem):
     metric = None if p.metric is None else p.metric.to(acc)
     fq, fk = p.similarity.features(q, k, metric)
     scale = p.scale_tensor()
-    if not isinstance(scale, Tensor) and p.similarity.kernel == "dot":
+    if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
         fq, scale = fq * scale, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
         v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)

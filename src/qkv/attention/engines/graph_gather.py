@@ -11,9 +11,11 @@ modifier) runs under autograd, and the kernel's and the values' gradients are sc
 along the edges by hand, like the tile engine's.
 
 Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
-They run in C (``native``), reading rows in place; without the C library, in torch by
-gathering rows per edge (the same formulas, ``ROW_KERNELS``). Chunks are shared among
-torch's threads like the tile engine's query blocks (``run_split``).
+They run in C (``native``), reading rows in place, for the pairwise terms that have C loops
+(``Pairwise.c_id``); otherwise (no C library, or a user's term) in torch by gathering rows
+per edge and evaluating the term's own definition (``Pairwise.rows``), differentiated by
+autograd, which also reaches the tensors the term reads. Chunks are shared among torch's
+threads like the tile engine's query blocks (``run_split``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
-from ..similarity import ROW_KERNELS
+from ..similarity import DOT
 from . import native
 from .tiles import (
     TileSpec,
@@ -59,12 +61,16 @@ def _fold_heads(x: Tensor, heads: int) -> Tensor:
     return x.view(b, e, heads, h // heads, d).sum(3)
 
 
-def _scores(kernel, q_rows, k_rows, target, source) -> Tensor:
-    if native.available(q_rows.dtype):
-        return native.edge_scores(kernel, q_rows, k_rows, target, source)
-    heads = q_rows.shape[2]
-    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
-    return ROW_KERNELS[kernel](qe, ke)
+def _gathered(q_rows, k_rows, target, source) -> tuple[Tensor, Tensor]:
+    """Each edge's query and key rows (B, E, H, d)."""
+    return q_rows.index_select(1, target), _gather_heads(k_rows, source, q_rows.shape[2])
+
+
+def _scores(pair, q_rows, k_rows, target, source) -> Tensor:
+    """(B, E, H): the pairwise term of each edge."""
+    if native.edge_loops(pair, q_rows.dtype):
+        return native.edge_scores(pair.c_id, q_rows, k_rows, target, source)
+    return pair.rows(*_gathered(q_rows, k_rows, target, source))
 
 
 def _scatter(weights, x_rows, frm, to, out) -> None:
@@ -74,20 +80,23 @@ def _scatter(weights, x_rows, frm, to, out) -> None:
     out.index_add_(1, to, _fold_heads(weights.unsqueeze(-1) * x, out.shape[2]))
 
 
-def _kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk) -> None:
-    if native.available(ds.dtype):
-        return native.edge_kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk)
-    heads, g = q_rows.shape[2], ds.unsqueeze(-1)
-    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
-    # ∂kernel/∂q and ∂kernel/∂k: dot (k, q), -|q-k|² (-2(q-k), 2(q-k)), -|q-k|₁ (-sign, sign)
-    if kernel == "dot":
-        gq, gk = g * ke, g * qe
-    else:
-        diff = 2 * (qe - ke) if kernel == "neg_sqdist" else torch.sign(qe - ke)
-        gq = -g * diff
-        gk = -gq
-    dq.index_add_(1, target, gq)
-    dk.index_add_(1, source, _fold_heads(gk, dk.shape[2]))
+def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> None:
+    """sums[0][:, target] += ds·∂term/∂q, sums[1][:, source] += ds·∂term/∂k, and the term's
+    tensors' gradients into their sums, for ds (B, E, H) = d(loss)/d(edge terms)."""
+    if native.edge_loops(spec.pair, ds.dtype):
+        native.edge_kernel_grads(spec.pair.c_id, ds, q_rows, k_rows, target, source, sums[0],
+                                 sums[1])
+        return
+    tensors = [t for t in spec.pair.tensors() if any(t is w for w in wanted)]
+    with torch.enable_grad():
+        qe, ke = (t.detach().requires_grad_() for t in _gathered(q_rows, k_rows, target, source))
+        found = torch.autograd.grad(spec.pair.rows(qe, ke), (qe, ke, *tensors), ds,
+                                    allow_unused=True)
+    sums[0].index_add_(1, target, found[0])
+    sums[1].index_add_(1, source, _fold_heads(found[1], sums[1].shape[2]))
+    positions = [next(i for i, w in enumerate(wanted) if w is t) for t in tensors]
+    for i, g in zip(positions, found[2:], strict=True):
+        add_grads(sums, 3 + i, [g])
 
 
 def _modify(spec: TileSpec, raw: Tensor, target: Tensor, source: Tensor) -> Tensor:
@@ -126,7 +135,7 @@ def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
     fq_rows, fk_rows, v_rows = rows
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    scores = _modify(spec, _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
+    scores = _modify(spec, _scores(spec.pair, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
     local = t - first
     shape = (scores.shape[0], count, spec.heads, 1)
     index = local.view(1, -1, 1, 1).expand_as(scores)
@@ -148,7 +157,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     fq_rows, fk_rows, v_rows, lse, dout, delta = saved
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    raw = _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1)
+    raw = _scores(spec.pair, fq_rows, fk_rows, t, s).unsqueeze(-1)
     graph_needed = elementwise_needs_grad(spec)
     if graph_needed:
         raw.requires_grad_()
@@ -157,7 +166,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     else:
         scores = _modify(spec, raw, t, s)
     p = torch.exp(scores.detach() - lse.index_select(1, t))
-    dp = _scores("dot", dout, v_rows, t, s).unsqueeze(-1)
+    dp = _scores(DOT, dout, v_rows, t, s).unsqueeze(-1)
     kept = p
     if spec.dropout_p > 0:
         keep = dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
@@ -174,8 +183,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
             return
     elif spec.scale is not None:
         ds = ds * spec.scale
-    _kernel_grads(spec.kernel, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums[0],
-                  sums[1])
+    _add_term_grads(spec, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums, wanted)
 
 
 class _GraphAttention(torch.autograd.Function):

@@ -1,7 +1,8 @@
 """What the fused CPU engine computes on one tile, and which tiles it visits.
 
-Everything a variant defines comes from the core's single definitions: the pairwise kernel
-(``similarity.KERNELS``), the score modifier and the mask rule (``mask_mod``, ``tile_states``).
+Everything a variant defines comes from the core's single definitions: the similarity's
+pairwise term (``similarity.Pairwise``, with the fast forms registered for it), the score
+modifier and the mask rule (``mask_mod``, ``tile_states``).
 Nothing here restates a similarity, modifier or mask formula.
 """
 
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from ..masks import EMPTY, FULL, Mask
 from ..scores import ScoreMod
-from ..similarity import KERNELS
+from ..similarity import Pairwise
 from . import native
 
 BLOCK_Q = 128
@@ -37,7 +38,7 @@ class TileSpec:
     ``scale`` is None when it was folded into the query features (dot kernel, float scale),
     else a float or a tensor broadcastable to (B, H, 1, 1)."""
 
-    kernel: str
+    pair: Pairwise
     scale: float | Tensor | None
     score_mod: ScoreMod | None
     mask: Mask | None
@@ -147,25 +148,25 @@ def tile_shape(spec: TileSpec, idx: TileIndex, batch: int) -> tuple[int, int, in
 
 
 def analytic_kernel(spec: TileSpec, dtype: torch.dtype) -> bool:
-    """Whether the engine has the kernel's gradients by hand (matmuls for dot and neg_sqdist,
-    the C kernel for neg_l1), rather than by autograd through ``KERNELS``."""
-    return spec.kernel in ("dot", "neg_sqdist") or (
-        spec.kernel == "neg_l1" and native.available(dtype)
-    )
+    """Whether the pairwise term's tile gradients are at hand (registered torch matmuls, or
+    C loops), rather than by autograd through its torch form."""
+    return spec.pair.tile_grads is not None or native.tile_loops(spec.pair, dtype) is not None
 
 
 def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
-    front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. L1 runs
-    in C when it can (the same formula, vectorized across keys; see ``native``)."""
+    """The pairwise term on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
+    front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. A term
+    with C loops runs them (the same formula, vectorized across keys; see ``native``) unless
+    autograd must see it."""
     b, hk, rows, _ = fq_t.shape
     out = None
     if scratch is not None:
         out = scratch[: b * hk * rows * fk_t.shape[2]].view(b, hk, rows, fk_t.shape[2])
-    if spec.kernel == "neg_l1" and native.available(fq_t.dtype):
-        if not (torch.is_grad_enabled() and (fq_t.requires_grad or fk_t.requires_grad)):
-            return native.l1_scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
-    return KERNELS[spec.kernel](fq_t, fk_t, out=out)
+    loops = native.tile_loops(spec.pair, fq_t.dtype)
+    if loops is not None and not (torch.is_grad_enabled() and (fq_t.requires_grad or
+                                                               fk_t.requires_grad)):
+        return loops.scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
+    return spec.pair.scores(fq_t, fk_t, out=out)
 
 
 def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:

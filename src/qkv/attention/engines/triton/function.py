@@ -22,7 +22,8 @@ from .codegen import load_module
 from .trace import MAX_SLOTS, SLOT_INFO
 from .variant import trace_variant
 
-PAIRWISE_KERNELS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
+# The KERNEL ids the kernels implement (``Pairwise.triton_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁.
+KERNEL_IDS = frozenset({0, 1, 2})
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,9 @@ class Plan:
 
 
 def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
-    kernel = PAIRWISE_KERNELS[p.similarity.kernel]
+    kernel = p.similarity.pairwise.triton_id
+    if kernel not in KERNEL_IDS:
+        raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
     tiling = choose_tiling(kernel, _pad(head_dim), p.q.is_cuda)
     tiles = (tiling.fwd, tiling.dq, tiling.dkv)
     fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)

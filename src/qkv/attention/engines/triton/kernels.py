@@ -56,6 +56,7 @@ def _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK,
         z = 2.0 * tl.dot(q, tl.trans(k), input_precision=PRECISION)
         z = z - tl.sum(qf * qf, 1)[:, None] - tl.sum(kf * kf, 1)[None, :]
     else:
+        tl.static_assert(KERNEL == 2, "unknown pairwise KERNEL id")
         z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, D_PAD, BLOCK_D):
             offs_c = d0 + tl.arange(0, BLOCK_D)
