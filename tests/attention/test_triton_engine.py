@@ -25,9 +25,15 @@ from qkv.attention.engines import triton as triton_engine
 from qkv.attention.engines.triton.blocks import block_tables, classify, coarsen
 from qkv.attention.masks import EMPTY, FULL, PARTIAL
 from qkv.attention.problem import build_problem
+from qkv.attention.similarity import SIMILARITIES
+
+from .conftest import EXAMPLE_D, registered_similarities
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
+# The registry's cases: a scalar such as a temperature sums every pair's gradient (with
+# cancellation) in fp32 atomics, so gradients get the 1e-4.
+REGISTRY_GRAD_TOLERANCE = 1e-4
 
 
 def _edges(nq: int, nk: int) -> torch.Tensor:
@@ -70,6 +76,13 @@ CASES = {
                                           (2, 2, 2, 20, 20, 16, 16)),
 }
 
+# Every registered similarity (built-in and the user-defined examples of conftest, whose terms
+# are traced into Triton) under each of four mask kinds, with grouped heads and Nq != Nk.
+for _name in registered_similarities():
+    for _mask in (None, "causal", "padding", "graph"):
+        CASES[f"registry_{_name}_{_mask or 'none'}"] = (
+            {"similarity": _name, "mask": _mask, "score_mod": "softcap"},
+            (2, 4, 2, 24, 37, EXAMPLE_D, 8))
 
 # Weights recomputed from the saved log-sum-exp (return_weights=True, no gradient).
 WEIGHT_CASES = {
@@ -136,7 +149,7 @@ def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
                for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
     sim = spec.get("similarity", "dot")
     mod_leaves = _leaves(spec.get("score_mod"), h, d, dtype)
-    metric = _leaves("mahalanobis", h, d, dtype) if sim == "mahalanobis" else []
+    metric = _leaves("mahalanobis", h, d, dtype) if SIMILARITIES[sim].needs_metric else []
     scale = _leaves(spec.get("scale"), h, d, dtype)
     problem = build_problem(
         q, k, v, mask=_mask(spec.get("mask"), b, nq, nk),
@@ -145,7 +158,8 @@ def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
         dropout_p=0.0, return_weights=return_weights,
     )
     grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
-    return problem, [q, k, v, *metric, *mod_leaves, *scale], grad_out
+    term_tensors = list(SIMILARITIES[sim].tensors())  # shared by the fp32 and float64 runs
+    return problem, [q, k, v, *metric, *mod_leaves, *scale, *term_tensors], grad_out
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -234,8 +248,10 @@ def run_dropout_case() -> dict:
 @pytest.fixture(scope="module")
 def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
+    # As a module from the repository root, so that it imports conftest's registrations.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "tests.attention.test_triton_engine"], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=root)
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -253,7 +269,8 @@ def test_matches_float64_reference_forward_and_gradients(interpreter_results, na
     result = interpreter_results[name]
     assert "error" not in result, result["error"]
     assert result["out"] < TOLERANCE, result
-    assert max(result["grads"]) < TOLERANCE, result
+    grad_tolerance = REGISTRY_GRAD_TOLERANCE if name.startswith("registry_") else TOLERANCE
+    assert max(result["grads"]) < grad_tolerance, result
     assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
 
 

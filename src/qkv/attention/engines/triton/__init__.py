@@ -26,9 +26,6 @@ def unsupported(p: Problem) -> str | None:
             "return_weights=True while gradients are needed: the Triton engine recomputes the "
             "weights from its log-sum-exp without a gradient; use backend='reference'"
         )
-    pair = p.similarity.pairwise
-    if pair.triton_id is None:
-        return f"the Triton kernels have no form of the pairwise term {pair.name!r}"
     if p.nq == 0 or p.nk == 0:
         return "an empty sequence"
     dims = (p.q.shape[-1], p.v.shape[-1])

@@ -39,8 +39,12 @@ def _kind_of_dtype(dtype: torch.dtype) -> str:
 class Graph:
     """Hash-consed nodes plus the tensors (slots) the traced code reads."""
 
-    def __init__(self, device):
+    def __init__(self, device, head_dim: int = 0):
         self.device = device
+        self.head_dim = head_dim
+        # While a pairwise term is traced: its dimension index d, at which a captured 1-D
+        # tensor used whole is read (a per-dimension weight broadcasts along d, as in torch).
+        self.per_dim: Sym | None = None
         self.nodes: dict[tuple, Sym] = {}
         self.slots: list[Tensor] = []
         self._slot_of: dict[int, int] = {}
@@ -94,6 +98,15 @@ class Graph:
         if isinstance(value, Tensor):
             if value.dim() == 0:
                 return self.load(value, ())
+            if self.per_dim is not None and value.dim() == 1:
+                if value.numel() == 1:
+                    return self.load(value, (0,))
+                if value.numel() == self.head_dim:
+                    return self.load(value, (self.per_dim,))
+                raise CompileError(
+                    f"a pairwise term reads a tensor of shape {tuple(value.shape)}; per-dimension "
+                    f"tensors must have shape (D,) = ({self.head_dim},)"
+                )
             raise CompileError(
                 f"a captured tensor of shape {tuple(value.shape)} is used whole; index it with "
                 "b, h, q_idx or kv_idx so each score reads one element"
@@ -334,7 +347,24 @@ def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **k
     return graph.node("searchsorted", (slot, graph.lift(values), right), INT)
 
 
+def _binary(method: str):
+    """torch.mul(a, b) and friends (also what ``tensor * traced`` dispatches to)."""
+
+    def handler(graph, a, b, **kwargs):
+        if kwargs:
+            raise CompileError(f"torch.{method.strip('_')} with keyword arguments does not compile")
+        return getattr(graph.lift(a), method)(b)
+
+    return handler
+
+
 _TORCH_HANDLERS = {
+    "add": _binary("__add__"),
+    "sub": _binary("__sub__"),
+    "mul": _binary("__mul__"),
+    "div": _binary("__truediv__"),
+    "true_divide": _binary("__truediv__"),
+    "pow": _binary("__pow__"),
     "where": _where,
     "minimum": _extremum("minimum"),
     "maximum": _extremum("maximum"),
@@ -356,6 +386,23 @@ def trace_mask(mask, graph: Graph) -> Sym | bool:
             g.leaf("offset", INT),
         )
     )
+
+
+TERM_ARGS = ("pq", "pk", "pd")  # the generated term functions' q_d, k_d and d
+
+
+def trace_term(term, graph: Graph) -> Sym:
+    """A similarity's per-dimension term as a graph over (q_d, k_d) and the dimension d."""
+    g = graph
+    pq, pk = g.leaf(TERM_ARGS[0], FLOAT), g.leaf(TERM_ARGS[1], FLOAT)
+    g.per_dim = g.leaf(TERM_ARGS[2], INT)
+    try:
+        out = g.lift(term(pq, pk))
+    finally:
+        g.per_dim = None
+    if not isinstance(out, Sym):
+        raise CompileError("the pairwise term returned a constant; it must depend on q_d, k_d")
+    return out._cast(FLOAT)
 
 
 def trace_score_mod(score_mod, graph: Graph) -> Sym:

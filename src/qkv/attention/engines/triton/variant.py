@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ...problem import Problem
 from .codegen import generate_source
-from .trace import CompileError, Graph, trace_mask, trace_score_mod
+from .trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 
 
 @dataclass
@@ -16,6 +16,7 @@ class TracedVariant:
     source: str
     has_mask: bool
     has_mod: bool
+    has_term: bool  # a pairwise term without Triton code of its own, traced
     slots: list[Tensor]  # the captured tensors, on the problem's device
     grad_slots: set[int]  # float slots that need a gradient
 
@@ -33,7 +34,12 @@ def _trace(what: str, obj, trace, graph: Graph):
 
 def trace_variant(p: Problem) -> TracedVariant:
     """Raises CompileError naming what cannot be compiled."""
-    graph = Graph(p.q.device)
+    graph = Graph(p.q.device, p.q.shape[-1])
+    pair = p.similarity.pairwise
+    term_root = (
+        None if pair.triton_id is not None
+        else _trace("the pairwise term", pair.term, trace_term, graph)
+    )
     mask_root = None if p.mask is None else _trace("mask", p.mask, trace_mask, graph)
     mod_root = (
         None if p.score_mod is None
@@ -43,9 +49,10 @@ def trace_variant(p: Problem) -> TracedVariant:
         i for i, t in enumerate(graph.slots) if t.is_floating_point() and t.requires_grad
     }
     return TracedVariant(
-        source=generate_source(mask_root, mod_root, grad_slots),
+        source=generate_source(mask_root, mod_root, grad_slots, term_root),
         has_mask=mask_root is not None,
         has_mod=mod_root is not None,
+        has_term=term_root is not None,
         slots=graph.slots,
         grad_slots=grad_slots,
     )
