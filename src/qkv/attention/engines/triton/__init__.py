@@ -31,7 +31,7 @@ def unsupported(p: Problem) -> str | None:
     dims = (p.q.shape[-1], p.v.shape[-1])
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
-    from .trace import CompileError
+    from ..trace import CompileError
     from .variant import check_compiles
 
     try:

@@ -17,10 +17,10 @@ from torch import Tensor
 
 from ...problem import Problem
 from ...reference import expand_kv_heads
+from ..trace import MAX_SLOTS, SLOT_INFO
 from . import kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .trace import MAX_SLOTS, SLOT_INFO
 from .variant import trace_variant
 
 # The KERNEL ids the kernels implement (``Pairwise.triton_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁;

@@ -1,4 +1,5 @@
-"""Tracing one call's mask and score modifier into Triton source (no Triton import needed)."""
+"""Tracing one call's mask, score modifier and pairwise term into Triton source (no Triton
+import needed)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ...problem import Problem
+from ..trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 from .codegen import generate_source
-from .trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 
 
 @dataclass
