@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import graph_gather, tiles
+from qkv.attention import similarity as similarity_module
+from qkv.attention.engines import graph_gather, native, term_c, tiles
 from qkv.attention.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
@@ -143,3 +144,22 @@ def test_modules_and_model_configs_take_a_registered_name():
     assert logits.shape[:2] == (1, 6) and torch.isfinite(logits).all()
     with pytest.raises(ValueError, match="similarity must be one of"):
         qkv.nn.MultiHeadAttention(16, 2, similarity="nope")
+
+
+@pytest.mark.skipif(not native.available(torch.float64), reason="no C compiler")
+@pytest.mark.parametrize("name", ["p3", "weighted_l1", "laplacian"])
+def test_user_terms_run_in_generated_c_loops(monkeypatch, small_tiles, name):
+    """A user's term is traced and compiled to C tile loops (scores, their derivative and the
+    gradients of the tensors it reads), with no torch fallback on the way."""
+    built = []
+    original = term_c.traced_loops
+    monkeypatch.setattr(term_c, "traced_loops", lambda *a: built.append(original(*a)) or built[-1])
+    mask = mask_cases(B, NQ, NK)["combined"]
+    ref, ref_grads = run(name, mask, torch.float64, "reference", None)
+    # From here the torch form of the term would raise: the engine must not use it.
+    monkeypatch.setattr(similarity_module.Pairwise, "scores", None)
+    out, grads = run(name, mask, torch.float64, "fused", None)
+    assert built and built[-1] is not None
+    assert rel_err(out, ref) < 1e-12
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-10

@@ -27,7 +27,7 @@ from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
 from ..similarity import DOT
-from . import graph_gather, native
+from . import graph_gather, native, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -157,16 +157,22 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
 
 
 def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
-                    dk: Tensor) -> None:
+                    dk: Tensor, sums: list, extras) -> None:
     """Add the pairwise term's gradients for the query and key tile into dq (like fq_t) and
-    dk (like fk_t), from draw = d(loss)/d(term scores) (B, Hk, (H/Hk)·bq, bk): the torch
-    derivative registered with the term, else its C loops (``analytic_kernel`` said which)."""
+    dk (like fk_t), and those of the tensors its C loops read into their place in ``sums``
+    (2 + their index in ``extras``), from draw = d(loss)/d(term scores)
+    (B, Hk, (H/Hk)·bq, bk): the torch derivative registered with the term, else its C loops
+    (``analytic_kernel`` said which)."""
     if spec.pair.tile_grads is not None:
         spec.pair.tile_grads(draw, fq_t, fk_t, dq, dk)
         return
-    gq, gk = native.tile_loops(spec.pair, fq_t.dtype).grads(draw, fq_t, fk_t)
+    gq, gk, tensor_grads = spec.loops.grads(draw, fq_t, fk_t)
     dq += gq
     dk += gk
+    for tensor, grad in zip(spec.loops.tensors, tensor_grads, strict=True):
+        for e, extra in enumerate(extras):
+            if extra is tensor:
+                add_grads(sums, 2 + e, [grad.to(extra.dtype)])
 
 
 def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
@@ -189,7 +195,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
-    by_autograd = not analytic_kernel(spec, fq.dtype)
+    by_autograd = not analytic_kernel(spec)
     elementwise_grad = elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
@@ -242,7 +248,8 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 continue
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
-        _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1])
+        _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1],
+                        sums, extras)
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -303,14 +310,24 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def _spec(p: Problem, scale) -> TileSpec:
+def _spec(p: Problem, scale, loops) -> TileSpec:
     block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(
         pair=p.similarity.pairwise, scale=scale, score_mod=p.score_mod, mask=p.mask,
         batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k, span_k=span_k,
+        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
     )
+
+
+def _tile_loops(p: Problem, fq: Tensor, gather: bool):
+    """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
+    definition (a user's term, ``term_c``); None for matrix-product terms, on the gather path
+    and without a C compiler."""
+    pair = p.similarity.pairwise
+    if gather or pair.matrix is not None:
+        return native.tile_loops(pair, fq.dtype) if not gather else None
+    return term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
 
 
 def _features(p: Problem):
@@ -330,11 +347,18 @@ def _features(p: Problem):
 
 def run(p: Problem):
     fq, fk, v, scale = _features(p)
-    spec = _spec(p, scale)
-    # The metric acts through the features; a tensor read twice gets one gradient.
-    extras = list({id(t): t for t in p.grad_tensors() if t is not p.metric}.values())
     sparse = isinstance(p.mask, GraphMask) and graph_gather.is_sparse(p.mask, p.nq, p.nk)
-    if sparse and not p.return_weights:
+    gather = sparse and not p.return_weights
+    loops = _tile_loops(p, fq, gather)
+    spec = _spec(p, scale, loops)
+    # The metric acts through the features; a tensor read twice gets one gradient. Compiled
+    # loops read the tensors their trace captured, which stand in for the term's own.
+    term_tensors = p.similarity.tensors()
+    extras = [*(loops.tensors if loops is not None else ()),
+              *(t for t in p.grad_tensors() if t is not p.metric and not (
+                  loops is not None and loops.tensors and any(t is u for u in term_tensors)))]
+    extras = [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
+    if gather:
         out, lse = graph_gather.attention(spec, p.mask, fq, fk, v, extras)
     else:
         out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)

@@ -11,10 +11,11 @@ single operation for.
   key and value rows in place instead of gathering a copy per edge.
 
 The source is compiled once per machine with the system C compiler into ``$QKV_CACHE``
-(default ``~/.cache/qkv``), which takes about two seconds. Without a compiler, or with
-``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch operations (``cdist``
-with autograd for L1, the reference's own formula). The C code is called through ctypes,
-which releases the GIL, so the engine's workers run it in parallel.
+(default ``~/.cache/qkv``), which takes about two seconds; generated sources (a user's
+similarity term, ``term_c``) are built the same way (``compile_library``). Without a
+compiler, or with ``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch
+operations (``cdist`` with autograd for L1, the reference's own formula). The C code is
+called through ctypes, which releases the GIL, so the engine's workers run it in parallel.
 """
 
 from __future__ import annotations
@@ -71,12 +72,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+def _build(compiler: str, source: bytes, stem: str) -> Path:
+    """The shared library of C ``source``, compiled once per source, compiler, flags and CPU
+    (a content hash names it: a changed source never loads a stale build)."""
     key = hashlib.sha256(b"\0".join(
         [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()]
     )).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels_{key}.so"
+    target = _cache_dir() / f"{stem}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,13 +86,29 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, "-x", "c", "-", "-o", partial], input=source,
+                       check=True, capture_output=True, timeout=120)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _compiler() -> str | None:
+    if os.environ.get("QKV_NATIVE", "1") == "0":
+        return None
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(source: str, stem: str) -> ctypes.CDLL | None:
+    """Build (or find in ``$QKV_CACHE``) and load generated C source; None without a
+    compiler or with ``QKV_NATIVE=0``. Raises ``OSError`` / ``SubprocessError`` when the
+    source does not compile."""
+    compiler = _compiler()
+    if compiler is None or _load() is None:
+        return None
+    return ctypes.CDLL(str(_build(compiler, source.encode(), stem)))
 
 
 def _load() -> dict | None:
@@ -106,13 +124,11 @@ def _load() -> dict | None:
 
 
 def _open() -> dict | None:
-    if os.environ.get("QKV_NATIVE", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, _SOURCE.read_bytes(), "cpu_kernels")))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"qkv: the C tile kernels did not build ({detail}); using torch "
@@ -134,10 +150,12 @@ def available(dtype: torch.dtype) -> bool:
 
 
 class TileLoops:
-    """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and ``grads(ds, q, k)``."""
+    """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and
+    ``grads(ds, q, k) -> (dq, dk, grads of tensors)``, one gradient per tensor in
+    ``tensors`` (the tensors the loops read, as autograd should see them)."""
 
-    def __init__(self, scores, grads):
-        self.scores, self.grads = scores, grads
+    def __init__(self, scores, grads, tensors: tuple[Tensor, ...] = ()):
+        self.scores, self.grads, self.tensors = scores, grads, tensors
 
 
 def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:
@@ -188,7 +206,7 @@ def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
 
 # Looked up at call time, so the module's functions stay the one place to change (or patch).
 _L1_LOOPS = TileLoops(lambda q, k, out=None: l1_scores(q, k, out),
-                      lambda ds, q, k: l1_grads(ds, q, k))
+                      lambda ds, q, k: (*l1_grads(ds, q, k), ()))
 
 
 def _rows(t: Tensor) -> int:

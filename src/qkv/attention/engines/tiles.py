@@ -51,6 +51,7 @@ class TileSpec:
     block_q: int
     block_k: int
     span_k: int = 0  # the widest merged key span; 0 means block_k
+    loops: native.TileLoops | None = None  # the pairwise term's C loops, when it has them
 
     @property
     def offset(self) -> int:
@@ -147,10 +148,10 @@ def tile_shape(spec: TileSpec, idx: TileIndex, batch: int) -> tuple[int, int, in
     return batch, spec.heads, idx.q.shape[2], idx.kv.shape[3]
 
 
-def analytic_kernel(spec: TileSpec, dtype: torch.dtype) -> bool:
+def analytic_kernel(spec: TileSpec) -> bool:
     """Whether the pairwise term's tile gradients are at hand (registered torch matmuls, or
     C loops), rather than by autograd through its torch form."""
-    return spec.pair.tile_grads is not None or native.tile_loops(spec.pair, dtype) is not None
+    return spec.pair.tile_grads is not None or spec.loops is not None
 
 
 def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None = None) -> Tensor:
@@ -162,7 +163,7 @@ def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None 
     out = None
     if scratch is not None:
         out = scratch[: b * hk * rows * fk_t.shape[2]].view(b, hk, rows, fk_t.shape[2])
-    loops = native.tile_loops(spec.pair, fq_t.dtype)
+    loops = spec.loops
     if loops is not None and not (torch.is_grad_enabled() and (fq_t.requires_grad or
                                                                fk_t.requires_grad)):
         return loops.scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
