@@ -74,6 +74,9 @@ CASES = {
     "dot_not_causal_or_graph": ({"mask": "not_causal_or_graph"}, (1, 2, 1, 20, 20, 16, 16)),
     "dot_floor_division_mask_batch_mod": ({"mask": "floor_division", "score_mod": "batch"},
                                           (2, 2, 2, 20, 20, 16, 16)),
+    # FlexAttention-style callables that index one dimension at a time (bias[b][kv_idx]).
+    "flex_bias_table_doc_mask": ({"mask": "flex_doc", "score_mod": "flex"},
+                                 (2, 2, 1, 40, 40, 16, 16)),
 }
 
 # Every registered similarity (built-in and the user-defined examples of conftest, whose terms
@@ -106,11 +109,17 @@ def _mask(name: str | None, b: int, nq: int, nk: int):
         "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
         "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk)),
         # Python's floor semantics on negative operands, whatever the backend's division does.
+        "flex_doc": lambda: qkv.custom_mask(
+            lambda b, h, q, kv: _DOC[b][q] == _DOC[b][kv]
+        ),
         "floor_division": lambda: qkv.custom_mask(
             lambda b, h, q, kv: (((q - kv) // 3) % 2 == 0) | (q // 4 == kv // 4)
         ),
     }
     return makers[name]()
+
+
+_DOC = torch.stack([torch.arange(64) // 16, torch.arange(64) // 10])  # (2, 64) document ids
 
 
 def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
@@ -120,6 +129,7 @@ def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
         "alibi": [torch.rand(heads, generator=g) + 0.1],
         "relative_bias": [torch.randn(32, heads, generator=g)],
         "user": [torch.tensor(0.7)],
+        "flex": [torch.randn(2, 64, generator=g), torch.randn(heads, 127, generator=g)],
         "mahalanobis": [torch.eye(d) + 0.2 * torch.randn(heads, d, d, generator=g)],
         "heads": [torch.rand(heads, generator=g) * 0.3 + 0.1],
     }.get(name, [])
@@ -135,6 +145,9 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
         return qkv.alibi(slopes=leaves[0])
     if name == "relative_bias":
         return qkv.relative_bias(leaves[0], num_buckets=32, max_distance=20)
+    if name == "flex":
+        bias, table = leaves
+        return lambda s, b, h, q, kv: s + bias[b][kv] + table[h][q - kv + 63]
     if name == "batch":
         return lambda s, b, h, q, kv: s + b * 0.5 - (h == 1) * 0.25
     temperature = leaves[0]

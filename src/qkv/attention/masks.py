@@ -18,13 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .pointwise import pointwise
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 # Evaluate at most this many mask entries at once when classifying tiles generically.
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tensor, ...]:
+def index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tensor, ...]:
     """Index tensors shaped (B,1,1,1), (1,H,1,1), (1,1,Nq,1), (1,1,1,Nk)."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -59,19 +61,21 @@ class Mask:
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:
         """The mask as a bool tensor of shape (B|1, H|1, Nq, Nk); True = may attend."""
         self.check(batch, heads, nq, nk)
-        b, h, q, k = _index_grid(batch, heads, nq, nk, device)
+        b, h, q, k = index_grid(batch, heads, nq, nk, device)
         allowed = _as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
         return allowed.expand(allowed.shape[0], allowed.shape[1], nq, nk)
 
     def tile_states(
-        self, batch: int, heads: int, nq: int, nk: int, block_q: int, block_k: int, device=None
+        self, batch: int, heads: int, nq: int, nk: int, block_q: int, block_k: int, device=None,
+        grid: int = 1,
     ) -> Tensor:
         """Classify tiles: uint8 (B|1, H|1, ceil(Nq/block_q), ceil(Nk/block_k)) of
-        EMPTY / PARTIAL / FULL. This generic version evaluates the rule chunk by chunk."""
+        EMPTY / PARTIAL / FULL. This generic version evaluates the rule chunk by chunk, each
+        of about _CHUNK_ELEMENTS entries per ``grid`` (batch, head) pairs it fills."""
         self.check(batch, heads, nq, nk)
-        b, h, _, k = _index_grid(batch, heads, nq, nk, device)
+        b, h, _, k = index_grid(batch, heads, nq, nk, device)
         kb = _blocks(nk, block_k)
-        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nk * block_q)) * block_q
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nk * block_q * grid)) * block_q
         chunks = []
         for q0 in range(0, nq, rows_per_chunk):
             q1 = min(nq, q0 + rows_per_chunk)
@@ -399,7 +403,8 @@ class TensorMask(Mask):
 
 
 class CustomMask(Mask):
-    """A user rule ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's mask_mod)."""
+    """A user rule ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's mask_mod),
+    evaluated with FlexAttention's semantics: once per score, on 0-d tensors (``pointwise``)."""
 
     def __init__(self, fn):
         if not callable(fn):
@@ -407,7 +412,12 @@ class CustomMask(Mask):
         self.fn = fn
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        return self.fn(b, h, q_idx, kv_idx)
+        return pointwise(self.fn, b, h, q_idx, kv_idx).bool()
+
+    def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
+        # Per-score evaluation fills every (b, h): chunks are counted with both.
+        return super().tile_states(batch, heads, nq, nk, block_q, block_k, device,
+                                   grid=batch * heads)
 
 
 class AndMask(Mask):

@@ -277,11 +277,11 @@ class Similarity:
         theirs through ordinary autograd)."""
         return self.pairwise.tensors()
 
-    def scores(self, q: Tensor, k: Tensor, scale, metric: Tensor | None = None) -> Tensor:
-        """Raw scaled scores (B, H, Nq, Nk) for q (B, H, Nq, D) and k (B, H, Nk, D) (heads
-        already matched)."""
+    def raw_scores(self, q: Tensor, k: Tensor, metric: Tensor | None = None) -> Tensor:
+        """The pairwise term of the features, unscaled, (B, H, Nq, Nk) for q (B, H, Nq, D) and
+        k (B, H, Nk, D) (heads already matched); ``scores.modified_scores`` goes on from it."""
         fq, fk = self.features(q, k, metric)
-        return scale * self.pairwise.scores(fq, fk)
+        return self.pairwise.scores(fq, fk)
 
     def __repr__(self) -> str:
         return f"Similarity({self.name!r})"

@@ -310,7 +310,7 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def _spec(p: Problem, scale, loops) -> TileSpec:
+def _spec(p: Problem, scale, loops=None) -> TileSpec:
     block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(

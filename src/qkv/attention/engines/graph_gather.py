@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
+from ..scores import modified_scores
 from ..similarity import DOT
 from . import native
 from .tiles import (
@@ -100,20 +101,15 @@ def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> N
 
 
 def _modify(spec: TileSpec, raw: Tensor, target: Tensor, source: Tensor) -> Tensor:
-    """Scale and score modifier of edge scores raw (B, E, H, 1)."""
-    s = raw
-    if spec.scale is not None:
-        scale = spec.scale
-        if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
-            scale = scale.reshape(-1, 1)
-        s = s * scale
-    if spec.score_mod is not None:
-        b = torch.arange(spec.batch, device=s.device).view(-1, 1, 1, 1)
-        h = torch.arange(spec.heads, device=s.device).view(1, 1, -1, 1)
-        s = spec.score_mod(s, b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1),
-                           spec.offset)
-        s = s.expand(raw.shape).to(raw.dtype)
-    return s
+    """``scores.modified_scores`` of edge scores raw (B, E, H, 1): each edge's (target,
+    source) pair are its query and key indices; the edges are the mask."""
+    scale = spec.scale
+    if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
+        scale = scale.reshape(-1, 1)
+    b = torch.arange(spec.batch, device=raw.device).view(-1, 1, 1, 1)
+    h = torch.arange(spec.heads, device=raw.device).view(1, 1, -1, 1)
+    index = (b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1))
+    return modified_scores(raw, index, spec.offset, scale=scale, score_mod=spec.score_mod)
 
 
 def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..masks import EMPTY, FULL, Mask
-from ..scores import ScoreMod
+from ..scores import ScoreMod, modified_scores
 from ..similarity import Pairwise
 from . import native
 
@@ -176,23 +176,11 @@ def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
 
 
 def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:
-    """The elementwise part of a tile's scores: scale, score modifier, mask (-inf where it
-    forbids). raw: (B, H, bq, bk). Outside autograd the scale and the mask are applied in
-    place."""
-    inplace = not torch.is_grad_enabled()
-    shape = raw.shape
-    s = raw
-    if spec.scale is not None:
-        s = s.mul_(spec.scale) if inplace and not isinstance(spec.scale, Tensor) else s * spec.scale
-    if spec.score_mod is not None:
-        s = spec.score_mod(s, idx.b, idx.h, idx.q, idx.kv, spec.offset)
-        if s.shape != shape:
-            s = s.expand(shape)
-        s = s.to(raw.dtype).contiguous()
-    if masked:
-        fill = s.masked_fill_ if inplace else s.masked_fill
-        s = fill(~tile_mask(spec, idx), float("-inf"))
-    return s
+    """``scores.modified_scores`` on one tile (B, H, bq, bk): scale, score modifier, and the
+    mask when the tile is ``masked``; in place outside autograd."""
+    return modified_scores(raw, (idx.b, idx.h, idx.q, idx.kv), spec.offset, scale=spec.scale,
+                           score_mod=spec.score_mod, mask=spec.mask if masked else None,
+                           inplace=not torch.is_grad_enabled())
 
 
 def tile_mask(spec: TileSpec, idx: TileIndex) -> Tensor:

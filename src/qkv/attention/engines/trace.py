@@ -113,6 +113,11 @@ class Graph:
                 f"a captured tensor of shape {tuple(value.shape)} is used whole; index it with "
                 "b, h, q_idx or kv_idx so each score reads one element"
             )
+        if isinstance(value, PartialLoad):
+            raise CompileError(
+                f"a captured tensor of shape {tuple(value.tensor.shape)} is used with "
+                f"{len(value.index)} of its {value.tensor.dim()} indices; index every dimension"
+            )
         raise CompileError(f"cannot compile a value of type {type(value).__name__}")
 
 
@@ -328,9 +333,30 @@ def _filled(fill):
     return handler
 
 
+class PartialLoad:
+    """A captured tensor indexed in fewer dimensions than it has (``bias[b]`` of a (B, N)
+    bias): FlexAttention code indexes one dimension after another, ``bias[b][q_idx]``. Each
+    further index extends it; with one index per dimension it becomes a load."""
+
+    def __init__(self, graph: Graph, tensor: Tensor, index: tuple):
+        self.graph, self.tensor, self.index = graph, tensor, index
+
+    def __getitem__(self, index):
+        return _getitem(self.graph, self.tensor, self.index + _as_tuple(index))
+
+
+def _as_tuple(index) -> tuple:
+    return index if isinstance(index, tuple) else (index,)
+
+
 def _getitem(graph, tensor, index):
     if isinstance(tensor, Sym):
         return tensor[index]
+    index = _as_tuple(index)
+    if len(index) < tensor.dim() and all(
+        isinstance(i, Sym) or (isinstance(i, int) and not isinstance(i, bool)) for i in index
+    ):
+        return PartialLoad(graph, tensor, index)
     return graph.load(tensor, index)
 
 
