@@ -80,7 +80,7 @@ def test_flex_score_mod_on_the_graph_gather_path(monkeypatch):
     adjacency = torch.rand(NQ, NK, generator=torch.Generator().manual_seed(3)) > 0.5
     mask = qkv.graph(adjacency)
     out = qkv.attention(q, k, v, mask=mask, score_mod=flex_score_mod(bias, table),
-                        backend="fused")
+                        backend="graph")
     everything = torch.zeros(B, NK, dtype=torch.long)
     want = dense_expected(q, k, v, bias, table, everything, allowed_extra=adjacency)
     assert rel_err(out, want) < 1e-12

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import graph_gather, tiles
+from qkv.attention.engines import graph_gather, select, tiles
+from qkv.attention.problem import build_problem
 
 from .conftest import mask_cases, rand_qkv
 
@@ -73,13 +74,14 @@ def grads_of(out, inputs, seed=4):
     return [torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads, strict=True)]
 
 
-def compare(similarity, mask, mod, dtype, out_tol, grad_tol, scale=None):
-    """Fused in ``dtype`` against the float64 reference on the same values."""
+def compare(similarity, mask, mod, dtype, out_tol, grad_tol, scale=None, engine="fused"):
+    """``engine`` (the fused CPU engine, or the graph engine) in ``dtype`` against the float64
+    reference on the same values."""
     q, k, v = rand_qkv(B, H, HKV, NQ, NK, D, DV, dtype=dtype)
     params = make_params(dtype)
     extra = {} if scale is None else {"scale": params["scale"] if scale == "tensor" else scale}
     results = []
-    for backend, cast in (("fused", dtype), ("reference", torch.float64)):
+    for backend, cast in ((engine, dtype), ("reference", torch.float64)):
         leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
         p64 = {n: t.detach().to(cast).requires_grad_() for n, t in params.items()}
         if "scale" in extra and scale == "tensor":
@@ -127,10 +129,11 @@ def test_scale_gradients(similarity, scale):
 @pytest.mark.parametrize("similarity", SIMILARITIES)
 @pytest.mark.parametrize("mod", ["none", "alibi_softcap", "closure"])
 def test_gather_path_matches_reference(monkeypatch, similarity, mod):
-    """The sparse-graph gather path (forced) against the reference, grouped heads included."""
+    """The graph engine (forced sparse) against the reference, grouped heads included."""
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 20)  # several chunks
-    compare(similarity, mask_cases(B, NQ, NK)["graph_edges"], mod, torch.float64, 1e-12, 1e-10)
+    compare(similarity, mask_cases(B, NQ, NK)["graph_edges"], mod, torch.float64, 1e-12, 1e-10,
+            engine="graph")
 
 
 @pytest.mark.parametrize("scale", ["tensor", 0.7])
@@ -138,7 +141,7 @@ def test_gather_path_float32_and_scale(monkeypatch, scale):
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 20)
     compare("l2", mask_cases(B, NQ, NK)["graph_edges"], "alibi_softcap", torch.float32, 1e-5,
-            1e-4, scale=scale)
+            1e-4, scale=scale, engine="graph")
 
 
 def test_sparse_graph_takes_gather_path(monkeypatch):
@@ -152,3 +155,7 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
     q, k, v = rand_qkv(1, 2, 2, n, n, 8, 8)
     qkv.attention(q, k, v, mask=mask)
     assert calls
+    problem = build_problem(q, k, v, mask=mask)
+    assert select(problem).name == "graph"
+    assert "too many edges" in graph_gather.why_not(build_problem(q, k, v, mask=qkv.graph(
+        torch.ones(n, n, dtype=torch.bool))))

@@ -64,7 +64,7 @@ def test_fused_engine_matches_reference(small_tiles, name, mask_name):
 
 @pytest.mark.parametrize("name", registered_similarities())
 def test_graph_gather_path_matches_reference(monkeypatch, name):
-    """Sparse graphs take the gather path (forced here): scores along edges from the term's
+    """Sparse graphs take the graph engine (forced here): scores along edges from the term's
     C loops or its definition, gradients to the tensors the term reads."""
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     calls = []
@@ -74,7 +74,7 @@ def test_graph_gather_path_matches_reference(monkeypatch, name):
     mask = mask_cases(B, NQ, NK)["graph_edges"]
     metric, _ = similarity_inputs(name, H, EXAMPLE_D)
     ref, ref_grads = run(name, mask, torch.float64, "reference", metric)
-    out, grads = run(name, mask, torch.float64, "fused", metric)
+    out, grads = run(name, mask, torch.float64, "graph", metric)
     assert calls, "the gather path did not run"
     assert rel_err(out, ref) < 1e-12
     for g, r in zip(grads, ref_grads, strict=True):

@@ -5,15 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import engines
-from .engines import fused_cpu, sdpa
-from .engines import triton as triton_engine
 from .problem import build_problem
-from .reference import run as run_reference
-
-engines.register(engines.Engine("sdpa", sdpa.why_not, sdpa.run))
-engines.register(engines.Engine("reference", lambda p: None, run_reference))
-engines.register(engines.Engine("fused", fused_cpu.why_not, fused_cpu.run), before="reference")
-engines.register(engines.Engine("triton", triton_engine.why_not, triton_engine.run), before="fused")
 
 
 def attention(

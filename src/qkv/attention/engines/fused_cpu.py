@@ -12,7 +12,8 @@ similarity, mask and score modifier.
   (ALiBi slopes, bias tables, tensors captured by user callables) and a tensor scale.
 - Similarity features (unit-normalize, the Mahalanobis map) are O(N·D) and run outside the
   tile loop under ordinary autograd, so gradients reach q, k and the metric.
-- Sparse graph masks go to the gather path in ``graph_gather`` instead of tiles.
+- Sparse graph masks are the graph engine's (``graph_gather``), ahead of this one in the
+  dispatch order.
 - Dropout runs in the engine: each tile's keep mask comes from its own seeded generator, so
   the backward pass regenerates it exactly.
 """
@@ -23,11 +24,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
 from ..similarity import DOT
-from . import graph_gather, native, term_c
+from . import native, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -56,12 +56,20 @@ def _needs_grad(p: Problem) -> bool:
     )
 
 
-def why_not(p: Problem) -> str | None:
+def cpu_why_not(p: Problem) -> str | None:
+    """What rules out both CPU engines (tiles and graph edges)."""
     if p.q.device.type != "cpu":
-        return f"the fused CPU engine runs CPU tensors; got device {p.q.device}"
+        return f"the fused CPU engines run CPU tensors; got device {p.q.device}"
     if torch.compiler.is_compiling():
-        # Its tile plan is read from mask values: data-dependent control flow no graph can hold.
-        return "the fused CPU engine cannot be traced by torch.compile or torch.export"
+        # Their plans are read from mask values: data-dependent control flow no graph can hold.
+        return "the fused CPU engines cannot be traced by torch.compile or torch.export"
+    return None
+
+
+def why_not(p: Problem) -> str | None:
+    reason = cpu_why_not(p)
+    if reason is not None:
+        return reason
     if p.return_weights and _needs_grad(p):
         return (
             "return_weights=True while gradients are needed: the fused engine returns weights "
@@ -310,7 +318,8 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def _spec(p: Problem, scale, loops=None) -> TileSpec:
+def tile_spec(p: Problem, scale, loops=None) -> TileSpec:
+    """The problem as the tile loops (and the graph engine's chunks) see it."""
     block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(
@@ -320,17 +329,17 @@ def _spec(p: Problem, scale, loops=None) -> TileSpec:
     )
 
 
-def _tile_loops(p: Problem, fq: Tensor, gather: bool):
+def _tile_loops(p: Problem, fq: Tensor):
     """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
-    definition (a user's term, ``term_c``); None for matrix-product terms, on the gather path
-    and without a C compiler."""
+    definition (a user's term, ``term_c``); None for matrix-product terms and without a C
+    compiler."""
     pair = p.similarity.pairwise
-    if gather or pair.matrix is not None:
-        return native.tile_loops(pair, fq.dtype) if not gather else None
+    if pair.matrix is not None:
+        return native.tile_loops(pair, fq.dtype)
     return term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
 
 
-def _features(p: Problem):
+def features(p: Problem):
     """Query and key features in the accumulation dtype, v cast alike, and the scale left for
     the tiles (None when folded into the query features, which the dot kernel allows)."""
     acc = accumulation_dtype(p.q.dtype)
@@ -345,23 +354,24 @@ def _features(p: Problem):
     return fq, fk, v, scale
 
 
+def extra_tensors(p: Problem, loops=None) -> list[Tensor]:
+    """The tensors besides q, k, v that gradients must reach inside the engine, once each.
+    The metric acts through the features (ordinary autograd). Compiled loops read the tensors
+    their trace captured, which stand in for the term's own."""
+    traced = loops is not None and loops.tensors
+    term_tensors = p.similarity.tensors() if traced else ()
+    extras = [*(loops.tensors if traced else ()),
+              *(t for t in p.grad_tensors()
+                if t is not p.metric and not any(t is u for u in term_tensors))]
+    return [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
+
+
 def run(p: Problem):
-    fq, fk, v, scale = _features(p)
-    sparse = isinstance(p.mask, GraphMask) and graph_gather.is_sparse(p.mask, p.nq, p.nk)
-    gather = sparse and not p.return_weights
-    loops = _tile_loops(p, fq, gather)
-    spec = _spec(p, scale, loops)
-    # The metric acts through the features; a tensor read twice gets one gradient. Compiled
-    # loops read the tensors their trace captured, which stand in for the term's own.
-    term_tensors = p.similarity.tensors()
-    extras = [*(loops.tensors if loops is not None else ()),
-              *(t for t in p.grad_tensors() if t is not p.metric and not (
-                  loops is not None and loops.tensors and any(t is u for u in term_tensors)))]
-    extras = [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
-    if gather:
-        out, lse = graph_gather.attention(spec, p.mask, fq, fk, v, extras)
-    else:
-        out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
+    fq, fk, v, scale = features(p)
+    loops = _tile_loops(p, fq)
+    spec = tile_spec(p, scale, loops)
+    extras = extra_tensors(p, loops)
+    out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
     if p.lse_sink is not None:
         p.lse_sink.append(lse.detach())
     out = out.to(p.q.dtype)

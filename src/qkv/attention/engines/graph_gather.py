@@ -1,4 +1,7 @@
-"""Sparse graph attention along the edges: cost ∝ edges·D, not Nq·Nk.
+"""The graph engine: sparse graph attention along the edges, cost ∝ edges·D, not Nq·Nk.
+
+It runs a ``qkv.graph`` mask sparse enough that gathering rows per edge beats dense tiles
+(``is_sparse``), with the fused CPU engine's features and tile spec.
 
 A ``GraphMask`` stores its edges target-major and sorted, so the edges of a run of target
 nodes are one contiguous slice. Each slice of targets is one chunk:
@@ -27,7 +30,7 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..scores import modified_scores
 from ..similarity import DOT
-from . import native
+from . import fused_cpu, native
 from .tiles import (
     TileSpec,
     add_grads,
@@ -226,6 +229,28 @@ class _GraphAttention(torch.autograd.Function):
 
         total = sum_worker_grads(run_split(work, chunks))
         return (None, None, *total[:3], *grads_for_extras(ctx.extras, total[3:]))
+
+
+def why_not(p) -> str | None:
+    reason = fused_cpu.cpu_why_not(p)
+    if reason is not None:
+        return reason
+    if not isinstance(p.mask, GraphMask):
+        return "the graph engine runs qkv.graph masks"
+    if not is_sparse(p.mask, p.nq, p.nk):
+        return "the graph has too many edges: dense tiles are faster"
+    if p.return_weights:
+        return "the graph engine does not return weights (the fused engine does)"
+    return None
+
+
+def run(p):
+    fq, fk, v, scale = fused_cpu.features(p)
+    spec = fused_cpu.tile_spec(p, scale)
+    out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p))
+    if p.lse_sink is not None:
+        p.lse_sink.append(lse.detach())
+    return out.to(p.q.dtype)
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:

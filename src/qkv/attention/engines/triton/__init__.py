@@ -32,10 +32,10 @@ def unsupported(p: Problem) -> str | None:
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
     from ..trace import CompileError
-    from .variant import check_compiles
+    from .variant import traced_once
 
     try:
-        check_compiles(p)
+        traced_once(p)
     except CompileError as e:
         return str(e)
     return None

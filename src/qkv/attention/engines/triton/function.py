@@ -21,7 +21,7 @@ from ..trace import MAX_SLOTS, SLOT_INFO
 from . import kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .variant import trace_variant
+from .variant import traced_once
 
 # The KERNEL ids the kernels implement (``Pairwise.triton_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁;
 # TRACED runs the generated ``term_fn`` of a term without code of its own.
@@ -80,8 +80,9 @@ class Variant:
 
 
 def compile_variant(p: Problem) -> Variant:
-    """Trace the mask and score modifier and load their generated Triton functions."""
-    traced = trace_variant(p)
+    """Load the generated Triton functions of the call's traced mask, score modifier and
+    pairwise term (traced once per call, ``traced_once``)."""
+    traced = traced_once(p)
     module = load_module(traced.source)
     return Variant(
         mask_fn=module.mask_fn if traced.has_mask else kernels.noop_mask,

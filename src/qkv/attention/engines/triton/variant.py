@@ -59,5 +59,9 @@ def trace_variant(p: Problem) -> TracedVariant:
     )
 
 
-def check_compiles(p: Problem) -> None:
-    trace_variant(p)
+def traced_once(p: Problem) -> TracedVariant:
+    """The call's traced variant, traced on the first request (``why_not``) and kept on the
+    problem for ``run``. Raises CompileError naming what cannot be compiled."""
+    if "triton" not in p.prepared:
+        p.prepared["triton"] = trace_variant(p)
+    return p.prepared["triton"]
