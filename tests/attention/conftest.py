@@ -74,7 +74,18 @@ def mask_cases(b, nq, nk):
         "bool_tensor": dense,
         "combined": (qkv.causal() | qkv.sliding_window(0, 2))
         & qkv.padding(torch.tensor([nk - 2] * b)),
+        "custom_not": qkv.custom_mask(lambda b, h, q, kv: (q + kv + h) % 3 != 1) | ~qkv.causal(),
     }
+
+
+def mask_kinds(mask) -> set[type]:
+    """The mask classes a mask is built of (combinations included)."""
+    found = {type(mask)}
+    for child in (getattr(mask, "a", None), getattr(mask, "b", None),
+                  getattr(mask, "inner", None)):
+        if isinstance(child, qkv.Mask):
+            found |= mask_kinds(child)
+    return found
 
 
 @pytest.fixture

@@ -159,3 +159,19 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
     assert select(problem).name == "graph"
     assert "too many edges" in graph_gather.why_not(build_problem(q, k, v, mask=qkv.graph(
         torch.ones(n, n, dtype=torch.bool))))
+
+
+def test_modifier_cases_cover_every_modifier_kind():
+    """The engine matrices iterate ``MODS``: a ScoreMod class defined in scores.py without a
+    case there fails here."""
+    from qkv.attention import scores
+
+    defined = {cls for cls in vars(scores).values() if isinstance(cls, type)
+               and issubclass(cls, scores.ScoreMod) and cls is not scores.ScoreMod}
+    covered = set()
+    for kind in MODS:
+        mod = scores.as_score_mod(make_mod(kind, make_params(torch.float64)))
+        if mod is not None:
+            covered.add(type(mod))
+            covered |= {type(m) for m in getattr(mod, "mods", ())}
+    assert defined <= covered, f"no case for {sorted(c.__name__ for c in defined - covered)}"

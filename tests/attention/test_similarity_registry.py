@@ -120,6 +120,14 @@ def test_similarity_object_without_registering_and_features():
         assert rel_err(g, r) < 1e-10
 
 
+def test_a_user_dot_product_with_features_is_not_sent_to_sdpa():
+    sim = qkv.Similarity(features=lambda x: 2.0 * x)  # q·k of doubled features: 4 q·k
+    q, k, v = rand_qkv(1, 2, 2, 5, 5, EXAMPLE_D, 2)
+    out = qkv.attention(q, k, v, similarity=sim)
+    want = qkv.attention(q, k, v, scale=4 / EXAMPLE_D ** 0.5, backend="reference")
+    assert rel_err(out, want) < 1e-12
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match="built-in"):
         qkv.register_similarity("l1", qkv.Similarity(lambda q, k: q * k))

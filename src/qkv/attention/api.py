@@ -6,6 +6,7 @@ from torch import Tensor
 
 from . import engines
 from .problem import build_problem
+from .similarity import Similarity
 
 
 def attention(
@@ -15,7 +16,7 @@ def attention(
     *,
     mask=None,
     score_mod=None,
-    similarity: str = "dot",
+    similarity: str | Similarity = "dot",
     scale=None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -32,7 +33,8 @@ def attention(
             qkv mask object (``qkv.causal()``, ``qkv.padding(...)``, ... combined with & and |).
         score_mod: None, a callable ``score_mod(score, b, h, q_idx, kv_idx)``, a built-in
             modifier (``qkv.alibi``, ``qkv.relative_bias``, ``qkv.softcap``) or a list of them.
-        similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis".
+        similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis", a name registered with
+            ``qkv.register_similarity``, or a ``qkv.Similarity`` (a user's per-dimension term).
         scale: multiplies the similarity; a float or a tensor of shape () or (H,). Default
             1/√D, except cosine: √D.
         dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in eval).

@@ -261,7 +261,7 @@ class Similarity:
             name or getattr(term, "__name__", "term"), term)
         self.features = _feature_map(features)
         self.default_scale = _scale_rule(scale)
-        self.name = name or (self.pairwise.name if term is not None else "dot")
+        self.name = name or (self.pairwise.name if term is not None else "user_dot")
         self.needs_metric = False
 
     @classmethod
