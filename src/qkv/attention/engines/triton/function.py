@@ -18,15 +18,10 @@ from torch import Tensor
 from ...problem import Problem
 from ...reference import expand_kv_heads
 from ..trace import MAX_SLOTS, SLOT_INFO
-from . import kernels
+from . import KERNEL_IDS, TRACED, kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
 from .variant import traced_once
-
-# The KERNEL ids the kernels implement (``Pairwise.triton_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁;
-# TRACED runs the generated ``term_fn`` of a term without code of its own.
-KERNEL_IDS = frozenset({0, 1, 2})
-TRACED = 3
 
 
 @dataclass(frozen=True)
