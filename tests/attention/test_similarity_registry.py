@@ -10,7 +10,7 @@ import torch
 import qkv
 from qkv.attention import similarity as similarity_module
 from qkv.attention.engines import graph_gather, native, term_c, tiles
-from qkv.attention.similarity import SIMILARITIES
+from qkv.attention.similarity import BUILTIN, SIMILARITIES
 
 from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
 
@@ -171,3 +171,19 @@ def test_user_terms_run_in_generated_c_loops(monkeypatch, small_tiles, name):
     assert rel_err(out, ref) < 1e-12
     for g, r in zip(grads, ref_grads, strict=True):
         assert rel_err(g, r) < 1e-10
+
+
+@pytest.mark.parametrize("engine", ["fused", "graph"])
+@pytest.mark.parametrize("name", sorted(set(registered_similarities()) - set(BUILTIN)))
+def test_user_similarities_gradcheck_on_the_cpu_engines(monkeypatch, small_tiles, engine, name):
+    """float64 gradcheck through the engines themselves (generated C loops on tiles, the term's
+    definition along graph edges), the tensors the term reads included."""
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    q, k, v = rand_qkv(1, 2, 1, 6, 7, EXAMPLE_D, 2, requires_grad=True)
+    mask = qkv.graph(torch.rand(6, 7, generator=torch.Generator().manual_seed(5)) > 0.4)
+    learnable = list(SIMILARITIES[name].tensors())
+
+    def fn(q, k, v, *_):
+        return qkv.attention(q, k, v, mask=mask, similarity=name, backend=engine)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, *learnable), eps=1e-6, atol=1e-6, rtol=1e-5)
