@@ -6,9 +6,12 @@ similarity, mask and score modifier.
   save only the output and the log-sum-exp. No (Nq, Nk) tensor is held: extra memory is
   O((Nq + Nk)·D) plus one tile of scores.
 - Backward: recompute each tile's scores from the same definitions and the saved
-  log-sum-exp. The kernels' own gradients are by hand (matmuls for dot and L2, C for L1);
-  the elementwise part (scale, modifier, mask) runs under a small autograd graph per tile
-  when it has anything to differentiate, so gradients reach the score modifier's tensors
+  log-sum-exp. The pairwise term's gradients are the fast forms registered with it (matmuls
+  for dot and L2, C loops for L1), or C loops generated from a user's term (``term_c``,
+  which also return the gradients of the tensors the term reads); a term with neither is
+  differentiated by autograd through its definition. The elementwise part (scale, modifier,
+  mask) runs under a small autograd graph per tile when it has anything to differentiate,
+  so gradients reach the score modifier's tensors
   (ALiBi slopes, bias tables, tensors captured by user callables) and a tensor scale.
 - Similarity features (unit-normalize, the Mahalanobis map) are O(N·D) and run outside the
   tile loop under ordinary autograd, so gradients reach q, k and the metric.
