@@ -92,10 +92,11 @@ def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p):
         ("l2", "causal_padding", None, torch.float16, 64, True, 0.1),
         ("laplacian", "causal_padding", None, torch.bfloat16, 64, False, 0.0),
         ("p3", None, None, torch.float32, 40, True, 0.0),
+        ("weighted_l1", "causal_padding", None, torch.float16, 4, False, 0.0),
     ],
     ids=["dot-bf16-d128-causal-padding-learned-alibi-dropout", "l1-fp32-d40",
          "l2-fp16-d64-weights-dropout", "user-laplacian-learned-tau-bf16-d64-causal-padding",
-         "user-p3-fp32-d40-weights"],
+         "user-p3-fp32-d40-weights", "user-weighted-l1-per-dim-grads-fp16-d4"],
 )
 def test_kernels_compile_for_sm90(
     monkeypatch, similarity, mask, learned_mod, dtype, d, weights, dropout_p
