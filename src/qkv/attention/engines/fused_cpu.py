@@ -183,7 +183,7 @@ def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq
     for tensor, grad in zip(spec.loops.tensors, tensor_grads, strict=True):
         for e, extra in enumerate(extras):
             if extra is tensor:
-                add_grads(sums, 2 + e, [grad.to(extra.dtype)])
+                add_grads(sums, 2 + e, [grad])  # float64 sums; cast once at the end
 
 
 def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:

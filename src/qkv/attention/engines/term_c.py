@@ -183,7 +183,7 @@ void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int
                 {T} *dqi = dqb + i * d;
                 for (int64_t c = 0; c < d; c++) {{
                     const {T} x = qi[c], *row = kt + c * BLOCK;
-                    {T} *drow = dkt + c * BLOCK, total_q = 0{SUM_DECLS};
+                    {T} *drow = dkt + c * BLOCK, total_q = 0;{SUM_DECLS}
                     /* 0 where ds is 0 (padding keys, masked pairs): never 0 * inf */
                     _Pragma("omp simd reduction(+:total_q{SUM_NAMES})")
                     for (int64_t j = 0; j < BLOCK; j++) {{
@@ -240,13 +240,15 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
             continue
         parts.append(_function(f"term_d{n}", d_load, ctype, fsuffix))
         parts.append(_function(f"term_i{n}", index[0] if index else 0, ctype, fsuffix, INT))
-        decls += f", total_{n} = 0"
+        # A tensor's gradient sums every pair's contribution, with cancellation: in double.
+        decls += f" double total_{n} = 0;"
         names += f", total_{n}"
-        updates += f"\n                        total_{n} += gj != 0 ? gj * term_d{n}({_ARGS}) : 0;"
+        updates += (f"\n                        total_{n} += gj != 0 ? "
+                    f"(double)(gj * term_d{n}({_ARGS})) : 0;")
         stores += (f"\n                    G{slot}[term_i{n}(x, x, c, A0, A1, A2, A3)] "
                    f"+= total_{n};")
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
-    grads = ", ".join(f"{ctype} *G{i}" for i in range(MAX_SLOTS))
+    grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
     parts.append(_LOOPS.format(T=ctype, ARGS=_ARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
                                SUM_DECLS=decls, SUM_NAMES=names, SUM_UPDATES=updates,
                                SUM_STORES=stores))
@@ -309,6 +311,7 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
     """scores(q, k, out) and grads(ds, q, k) over the C functions with the slot values."""
     scores_fn, grads_fn = functions
     dummy = torch.zeros(1, dtype=dtype)  # fills unused slots; the closure keeps values alive
+    sink = torch.zeros(1, dtype=torch.float64)  # the same for unused gradient sums
     pointers = [v.data_ptr() for v in values] + [dummy.data_ptr()] * (MAX_SLOTS - len(values))
 
     def scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
@@ -327,8 +330,8 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
         nb, m, d = q3.shape
         n = k3.shape[1]
         dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
-        sums = [torch.zeros(v.numel(), dtype=dtype) for v in values]
-        sum_pointers = [s.data_ptr() for s in sums] + [dummy.data_ptr()] * (MAX_SLOTS - len(sums))
+        sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
+        sum_pointers = [s.data_ptr() for s in sums] + [sink.data_ptr()] * (MAX_SLOTS - len(sums))
         scratch = q.new_empty(2, _BLOCK * d)
         grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(), dk.data_ptr(), nb,
                  m, n, d, scratch[0].data_ptr(), scratch[1].data_ptr(), *pointers,

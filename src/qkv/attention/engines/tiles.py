@@ -265,6 +265,8 @@ def add_grads(sums: list[Tensor | None], start: int, grads) -> None:
 
 
 def grads_for_extras(extras, wanted_grads) -> list[Tensor | None]:
-    """One gradient per extra tensor: the computed ones, in order, for those requiring grad."""
+    """One gradient per extra tensor, in its dtype: the computed ones, in order, for those
+    requiring grad."""
     found = iter(wanted_grads)
-    return [next(found) if e.requires_grad else None for e in extras]
+    grads = [next(found) if e.requires_grad else None for e in extras]
+    return [g if g is None else g.to(e.dtype) for g, e in zip(grads, extras, strict=True)]
