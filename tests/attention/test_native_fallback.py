@@ -51,7 +51,7 @@ def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
     assert not ok and not warned and err < 1e-12
 
 
-@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1", "laplacian", "p3"])
 @pytest.mark.parametrize("gather", [False, True])
 def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
     """What a machine without a compiler runs: the same engine on torch operations."""

@@ -155,18 +155,22 @@ def test_modules_and_model_configs_take_a_registered_name():
 
 
 @pytest.mark.skipif(not native.available(torch.float64), reason="no C compiler")
+@pytest.mark.parametrize("engine", ["fused", "graph"])
 @pytest.mark.parametrize("name", ["p3", "weighted_l1", "laplacian"])
-def test_user_terms_run_in_generated_c_loops(monkeypatch, small_tiles, name):
-    """A user's term is traced and compiled to C tile loops (scores, their derivative and the
-    gradients of the tensors it reads), with no torch fallback on the way."""
+def test_user_terms_run_in_generated_c_loops(monkeypatch, small_tiles, name, engine):
+    """A user's term is traced and compiled to C loops, on tiles and along graph edges
+    (scores, their derivative and the gradients of the tensors it reads), with no torch
+    fallback on the way."""
     built = []
     original = term_c.traced_loops
     monkeypatch.setattr(term_c, "traced_loops", lambda *a: built.append(original(*a)) or built[-1])
-    mask = mask_cases(B, NQ, NK)["combined"]
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    mask = mask_cases(B, NQ, NK)["combined" if engine == "fused" else "graph_edges"]
     ref, ref_grads = run(name, mask, torch.float64, "reference", None)
-    # From here the torch form of the term would raise: the engine must not use it.
+    # From here the torch forms of the term would raise: the engine must not use them.
     monkeypatch.setattr(similarity_module.Pairwise, "scores", None)
-    out, grads = run(name, mask, torch.float64, "fused", None)
+    monkeypatch.setattr(similarity_module.Pairwise, "rows", None)
+    out, grads = run(name, mask, torch.float64, engine, None)
     assert built and built[-1] is not None
     assert rel_err(out, ref) < 1e-12
     for g, r in zip(grads, ref_grads, strict=True):

@@ -14,10 +14,11 @@ modifier) runs under autograd, and the kernel's and the values' gradients are sc
 along the edges by hand, like the tile engine's.
 
 Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
-They run in C (``native``), reading rows in place, for the pairwise terms that have C loops
-(``Pairwise.c_id``); otherwise (no C library, or a user's term) in torch by gathering rows
-per edge and evaluating the term's own definition (``Pairwise.rows``), differentiated by
-autograd, which also reaches the tensors the term reads. Chunks are shared among torch's
+They run in C, reading rows in place: the built-in terms by their id (``Pairwise.c_id``,
+``native``), a user's term in loops generated from it (``term_c``, which also return the
+gradients of the tensors it reads). Without a C library, or for a term that does not trace,
+they run in torch by gathering rows per edge and evaluating the term's own definition
+(``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
 threads like the tile engine's query blocks (``run_split``).
 """
 
@@ -30,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from ..masks import GraphMask
 from ..scores import modified_scores
 from ..similarity import DOT
-from . import fused_cpu, native
+from . import fused_cpu, native, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -70,11 +71,20 @@ def _gathered(q_rows, k_rows, target, source) -> tuple[Tensor, Tensor]:
     return q_rows.index_select(1, target), _gather_heads(k_rows, source, q_rows.shape[2])
 
 
-def _scores(pair, q_rows, k_rows, target, source) -> Tensor:
+def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
     """(B, E, H): the pairwise term of each edge."""
-    if native.edge_loops(pair, q_rows.dtype):
-        return native.edge_scores(pair.c_id, q_rows, k_rows, target, source)
-    return pair.rows(*_gathered(q_rows, k_rows, target, source))
+    if native.edge_loops(spec.pair, q_rows.dtype):
+        return native.edge_scores(spec.pair.c_id, q_rows, k_rows, target, source)
+    if spec.loops is not None:
+        return spec.loops.edge_scores(q_rows, k_rows, target, source)
+    return spec.pair.rows(*_gathered(q_rows, k_rows, target, source))
+
+
+def _dot_rows(q_rows, k_rows, target, source) -> Tensor:
+    """(B, E, H): q·k of each edge's rows (the backward's dout·v)."""
+    if native.edge_loops(DOT, q_rows.dtype):
+        return native.edge_scores(DOT.c_id, q_rows, k_rows, target, source)
+    return DOT.rows(*_gathered(q_rows, k_rows, target, source))
 
 
 def _scatter(weights, x_rows, frm, to, out) -> None:
@@ -90,6 +100,13 @@ def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> N
     if native.edge_loops(spec.pair, ds.dtype):
         native.edge_kernel_grads(spec.pair.c_id, ds, q_rows, k_rows, target, source, sums[0],
                                  sums[1])
+        return
+    if spec.loops is not None:
+        grads = spec.loops.edge_grads(ds, q_rows, k_rows, target, source, sums[0], sums[1])
+        for tensor, grad in zip(spec.loops.tensors, grads, strict=True):
+            for i, w in enumerate(wanted):
+                if w is tensor:
+                    add_grads(sums, 3 + i, [grad])  # float64 sums; cast once at the end
         return
     tensors = [t for t in spec.pair.tensors() if any(t is w for w in wanted)]
     with torch.enable_grad():
@@ -134,7 +151,7 @@ def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
     fq_rows, fk_rows, v_rows = rows
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    scores = _modify(spec, _scores(spec.pair, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
+    scores = _modify(spec, _scores(spec, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
     local = t - first
     shape = (scores.shape[0], count, spec.heads, 1)
     index = local.view(1, -1, 1, 1).expand_as(scores)
@@ -156,7 +173,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     fq_rows, fk_rows, v_rows, lse, dout, delta = saved
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    raw = _scores(spec.pair, fq_rows, fk_rows, t, s).unsqueeze(-1)
+    raw = _scores(spec, fq_rows, fk_rows, t, s).unsqueeze(-1)
     graph_needed = elementwise_needs_grad(spec)
     if graph_needed:
         raw.requires_grad_()
@@ -165,7 +182,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     else:
         scores = _modify(spec, raw, t, s)
     p = torch.exp(scores.detach() - lse.index_select(1, t))
-    dp = _scores(DOT, dout, v_rows, t, s).unsqueeze(-1)
+    dp = _dot_rows(dout, v_rows, t, s).unsqueeze(-1)
     kept = p
     if spec.dropout_p > 0:
         keep = dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
@@ -246,8 +263,11 @@ def why_not(p) -> str | None:
 
 def run(p):
     fq, fk, v, scale = fused_cpu.features(p)
-    spec = fused_cpu.tile_spec(p, scale)
-    out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p))
+    pair = p.similarity.pairwise
+    # A user's term runs in C loops generated from it (``term_c``) when it traces.
+    loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
+    spec = fused_cpu.tile_spec(p, scale, loops)
+    out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p, loops))
     if p.lse_sink is not None:
         p.lse_sink.append(lse.detach())
     return out.to(p.q.dtype)

@@ -152,10 +152,16 @@ def available(dtype: torch.dtype) -> bool:
 class TileLoops:
     """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and
     ``grads(ds, q, k) -> (dq, dk, grads of tensors)``, one gradient per tensor in
-    ``tensors`` (the tensors the loops read, as autograd should see them)."""
+    ``tensors`` (the tensors the loops read, as autograd should see them). Generated loops
+    also run along graph edges: ``edge_scores(q_rows, k_rows, target, source)`` and
+    ``edge_grads(ds, q_rows, k_rows, target, source, dq, dk) -> grads of tensors``, laid out
+    as ``edge_scores`` and ``edge_kernel_grads`` below; None for the hand-written L1 loops
+    (the edge loops here take L1 by its id)."""
 
-    def __init__(self, scores, grads, tensors: tuple[Tensor, ...] = ()):
+    def __init__(self, scores, grads, edge_scores=None, edge_grads=None,
+                 tensors: tuple[Tensor, ...] = ()):
         self.scores, self.grads, self.tensors = scores, grads, tensors
+        self.edge_scores, self.edge_grads = edge_scores, edge_grads
 
 
 def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:
