@@ -9,6 +9,7 @@ Ratios are baseline time / qkv time, so > 1 means qkv is faster.
     python benchmarks/attention_cpu.py --large          # N=16384: window and graph speedups, memory
     python benchmarks/attention_cpu.py --causal-65536   # causal forward+backward at N=65536
     python benchmarks/attention_cpu.py --dispatch       # qkv.attention's overhead over SDPA
+    python benchmarks/attention_cpu.py --user-similarity --no-table   # a user L1 vs built-in
 """
 
 from __future__ import annotations
@@ -394,6 +395,33 @@ def dispatch_report(repeat: int) -> None:
                   f"{len(pairs)} pairs", flush=True)
 
 
+# The user-defined L1 of docs/attention.md: the same math as similarity="l1", written as a
+# per-dimension term, so the fused engine runs it through its generated C loops.
+USER_L1 = qkv.Similarity(lambda q, k: -(q - k).abs(), name="user_l1")
+
+
+def user_similarity_report(n: int, repeat: int) -> None:
+    """Forward+backward of a user-defined L1 on the fused engine against the built-in L1 on
+    the same engine, alternating (drifting load hits both alike), and against the
+    materialized reference running the same user similarity (one run: it is slow)."""
+    print(f"\nUser-defined L1 (f = -|q_d - k_d|) at N={n}, forward+backward:", flush=True)
+    user = forward_backward(_qkv({"similarity": USER_L1}, "fused"), n)
+    builtin = forward_backward(_qkv({"similarity": "l1"}, "fused"), n)
+    user(), builtin()  # warm-up: the term's C loops are built (or found) here
+    times: dict[str, list[float]] = {"user": [], "builtin": []}
+    for _ in range(max(repeat, 3)):
+        for label, run in (("user", user), ("builtin", builtin)):
+            times[label].append(_once(run))
+    ours, base = min(times["user"]), min(times["builtin"])
+    print(f"  fused, user L1     {ours:8.2f} s", flush=True)
+    print(f"  fused, built-in L1 {base:8.2f} s   user / built-in = {ours / base:.2f} "
+          f"(target <= 3)", flush=True)
+    forward_backward(_qkv({"similarity": USER_L1}, "reference"), 64)()  # first-call costs
+    reference = _once(forward_backward(_qkv({"similarity": USER_L1}, "reference"), n))
+    print(f"  reference, user L1 {reference:8.2f} s   reference / fused user = "
+          f"{reference / ours:.2f} (target >= 3)", flush=True)
+
+
 def causal_65536() -> None:
     n = 65536
     run = forward_backward(_qkv({"mask": qkv.causal()}, "fused"), n)
@@ -412,8 +440,11 @@ def _parse(argv):
     parser.add_argument("--large", action="store_true", help="N=16384 window/graph/memory report")
     parser.add_argument("--causal-65536", action="store_true", help="causal fwd+bwd at N=65536")
     parser.add_argument("--dispatch", action="store_true", help="dispatch overhead over SDPA")
+    parser.add_argument("--user-similarity", action="store_true",
+                        help="a user-defined L1 against the built-in L1 and the reference")
     parser.add_argument("--no-table", action="store_true",
-                        help="only the --large/--dispatch/--causal-65536 reports")
+                        help="only the --large/--dispatch/--causal-65536/--user-similarity "
+                             "reports")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--peak-of", nargs=3, metavar=("CASE", "N", "BACKEND"),
                         help=argparse.SUPPRESS)  # the child process of peak_in_child
@@ -441,6 +472,9 @@ def main(argv=None) -> None:
                 print_row(measure(name, n, args.repeat, "fused", False))
     if args.dispatch:
         dispatch_report(args.repeat)
+    if args.user_similarity:
+        for n in args.n:
+            user_similarity_report(n, args.repeat)
     if args.large:
         large_report(args.repeat)
     if args.causal_65536:

@@ -1,9 +1,43 @@
-"""Shared helpers for the attention tests."""
+"""Shared helpers for the attention tests, and the user-defined similarities of
+docs/attention.md, registered so that every test that walks the registry runs them."""
 
 import pytest
 import torch
 
 import qkv
+from qkv.attention.similarity import SIMILARITIES
+
+# Per-dimension weights for head dim D = 4 and a temperature, both
+# learnable; float64 so that gradcheck can perturb them (the term promotes, engines cast back).
+EXAMPLE_D = 4
+L1_WEIGHT = torch.linspace(0.5, 1.5, EXAMPLE_D, dtype=torch.float64).requires_grad_()
+TAU = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+
+EXAMPLES = {
+    "p3": qkv.Similarity(lambda q, k: -(q - k).abs() ** 3, name="p3"),
+    "weighted_l1": qkv.Similarity(lambda q, k: -L1_WEIGHT * (q - k).abs(), name="weighted_l1"),
+    "laplacian": qkv.Similarity(lambda q, k: -(q - k).abs() / TAU, scale=1.0, name="laplacian"),
+}
+for _name, _sim in EXAMPLES.items():
+    qkv.register_similarity(_name, _sim)
+
+
+def registered_similarities(d: int = EXAMPLE_D) -> list[str]:
+    """Every registered similarity that applies to head dim d (a per-dimension weight fixes D)."""
+    return [name for name, sim in SIMILARITIES.items()
+            if all(t.dim() == 0 or t.shape[-1] == d for t in sim.tensors())]
+
+
+def similarity_inputs(name: str, heads: int, d: int, dtype=torch.float64, seed=2):
+    """(metric or None, learnable tensors) for a registered similarity: Mahalanobis' metric
+    (H, D, D) and the tensors a user's term reads; all are gradient targets."""
+    metric = None
+    if SIMILARITIES[name].needs_metric:
+        g = torch.Generator().manual_seed(seed)
+        metric = (torch.eye(d, dtype=dtype) + 0.3 * torch.randn(heads, d, d, generator=g,
+                                                                 dtype=dtype)).requires_grad_()
+    learnable = [metric] if metric is not None else []
+    return metric, learnable + list(SIMILARITIES[name].tensors())
 
 
 def rand_qkv(
@@ -40,7 +74,18 @@ def mask_cases(b, nq, nk):
         "bool_tensor": dense,
         "combined": (qkv.causal() | qkv.sliding_window(0, 2))
         & qkv.padding(torch.tensor([nk - 2] * b)),
+        "custom_not": qkv.custom_mask(lambda b, h, q, kv: (q + kv + h) % 3 != 1) | ~qkv.causal(),
     }
+
+
+def mask_kinds(mask) -> set[type]:
+    """The mask classes a mask is built of (combinations included)."""
+    found = {type(mask)}
+    for child in (getattr(mask, "a", None), getattr(mask, "b", None),
+                  getattr(mask, "inner", None)):
+        if isinstance(child, qkv.Mask):
+            found |= mask_kinds(child)
+    return found
 
 
 @pytest.fixture

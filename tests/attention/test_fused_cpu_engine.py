@@ -13,6 +13,7 @@ from qkv.attention import EMPTY, FULL
 from qkv.attention.engines import select, tiles
 from qkv.attention.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.attention.problem import build_problem
+from qkv.attention.similarity import DOT
 
 from .conftest import rand_qkv
 
@@ -25,7 +26,7 @@ def rel_err(a, b):
 
 
 def spec_for(mask, nq, nk, block_q, block_k, batch=1, heads=1):
-    return TileSpec("dot", None, None, mask, batch, heads, nq, nk, 0.0, 0, block_q, block_k)
+    return TileSpec(DOT, None, None, mask, batch, heads, nq, nk, 0.0, 0, block_q, block_k)
 
 
 def test_causal_plan_skips_empty_and_unmasks_full_tiles():

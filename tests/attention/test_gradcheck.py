@@ -1,14 +1,14 @@
-"""float64 gradcheck of the reference for every similarity x mask kind x score modifier."""
+"""float64 gradcheck of the reference for every registered similarity (built-in and the
+user-defined examples) x mask kind x score modifier, with the tensors a similarity reads."""
 
 import pytest
 import torch
 
 import qkv
 
-from .conftest import mask_cases, rand_qkv
+from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
 
-B, H, HKV, NQ, NK, D, DV = 2, 2, 1, 4, 5, 3, 2
-SIMILARITIES = ["dot", "cosine", "l2", "l1", "mahalanobis"]
+B, H, HKV, NQ, NK, D, DV = 2, 2, 1, 4, 5, EXAMPLE_D, 2
 MASKS = list(mask_cases(B, NQ, NK))
 
 
@@ -24,19 +24,18 @@ def make_mod(kind, params):
 
 @pytest.mark.parametrize("mod_kind", ["none", "alibi_softcap", "relative_bias"])
 @pytest.mark.parametrize("mask_name", MASKS)
-@pytest.mark.parametrize("similarity", SIMILARITIES)
+@pytest.mark.parametrize("similarity", registered_similarities(D))
 def test_reference_gradcheck(similarity, mask_name, mod_kind):
     q, k, v = rand_qkv(B, H, HKV, NQ, NK, D, DV, requires_grad=True)
     mask = mask_cases(B, NQ, NK)[mask_name]
     g = torch.Generator().manual_seed(2)
-    metric = torch.randn(H, D, D, generator=g, dtype=torch.float64, requires_grad=True)
+    metric, learnable = similarity_inputs(similarity, H, D)
     params = {
         "slopes": torch.rand(H, generator=g, dtype=torch.float64).requires_grad_(),
         "table": torch.randn(4, H, generator=g, dtype=torch.float64).requires_grad_(),
     }
-    inputs = [q, k, v]
-    if similarity == "mahalanobis":
-        inputs.append(metric)
+    # gradcheck perturbs its inputs in place, so a user term sees the perturbed tensors it reads.
+    inputs = [q, k, v, *learnable]
     if mod_kind == "alibi_softcap":
         inputs.append(params["slopes"])
     if mod_kind == "relative_bias":
@@ -44,8 +43,8 @@ def test_reference_gradcheck(similarity, mask_name, mod_kind):
 
     def fn(*tensors):
         q_, k_, v_ = tensors[:3]
-        rest = list(tensors[3:])
-        m = rest.pop(0) if similarity == "mahalanobis" else None
+        rest = list(tensors[3 + len(learnable):])
+        m = tensors[3] if metric is not None else None
         local = dict(params)
         if mod_kind == "alibi_softcap":
             local["slopes"] = rest.pop(0)

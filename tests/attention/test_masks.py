@@ -113,3 +113,19 @@ def test_tile_states_property(nq, nk, bq, bk, left, right, seed):
     ]
     for mask in masks:
         check_tile_states(mask, 2, 1, nq, nk, bq, bk)
+
+
+def test_mask_cases_cover_every_mask_kind():
+    """The engine x mask matrices iterate ``mask_cases``: a mask class defined in masks.py
+    without a case there fails here, so it cannot go untested."""
+    from qkv.attention import masks
+
+    from .conftest import mask_cases, mask_kinds
+
+    defined = {cls for cls in vars(masks).values()
+               if isinstance(cls, type) and issubclass(cls, masks.Mask) and cls is not masks.Mask}
+    covered = set()
+    for mask in mask_cases(2, 5, 7).values():
+        if mask is not None:
+            covered |= mask_kinds(masks.as_mask(mask))
+    assert defined <= covered, f"no case for {sorted(c.__name__ for c in defined - covered)}"

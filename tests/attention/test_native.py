@@ -6,6 +6,7 @@ import torch
 
 import qkv
 from qkv.attention.engines import native
+from qkv.attention.similarity import PAIRWISE
 
 pytestmark = pytest.mark.skipif(
     not native.available(torch.float32), reason="no C compiler on this machine"
@@ -146,12 +147,12 @@ def test_softmax_steps_apply_a_broadcast_mask(mask_shape):
     torch.testing.assert_close(got, torch.exp(masked - lse), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("kernel", ["dot", "neg_sqdist", "neg_l1"])
+@pytest.mark.parametrize("pair", sorted(PAIRWISE))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_edge_primitives_equal_their_torch_formulas(kernel, dtype):
+def test_edge_primitives_equal_their_torch_formulas(pair, dtype):
     """Scores, scatters and kernel gradients along edges, grouped heads (4 query heads on 2
-    key heads), against gathering the rows and ROW_KERNELS with autograd."""
-    from qkv.attention.similarity import ROW_KERNELS
+    key heads), against gathering the rows and the term's definition with autograd."""
+    pair = PAIRWISE[pair]
 
     g = torch.Generator().manual_seed(10)
     q_rows = torch.randn(2, 7, 4, 6, generator=g, dtype=dtype)
@@ -161,14 +162,14 @@ def test_edge_primitives_equal_their_torch_formulas(kernel, dtype):
     source = torch.tensor([4, 8, 0, 1, 1, 7, 2])
     qe = q_rows[:, target].requires_grad_()
     ke = k_rows[:, source].repeat_interleave(2, dim=2).requires_grad_()
-    want = ROW_KERNELS[kernel](qe, ke)
+    want = pair.rows(qe, ke)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(native.edge_scores(kernel, q_rows, k_rows, target, source), want,
+    torch.testing.assert_close(native.edge_scores(pair.c_id, q_rows, k_rows, target, source), want,
                                **tol)
     ds = torch.randn(want.shape, generator=g, dtype=dtype)
     gq, gk = torch.autograd.grad(want, (qe, ke), ds)
     dq, dk = torch.zeros_like(q_rows), torch.zeros_like(k_rows)
-    native.edge_kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk)
+    native.edge_kernel_grads(pair.c_id, ds, q_rows, k_rows, target, source, dq, dk)
     torch.testing.assert_close(dq, torch.zeros_like(dq).index_add_(1, target, gq), **tol)
     want_dk = torch.zeros_like(dk).index_add_(1, source, gk.view(2, 7, 2, 2, 6).sum(3))
     torch.testing.assert_close(dk, want_dk, **tol)
@@ -177,3 +178,14 @@ def test_edge_primitives_equal_their_torch_formulas(kernel, dtype):
     native.edge_scatter(weights, v_rows, source, target, out)
     contrib = weights.unsqueeze(-1) * v_rows[:, source].repeat_interleave(2, dim=2)
     torch.testing.assert_close(out, torch.zeros_like(out).index_add_(1, target, contrib), **tol)
+
+
+@pytest.mark.skipif(not native.available(torch.float64), reason="no C compiler")
+def test_edge_loops_reject_an_unknown_term_id():
+    rows = torch.randn(1, 3, 1, 2, dtype=torch.float64)
+    edges = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="no pairwise term with id 7"):
+        native.edge_scores(7, rows, rows, edges, edges)
+    with pytest.raises(ValueError, match="no pairwise term with id None"):
+        native.edge_kernel_grads(None, torch.ones(1, 2, 1, dtype=torch.float64), rows, rows,
+                                 edges, edges, torch.zeros_like(rows), torch.zeros_like(rows))

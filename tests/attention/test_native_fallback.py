@@ -51,7 +51,7 @@ def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
     assert not ok and not warned and err < 1e-12
 
 
-@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1", "laplacian", "p3"])
 @pytest.mark.parametrize("gather", [False, True])
 def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
     """What a machine without a compiler runs: the same engine on torch operations."""
@@ -72,7 +72,7 @@ def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
     q, k, v = (torch.randn(2, 4 if i == 0 else 2, n, 5, generator=g, dtype=torch.float64,
                            requires_grad=True) for i in range(3))
     kw = {"similarity": similarity, "mask": mask, "score_mod": qkv.alibi(4)}
-    out = qkv.attention(q, k, v, backend="fused", **kw)
+    out = qkv.attention(q, k, v, backend="graph" if gather else "fused", **kw)
     ref = qkv.attention(q, k, v, backend="reference", **kw)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     grads = torch.autograd.grad((out * ref.detach()).sum(), (q, k, v))

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.attention.similarity import KERNELS, ROW_KERNELS
+from qkv.attention.similarity import PAIRWISE, pairwise_sum
 
 from .conftest import rand_qkv
 
@@ -126,10 +126,21 @@ def test_low_precision_dtypes_track_float64(dtype, similarity):
     assert err < {torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
-def test_row_kernels_are_the_pairwise_kernels_diagonal(kernel):
+@pytest.mark.parametrize("name", sorted(PAIRWISE))
+def test_fast_forms_equal_the_terms_definition(name):
+    """Each built-in pairwise term's registered torch form, its rows and its derivative by hand
+    against the per-dimension definition summed over d (and its autograd derivative)."""
+    pair = PAIRWISE[name]
     g = torch.Generator().manual_seed(4)
-    q, k = (torch.randn(2, 3, 9, 7, generator=g, dtype=torch.float64) for _ in range(2))
-    want = torch.diagonal(KERNELS[kernel](q, k), dim1=-2, dim2=-1)
-    torch.testing.assert_close(ROW_KERNELS[kernel](q, k), want, rtol=1e-12, atol=1e-12)
-    assert sorted(ROW_KERNELS) == sorted(KERNELS)
+    q, k = (torch.randn(2, 3, 9, 7, generator=g, dtype=torch.float64).requires_grad_()
+            for _ in range(2))
+    want = pairwise_sum(pair.term, q, k)
+    torch.testing.assert_close(pair.matrix(q, k), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pair.rows(q, k), torch.diagonal(want, dim1=-2, dim2=-1),
+                               rtol=1e-12, atol=1e-12)
+    ds = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(want, (q, k), ds)
+    if pair.tile_grads is not None:
+        dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+        pair.tile_grads(ds, q.detach(), k.detach(), dq, dk)
+        torch.testing.assert_close((dq, dk), grads, rtol=1e-10, atol=1e-10)

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-_POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-                  torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+_POINTER_TYPES = {torch.float64: "*fp64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
+                  torch.float16: "*fp16", torch.int32: "*i32", torch.int64: "*i64",
+                  torch.uint8: "*u8"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -89,9 +90,13 @@ def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p):
         ("dot", "causal_padding", "alibi", torch.bfloat16, 128, False, 0.1),
         ("l1", None, None, torch.float32, 40, False, 0.0),
         ("l2", "causal_padding", None, torch.float16, 64, True, 0.1),
+        ("laplacian", "causal_padding", None, torch.bfloat16, 64, False, 0.0),
+        ("p3", None, None, torch.float32, 40, True, 0.0),
+        ("weighted_l1", "causal_padding", None, torch.float16, 4, False, 0.0),
     ],
     ids=["dot-bf16-d128-causal-padding-learned-alibi-dropout", "l1-fp32-d40",
-         "l2-fp16-d64-weights-dropout"],
+         "l2-fp16-d64-weights-dropout", "user-laplacian-learned-tau-bf16-d64-causal-padding",
+         "user-p3-fp32-d40-weights", "user-weighted-l1-per-dim-grads-fp16-d4"],
 )
 def test_kernels_compile_for_sm90(
     monkeypatch, similarity, mask, learned_mod, dtype, d, weights, dropout_p

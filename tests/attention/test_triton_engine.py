@@ -25,9 +25,15 @@ from qkv.attention.engines import triton as triton_engine
 from qkv.attention.engines.triton.blocks import block_tables, classify, coarsen
 from qkv.attention.masks import EMPTY, FULL, PARTIAL
 from qkv.attention.problem import build_problem
+from qkv.attention.similarity import SIMILARITIES
+
+from .conftest import EXAMPLE_D, registered_similarities
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
+# The registry's cases: a scalar such as a temperature sums every pair's gradient (with
+# cancellation) in fp32 atomics, so gradients get the issue's 1e-4.
+REGISTRY_GRAD_TOLERANCE = 1e-4
 
 
 def _edges(nq: int, nk: int) -> torch.Tensor:
@@ -68,8 +74,18 @@ CASES = {
     "dot_not_causal_or_graph": ({"mask": "not_causal_or_graph"}, (1, 2, 1, 20, 20, 16, 16)),
     "dot_floor_division_mask_batch_mod": ({"mask": "floor_division", "score_mod": "batch"},
                                           (2, 2, 2, 20, 20, 16, 16)),
+    # FlexAttention-style callables that index one dimension at a time (bias[b][kv_idx]).
+    "flex_bias_table_doc_mask": ({"mask": "flex_doc", "score_mod": "flex"},
+                                 (2, 2, 1, 40, 40, 16, 16)),
 }
 
+# Every registered similarity (built-in and the user-defined examples of conftest, whose terms
+# are traced into Triton) under each of four mask kinds, with grouped heads and Nq != Nk.
+for _name in registered_similarities():
+    for _mask in (None, "causal", "padding", "graph"):
+        CASES[f"registry_{_name}_{_mask or 'none'}"] = (
+            {"similarity": _name, "mask": _mask, "score_mod": "softcap"},
+            (2, 4, 2, 24, 37, EXAMPLE_D, 8))
 
 # Weights recomputed from the saved log-sum-exp (return_weights=True, no gradient).
 WEIGHT_CASES = {
@@ -93,11 +109,17 @@ def _mask(name: str | None, b: int, nq: int, nk: int):
         "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
         "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk)),
         # Python's floor semantics on negative operands, whatever the backend's division does.
+        "flex_doc": lambda: qkv.custom_mask(
+            lambda b, h, q, kv: _DOC[b][q] == _DOC[b][kv]
+        ),
         "floor_division": lambda: qkv.custom_mask(
             lambda b, h, q, kv: (((q - kv) // 3) % 2 == 0) | (q // 4 == kv // 4)
         ),
     }
     return makers[name]()
+
+
+_DOC = torch.stack([torch.arange(64) // 16, torch.arange(64) // 10])  # (2, 64) document ids
 
 
 def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
@@ -107,6 +129,7 @@ def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
         "alibi": [torch.rand(heads, generator=g) + 0.1],
         "relative_bias": [torch.randn(32, heads, generator=g)],
         "user": [torch.tensor(0.7)],
+        "flex": [torch.randn(2, 64, generator=g), torch.randn(heads, 127, generator=g)],
         "mahalanobis": [torch.eye(d) + 0.2 * torch.randn(heads, d, d, generator=g)],
         "heads": [torch.rand(heads, generator=g) * 0.3 + 0.1],
     }.get(name, [])
@@ -122,6 +145,9 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
         return qkv.alibi(slopes=leaves[0])
     if name == "relative_bias":
         return qkv.relative_bias(leaves[0], num_buckets=32, max_distance=20)
+    if name == "flex":
+        bias, table = leaves
+        return lambda s, b, h, q, kv: s + bias[b][kv] + table[h][q - kv + 63]
     if name == "batch":
         return lambda s, b, h, q, kv: s + b * 0.5 - (h == 1) * 0.25
     temperature = leaves[0]
@@ -136,7 +162,7 @@ def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
                for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
     sim = spec.get("similarity", "dot")
     mod_leaves = _leaves(spec.get("score_mod"), h, d, dtype)
-    metric = _leaves("mahalanobis", h, d, dtype) if sim == "mahalanobis" else []
+    metric = _leaves("mahalanobis", h, d, dtype) if SIMILARITIES[sim].needs_metric else []
     scale = _leaves(spec.get("scale"), h, d, dtype)
     problem = build_problem(
         q, k, v, mask=_mask(spec.get("mask"), b, nq, nk),
@@ -145,7 +171,8 @@ def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
         dropout_p=0.0, return_weights=return_weights,
     )
     grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
-    return problem, [q, k, v, *metric, *mod_leaves, *scale], grad_out
+    term_tensors = list(SIMILARITIES[sim].tensors())  # shared by the fp32 and float64 runs
+    return problem, [q, k, v, *metric, *mod_leaves, *scale, *term_tensors], grad_out
 
 
 def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -234,8 +261,10 @@ def run_dropout_case() -> dict:
 @pytest.fixture(scope="module")
 def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
+    # As a module from the repository root, so that it imports conftest's registrations.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "tests.attention.test_triton_engine"], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=root)
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -253,7 +282,8 @@ def test_matches_float64_reference_forward_and_gradients(interpreter_results, na
     result = interpreter_results[name]
     assert "error" not in result, result["error"]
     assert result["out"] < TOLERANCE, result
-    assert max(result["grads"]) < TOLERANCE, result
+    grad_tolerance = REGISTRY_GRAD_TOLERANCE if name.startswith("registry_") else TOLERANCE
+    assert max(result["grads"]) < grad_tolerance, result
     assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
 
 
@@ -314,6 +344,25 @@ def _user_problem(score_mod=None, mask=None):
 def test_uncompilable_variants_name_the_problem(score_mod, mask, expected):
     reason = triton_engine.unsupported(_user_problem(score_mod, mask))
     assert reason is not None and expected in reason and "cannot compile" in reason
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_pairwise_terms_without_triton_code_are_refused_with_a_reason():
+    """An id the kernels do not know, or a term the tracer cannot follow: a reason from
+    why_not (so the dispatcher falls back), never a default to another term."""
+    import dataclasses
+
+    from qkv.attention.similarity import NEG_L1
+
+    q = torch.randn(1, 2, 8, 16)
+    unknown = qkv.Similarity(name="unknown_id")
+    unknown.pairwise = dataclasses.replace(NEG_L1, triton_id=9)
+    branchy = qkv.Similarity(lambda a, b: a * b if a.sum() > 0 else -a * b)
+    for sim, expected in ((unknown, "no pairwise term with id 9"),
+                          (branchy, "cannot compile the pairwise term")):
+        problem = build_problem(q, q, q, similarity=sim)
+        reason = triton_engine.unsupported(problem)
+        assert reason is not None and expected in reason, reason
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -102,8 +102,8 @@ def test_head_weights_from_the_fused_engines_log_sum_exp():
     kw = dict(mask=qkv.causal(), score_mod=qkv.alibi(4), similarity="l2")
     problem = build_problem(q, k, v, scale=None, metric=None, dropout_p=0.0,
                             return_weights=False, **kw)
-    fq, fk, fv, scale = fused_cpu._features(problem)
-    spec = fused_cpu._spec(problem, scale)
+    fq, fk, fv, scale = fused_cpu.features(problem)
+    spec = fused_cpu.tile_spec(problem, scale)
     _, lse = fused_cpu._forward(spec, tile_plan(spec, fq.device), fq, fk, fv)
     got = head_weights(q, k, [1, 3], lse=lse, **kw)
     _, want = qkv.attention(q, k, v, return_weights=True, backend="reference", **kw)

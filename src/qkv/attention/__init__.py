@@ -21,7 +21,7 @@ from .masks import (
 )
 from .retention import decay_matrix, retention, retention_decays, retention_step
 from .scores import ScoreMod, alibi, relative_bias, softcap
-from .similarity import SIMILARITIES
+from .similarity import SIMILARITIES, Similarity, register_similarity
 from .sparse import block_sparse, dilated_window, fixed, global_local, global_tokens, strided
 
 __all__ = [
@@ -45,12 +45,14 @@ __all__ = [
     "Mask",
     "SIMILARITIES",
     "ScoreMod",
+    "Similarity",
     "alibi",
     "attention",
     "causal",
     "custom_mask",
     "graph",
     "padding",
+    "register_similarity",
     "relative_bias",
     "segments",
     "sliding_window",

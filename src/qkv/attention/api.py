@@ -5,15 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import engines
-from .engines import fused_cpu, sdpa
-from .engines import triton as triton_engine
 from .problem import build_problem
-from .reference import run as run_reference
-
-engines.register(engines.Engine("sdpa", sdpa.why_not, sdpa.run))
-engines.register(engines.Engine("reference", lambda p: None, run_reference))
-engines.register(engines.Engine("fused", fused_cpu.why_not, fused_cpu.run), before="reference")
-engines.register(engines.Engine("triton", triton_engine.why_not, triton_engine.run), before="fused")
+from .similarity import Similarity
 
 
 def attention(
@@ -23,7 +16,7 @@ def attention(
     *,
     mask=None,
     score_mod=None,
-    similarity: str = "dot",
+    similarity: str | Similarity = "dot",
     scale=None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -40,7 +33,8 @@ def attention(
             qkv mask object (``qkv.causal()``, ``qkv.padding(...)``, ... combined with & and |).
         score_mod: None, a callable ``score_mod(score, b, h, q_idx, kv_idx)``, a built-in
             modifier (``qkv.alibi``, ``qkv.relative_bias``, ``qkv.softcap``) or a list of them.
-        similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis".
+        similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis", a name registered with
+            ``qkv.register_similarity``, or a ``qkv.Similarity`` (a user's per-dimension term).
         scale: multiplies the similarity; a float or a tensor of shape () or (H,). Default
             1/√D, except cosine: √D.
         dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in eval).

@@ -18,13 +18,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .pointwise import pointwise
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 # Evaluate at most this many mask entries at once when classifying tiles generically.
 _CHUNK_ELEMENTS = 1 << 22
 
 
-def _index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tensor, ...]:
+def index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tensor, ...]:
     """Index tensors shaped (B,1,1,1), (1,H,1,1), (1,1,Nq,1), (1,1,1,Nk)."""
     b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
     h = torch.arange(heads, device=device).view(1, -1, 1, 1)
@@ -33,7 +35,8 @@ def _index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tenso
     return b, h, q, k
 
 
-def _as_4d(t: Tensor) -> Tensor:
+def as_4d(t: Tensor) -> Tensor:
+    """Leading size-1 dims up to 4-D: a rule's result broadcastable to (B, H, Nq, Nk)."""
     while t.dim() < 4:
         t = t.unsqueeze(0)
     return t
@@ -59,24 +62,26 @@ class Mask:
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:
         """The mask as a bool tensor of shape (B|1, H|1, Nq, Nk); True = may attend."""
         self.check(batch, heads, nq, nk)
-        b, h, q, k = _index_grid(batch, heads, nq, nk, device)
-        allowed = _as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
+        b, h, q, k = index_grid(batch, heads, nq, nk, device)
+        allowed = as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
         return allowed.expand(allowed.shape[0], allowed.shape[1], nq, nk)
 
     def tile_states(
-        self, batch: int, heads: int, nq: int, nk: int, block_q: int, block_k: int, device=None
+        self, batch: int, heads: int, nq: int, nk: int, block_q: int, block_k: int, device=None,
+        grid: int = 1,
     ) -> Tensor:
         """Classify tiles: uint8 (B|1, H|1, ceil(Nq/block_q), ceil(Nk/block_k)) of
-        EMPTY / PARTIAL / FULL. This generic version evaluates the rule chunk by chunk."""
+        EMPTY / PARTIAL / FULL. This generic version evaluates the rule chunk by chunk, each
+        of about _CHUNK_ELEMENTS entries per ``grid`` (batch, head) pairs it fills."""
         self.check(batch, heads, nq, nk)
-        b, h, _, k = _index_grid(batch, heads, nq, nk, device)
+        b, h, _, k = index_grid(batch, heads, nq, nk, device)
         kb = _blocks(nk, block_k)
-        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nk * block_q)) * block_q
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nk * block_q * grid)) * block_q
         chunks = []
         for q0 in range(0, nq, rows_per_chunk):
             q1 = min(nq, q0 + rows_per_chunk)
             q = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)
-            allowed = _as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
+            allowed = as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
             allowed = allowed.expand(allowed.shape[0], allowed.shape[1], q1 - q0, nk)
             chunks.append(_reduce_tiles(allowed, block_q, block_k, kb))
         return torch.cat(chunks, dim=2)
@@ -114,13 +119,14 @@ def _reduce_tiles(allowed: Tensor, block_q: int, block_k: int, kb: int) -> Tenso
     return states
 
 
-def _tile_bounds(n: int, block: int, device) -> tuple[Tensor, Tensor]:
+def tile_bounds(n: int, block: int, device) -> tuple[Tensor, Tensor]:
     """First and last index of each block."""
     start = torch.arange(0, n, block, device=device)
     return start, torch.clamp(start + block - 1, max=n - 1)
 
 
-def _states_from(full: Tensor, empty: Tensor) -> Tensor:
+def states_from(full: Tensor, empty: Tensor) -> Tensor:
+    """Tile states (uint8) from bool tensors of FULL and EMPTY tiles; the rest PARTIAL."""
     states = torch.full(full.shape, PARTIAL, dtype=torch.uint8, device=full.device)
     states[empty] = EMPTY
     states[full] = FULL
@@ -162,14 +168,14 @@ class SlidingWindowMask(Mask):
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
         offset = nk - nq
-        q0, q1 = (t.view(-1, 1) + offset for t in _tile_bounds(nq, block_q, device))
-        k0, k1 = (t.view(1, -1) for t in _tile_bounds(nk, block_k, device))
+        q0, q1 = (t.view(-1, 1) + offset for t in tile_bounds(nq, block_q, device))
+        k0, k1 = (t.view(1, -1) for t in tile_bounds(nk, block_k, device))
         full = k1 <= q0 + self.right
         empty = k0 > q1 + self.right
         if self.left is not None:
             full = full & (k0 >= q1 - self.left)
             empty = empty | (k1 < q0 - self.left)
-        return _as_4d(_states_from(full, empty))
+        return as_4d(states_from(full, empty))
 
     def __repr__(self) -> str:
         return f"sliding_window({self.left}, {self.right})"
@@ -208,11 +214,11 @@ class PaddingMask(Mask):
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
         self.check(batch, heads, nq, nk)
         lengths = self.lengths.to(device).view(-1, 1, 1, 1)
-        k0, k1 = (t.view(1, 1, 1, -1) for t in _tile_bounds(nk, block_k, device))
+        k0, k1 = (t.view(1, 1, 1, -1) for t in tile_bounds(nk, block_k, device))
         qb = _blocks(nq, block_q)
         full = (k1 < lengths).expand(-1, -1, qb, -1)
         empty = (k0 >= lengths).expand(-1, -1, qb, -1)
-        return _states_from(full, empty)
+        return states_from(full, empty)
 
     def __repr__(self) -> str:
         return f"padding({self.lengths.tolist()})"
@@ -271,7 +277,7 @@ class SegmentMask(Mask):
         kmin, kmax = kmin[:, None, :], kmax[:, None, :]
         empty = (qmax < kmin) | (kmax < qmin)
         full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-        return _states_from(full, empty).unsqueeze(1)
+        return states_from(full, empty).unsqueeze(1)
 
     def __repr__(self) -> str:
         return f"segments(q_ids of shape {tuple(self.q_ids.shape)})"
@@ -349,7 +355,7 @@ class GraphMask(Mask):
         rows[-1] = nq - (qb - 1) * block_q
         cols = torch.full((kb,), block_k, device=device)
         cols[-1] = nk - (kb - 1) * block_k
-        return _as_4d(_states_from(counts == rows[:, None] * cols[None, :], counts == 0))
+        return as_4d(states_from(counts == rows[:, None] * cols[None, :], counts == 0))
 
     def __repr__(self) -> str:
         return f"graph({self.num_edges} edges)"
@@ -371,7 +377,7 @@ class TensorMask(Mask):
         if allowed.dim() > 4:
             raise ValueError(f"mask must have at most 4 dims (B, H, Nq, Nk); got {allowed.dim()}")
         self.given_shape = tuple(allowed.shape)
-        self.allowed = _as_4d(allowed)
+        self.allowed = as_4d(allowed)
 
     def tensors(self):
         return (self.allowed,)
@@ -399,7 +405,8 @@ class TensorMask(Mask):
 
 
 class CustomMask(Mask):
-    """A user rule ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's mask_mod)."""
+    """A user rule ``fn(b, h, q_idx, kv_idx) -> bool tensor`` (FlexAttention's mask_mod),
+    evaluated with FlexAttention's semantics: once per score, on 0-d tensors (``pointwise``)."""
 
     def __init__(self, fn):
         if not callable(fn):
@@ -407,7 +414,12 @@ class CustomMask(Mask):
         self.fn = fn
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        return self.fn(b, h, q_idx, kv_idx)
+        return pointwise(self.fn, b, h, q_idx, kv_idx).bool()
+
+    def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
+        # Per-score evaluation fills every (b, h): chunks are counted with both.
+        return super().tile_states(batch, heads, nq, nk, block_q, block_k, device,
+                                   grid=batch * heads)
 
 
 class AndMask(Mask):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -34,6 +34,9 @@ class Problem:
     # An engine that saves the log-sum-exp (B, H, Nq, 1) appends it here when this is a list,
     # so attention maps can be rebuilt from it (``attention_with_lse``).
     lse_sink: list | None = None
+    # What an engine worked out while answering ``why_not`` (the Triton engine's traced
+    # variant), kept for its ``run`` so that nothing is traced twice in one call.
+    prepared: dict = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
@@ -77,6 +80,7 @@ class Problem:
             extra.append(self.metric)
         if isinstance(self.scale, Tensor):
             extra.append(self.scale)
+        extra.extend(self.similarity.tensors())
         if self.score_mod is not None:
             extra.extend(self.score_mod.tensors())
         return tuple(t for t in extra if t.is_floating_point())

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import _index_grid
+from .masks import index_grid
 from .problem import Problem
+from .scores import modified_scores
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,15 +46,10 @@ def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
     if isinstance(scale, Tensor):
         scale = scale.to(q.dtype)
     metric = None if p.metric is None else p.metric.to(q.dtype)
-    scores = p.similarity.scores(q, expand_kv_heads(k, p.heads), scale, metric)
-    b, h, qi, ki = _index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
-    if p.score_mod is not None:
-        # Back to the scores' dtype: a modifier may read a float64 tensor in a float32 call.
-        scores = p.score_mod(scores, b, h, qi, ki, p.offset).to(scores.dtype)
-    if p.mask is not None:
-        allowed = p.mask.materialize(p.batch, p.heads, p.nq, p.nk, q.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    return scores
+    raw = p.similarity.raw_scores(q, expand_kv_heads(k, p.heads), metric)
+    index = index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
+    return modified_scores(raw, index, p.offset, scale=scale, score_mod=p.score_mod,
+                           mask=p.mask)
 
 
 def reference_attention(p: Problem) -> tuple[Tensor, Tensor, Tensor]:

@@ -2,7 +2,8 @@
 
 Built-in modifiers also take ``offset = Nk - Nq`` so that a query's position is bottom-right
 aligned (``q_idx + offset``), which keeps ALiBi and relative bias right under a KV cache.
-User callables keep FlexAttention's five-argument signature and receive raw query indices.
+User callables keep FlexAttention's five-argument signature and semantics (one score at a
+time, ``pointwise``) and receive raw query indices.
 Each modifier is written once here; every engine evaluates the same function.
 """
 
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from .pointwise import pointwise
 
 
 class ScoreMod:
@@ -177,13 +180,14 @@ class Softcap(ScoreMod):
 
 
 class UserScoreMod(ScoreMod):
-    """A FlexAttention-style callable ``fn(score, b, h, q_idx, kv_idx)``."""
+    """A FlexAttention-style callable ``fn(score, b, h, q_idx, kv_idx)``, evaluated with
+    FlexAttention's semantics: once per score, on 0-d tensors (``pointwise``)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
-        return self.fn(score, b, h, q_idx, kv_idx)
+        return pointwise(self.fn, score, b, h, q_idx, kv_idx)
 
     def tensors(self):
         return captured_tensors(self.fn)
@@ -233,6 +237,38 @@ def as_score_mod(score_mod) -> ScoreMod | None:
         "score_mod must be None, a callable score_mod(score, b, h, q_idx, kv_idx), or a list of "
         f"them; got {type(score_mod).__name__}"
     )
+
+
+def modified_scores(raw: Tensor, index, offset: int, *, scale=None, score_mod=None, mask=None,
+                    inplace: bool = False) -> Tensor:
+    """The elementwise part of attention, the one place it is written: raw similarity scores
+    times ``scale``, then the score modifier, then -inf where the mask forbids.
+
+    Args:
+        raw: the pairwise term's scores in any layout: (B, H, Nq, Nk), a tile, or per-edge
+            (B, E, H, 1).
+        index: (b, h, q_idx, kv_idx) broadcastable to ``raw``'s layout.
+        offset: Nk - Nq, for bottom-right aligned modifiers and masks.
+        scale: None, a float, or a tensor broadcastable to ``raw``.
+        score_mod, mask: a ``ScoreMod`` and a ``Mask`` (its ``mask_mod``), or None.
+        inplace: scale and mask ``raw``'s memory (nothing may need its gradient).
+
+    Returns:
+        Scores of ``raw``'s shape and dtype, contiguous after a modifier.
+    """
+    s = raw
+    if scale is not None:
+        s = s.mul_(scale) if inplace and not isinstance(scale, Tensor) else s * scale
+    if score_mod is not None:
+        s = score_mod(s, *index, offset)
+        if s.shape != raw.shape:
+            s = s.expand(raw.shape)
+        s = s.to(raw.dtype).contiguous()
+    if mask is not None:
+        allowed = torch.as_tensor(mask.mask_mod(*index, offset), device=raw.device)
+        s = s.masked_fill_(~allowed, float("-inf")) if inplace else s.masked_fill(
+            ~allowed, float("-inf"))
+    return s
 
 
 def alibi(num_heads: int | None = None, slopes: Tensor | None = None) -> ScoreMod:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .masks import Mask, SlidingWindowMask, _as_4d, _states_from, _tile_bounds
+from .masks import Mask, SlidingWindowMask, as_4d, states_from, tile_bounds
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -34,8 +34,8 @@ def _check_int(value, name: str, minimum: int) -> int:
 
 def _tile_positions(nq, nk, block_q, block_k, device):
     """Per tile: first/last query position (Qt, 1) and first/last key (1, Kt)."""
-    p0, p1 = (t.view(-1, 1) + (nk - nq) for t in _tile_bounds(nq, block_q, device))
-    j0, j1 = (t.view(1, -1) for t in _tile_bounds(nk, block_k, device))
+    p0, p1 = (t.view(-1, 1) + (nk - nq) for t in tile_bounds(nq, block_q, device))
+    j0, j1 = (t.view(1, -1) for t in tile_bounds(nk, block_k, device))
     return p0, p1, j0, j1
 
 
@@ -76,7 +76,7 @@ class StridedMask(Mask):
             inside = inside & (hi <= self.left)
         one_distance = (lo == hi) & (lo % self.stride == 0)
         full = inside & ((self.stride == 1) | one_distance)
-        return _as_4d(_states_from(full, empty))
+        return as_4d(states_from(full, empty))
 
     def __repr__(self) -> str:
         return f"strided({self.stride}, left={self.left}, right={self.right})"
@@ -116,7 +116,7 @@ class FixedMask(Mask):
             floor(last_plain) == floor(p0)
         )
         full = ~has_plain | one_block
-        return _as_4d(_states_from(full, ~has_summary & ~share_block))
+        return as_4d(states_from(full, ~has_summary & ~share_block))
 
     def __repr__(self) -> str:
         return f"fixed({self.block}, summary={self.summary})"
@@ -152,7 +152,7 @@ class GlobalTokensMask(Mask):
         cols = self._count(j0.flatten(), j1.flatten()).view(1, -1)
         # Allowed = global rows ∪ global columns: full iff all rows or all columns are global.
         full = (rows == p1 - p0 + 1) | (cols == j1 - j0 + 1)
-        return _as_4d(_states_from(full, (rows == 0) & (cols == 0)))
+        return as_4d(states_from(full, (rows == 0) & (cols == 0)))
 
     def __repr__(self) -> str:
         return f"global_tokens({self.positions.tolist()})"
@@ -171,7 +171,7 @@ class BlockSparseMask(Mask):
                 f"(B, H, Qb, Kb); got {getattr(layout, 'dtype', type(layout).__name__)} "
                 f"{tuple(getattr(layout, 'shape', ()))}"
             )
-        self.layout = _as_4d(layout)
+        self.layout = as_4d(layout)
         self.block_size = _check_int(block_size, "block_size", 1)
 
     def tensors(self):
@@ -213,7 +213,7 @@ class BlockSparseMask(Mask):
         area = (r1 - r0 + 1) * (c1 - c0 + 1)
         full = (count == area) & (p0 >= 0)
         empty = (count == 0) | (p1 < 0)
-        return _states_from(full, empty)
+        return states_from(full, empty)
 
     def __repr__(self) -> str:
         return f"block_sparse(layout {tuple(self.layout.shape)}, block_size={self.block_size})"

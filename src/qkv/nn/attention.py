@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention.api import attention, attention_with_lse
+from ..attention.similarity import Similarity, get_similarity
 from .positions import RotaryEmbedding
 
 
@@ -65,8 +66,10 @@ class MultiHeadAttention(nn.Module):
         kdim, vdim: widths of the key and value inputs (cross-attention); default d_model.
         bias: bias in the four projections.
         dropout: dropout on the attention weights, in training mode only.
-        similarity, scale: passed to ``qkv.attention``; "mahalanobis" adds a learnable
-            metric L (H, d_k, d_k), initialized to the identity.
+        similarity, scale: passed to ``qkv.attention``: a registered similarity name or a
+            ``qkv.Similarity``; "mahalanobis" adds a learnable metric L (H, d_k, d_k),
+            initialized to the identity, and a user similarity's ``nn.Parameter``s join the
+            module's parameters.
         rope: a shared RotaryEmbedding applied to q and k (self-attention only).
         is_cross: True for encoder-decoder attention (keys come from a memory).
         layer_index: which block of its stack this layer is (for capture tools).
@@ -81,7 +84,7 @@ class MultiHeadAttention(nn.Module):
     def __init__(
         self, d_model: int, n_head: int, *, n_kv_head: int | None = None,
         kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-        dropout: float = 0.0, similarity: str = "dot", scale: float | None = None,
+        dropout: float = 0.0, similarity: str | Similarity = "dot", scale: float | None = None,
         head_dim: int | None = None, rope: RotaryEmbedding | None = None,
         is_cross: bool = False, layer_index: int | None = None,
     ):
@@ -98,6 +101,8 @@ class MultiHeadAttention(nn.Module):
         self.d_model, self.n_head, self.n_kv_head = d_model, n_head, n_kv_head
         self.head_dim = head_dim or d_model // n_head
         self.kdim, self.vdim = kdim or d_model, vdim or d_model
+        # A registered name or a qkv.Similarity, resolved now so that a wrong name fails here.
+        resolved = get_similarity(similarity)
         self.similarity, self.scale, self.dropout = similarity, scale, dropout
         self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
@@ -105,7 +110,11 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
         self.metric = None
-        if similarity == "mahalanobis":
+        # Learnable tensors a user's similarity reads train with the module (shared by every
+        # module that uses the same similarity, as the similarity itself is).
+        self.similarity_params = nn.ParameterList(
+            [t for t in resolved.tensors() if isinstance(t, nn.Parameter)])
+        if resolved.needs_metric:
             eye = torch.eye(self.head_dim).expand(n_head, -1, -1).clone()
             self.metric = nn.Parameter(eye)
         self.capture_weights = False

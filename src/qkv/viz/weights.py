@@ -12,9 +12,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..attention.masks import _index_grid
+from ..attention.masks import index_grid
 from ..attention.problem import build_problem
 from ..attention.reference import accumulation_dtype, masked_softmax
+from ..attention.scores import modified_scores
 
 
 def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> list[int]:
@@ -70,14 +71,11 @@ def head_weights(
         metric_sel = metric_sel.to(acc)
         if metric_sel.dim() == 3:
             metric_sel = metric_sel.index_select(0, index)
-    scores = p.similarity.scores(q_sel, k_sel, scale_sel, metric_sel)
-    b, _, qi, ki = _index_grid(p.batch, 1, p.nq, p.nk, q.device)
-    h = index.view(1, -1, 1, 1)
-    if p.score_mod is not None:
-        scores = p.score_mod(scores, b, h, qi, ki, p.offset)
-    if p.mask is not None:
-        allowed = torch.as_tensor(p.mask.mask_mod(b, h, qi, ki, p.offset), device=q.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    raw = p.similarity.raw_scores(q_sel, k_sel, metric_sel)
+    b, _, qi, ki = index_grid(p.batch, 1, p.nq, p.nk, q.device)
+    # The chosen heads keep their own indices: per-head modifiers and masks stay right.
+    scores = modified_scores(raw, (b, index.view(1, -1, 1, 1), qi, ki), p.offset,
+                             scale=scale_sel, score_mod=p.score_mod, mask=p.mask)
     if lse is None:
         weights, _ = masked_softmax(scores)
     else:

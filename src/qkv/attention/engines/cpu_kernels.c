@@ -204,9 +204,11 @@ DEFINE_SOFTMAX(double, f64)
 /* Graph attention along edges, without gathering features per edge. Rows are laid out
  * (B, N, heads, d) contiguous: q and the target side (Nq, H heads), k and v the source side
  * (Nk, Hk heads; query head h reads key head h / (H / Hk)). Edge e joins target[e] (a query)
- * and source[e] (a key); per-edge values are (B, E, H). kernel: 0 dot q.k, 1 -|q-k|^2,
- * 2 -|q-k|_1.
+ * and source[e] (a key); per-edge values are (B, E, H). kernel (similarity.Pairwise.c_id):
+ * 0 dot q.k, 1 -|q-k|^2, 2 -|q-k|_1; any other id is rejected, never defaulted.
  */
+static inline int known_kernel(int64_t kernel) { return kernel >= 0 && kernel <= 2; }
+
 #define DEFINE_EDGES(T, SUFFIX, ABS)                                                        \
 static inline T pair_kernel_##SUFFIX(int kernel, const T *a, const T *b, int64_t d) {       \
     T total = 0;                                                                            \
@@ -220,16 +222,19 @@ static inline T pair_kernel_##SUFFIX(int kernel, const T *a, const T *b, int64_t
         for (int64_t c = 0; c < d; c++) total += (a[c] - b[c]) * (a[c] - b[c]);             \
         return -total;                                                                      \
     }                                                                                       \
+    /* kernel == 2: the callers have checked the id (known_kernel) */                       \
     _Pragma("omp simd reduction(+:total)")                                                  \
     for (int64_t c = 0; c < d; c++) total += ABS(a[c] - b[c]);                              \
     return -total;                                                                          \
 }                                                                                           \
                                                                                             \
-void edge_scores_##SUFFIX(int64_t kernel, const T *q, const T *k, const int64_t *target,    \
+int64_t edge_scores_##SUFFIX(int64_t kernel, const T *q, const T *k, const int64_t *target,    \
                           const int64_t *source, T *out, int64_t batch, int64_t edges,      \
                           int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads,          \
                           int64_t d) {                                                      \
-    /* out[b, e, h] = kernel(q[b, target[e], h], k[b, source[e], h / group]) */             \
+    /* out[b, e, h] = kernel(q[b, target[e], h], k[b, source[e], h / group]); returns -1,  \
+     * computing nothing, for a kernel id it does not know. */                              \
+    if (!known_kernel(kernel)) return -1;                                                   \
     const int64_t group = heads / kv_heads;                                                 \
     for (int64_t b = 0; b < batch; b++)                                                     \
         for (int64_t e = 0; e < edges; e++) {                                               \
@@ -239,6 +244,7 @@ void edge_scores_##SUFFIX(int64_t kernel, const T *q, const T *k, const int64_t 
             for (int64_t h = 0; h < heads; h++)                                             \
                 oe[h] = pair_kernel_##SUFFIX((int)kernel, qe + h * d, ke + (h / group) * d, d);\
         }                                                                                   \
+    return 0;                                                                               \
 }                                                                                           \
                                                                                             \
 void edge_scatter_##SUFFIX(const T *w, const T *x, const int64_t *from, const int64_t *to, \
@@ -263,12 +269,14 @@ void edge_scatter_##SUFFIX(const T *w, const T *x, const int64_t *from, const in
         }                                                                                   \
 }                                                                                           \
                                                                                             \
-void edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, const T *k,        \
+int64_t edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, const T *k,        \
                                 const int64_t *target, const int64_t *source, T *dq, T *dk, \
                                 int64_t batch, int64_t edges, int64_t nq, int64_t nk,       \
                                 int64_t heads, int64_t kv_heads, int64_t d) {               \
     /* dq[target] += ds * d kernel / dq, dk[source] += ds * d kernel / dk. dot: k and q;    \
-     * -|q-k|^2: -2(q-k) and 2(q-k); -|q-k|_1: -sign(q-k) and sign(q-k), sign(0) = 0. */     \
+     * -|q-k|^2: -2(q-k) and 2(q-k); -|q-k|_1: -sign(q-k) and sign(q-k), sign(0) = 0.      \
+     * Returns -1, computing nothing, for a kernel id it does not know. */                  \
+    if (!known_kernel(kernel)) return -1;                                                   \
     const int64_t group = heads / kv_heads;                                                 \
     for (int64_t b = 0; b < batch; b++)                                                     \
         for (int64_t e = 0; e < edges; e++) {                                               \
@@ -290,7 +298,7 @@ void edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, const T
                         dqr[c] -= t;                                                        \
                         dkr[c] += t;                                                        \
                     }                                                                       \
-                } else {                                                                    \
+                } else { /* kernel == 2, checked above */                                   \
                     _Pragma("omp simd")                                                     \
                     for (int64_t c = 0; c < d; c++) {                                       \
                         T diff = qr[c] - kr[c];                                             \
@@ -301,6 +309,7 @@ void edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, const T
                 }                                                                           \
             }                                                                               \
         }                                                                                   \
+    return 0;                                                                               \
 }
 
 DEFINE_EDGES(float, f32, __builtin_fabsf)

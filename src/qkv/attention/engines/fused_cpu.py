@@ -6,13 +6,17 @@ similarity, mask and score modifier.
   save only the output and the log-sum-exp. No (Nq, Nk) tensor is held: extra memory is
   O((Nq + Nk)·D) plus one tile of scores.
 - Backward: recompute each tile's scores from the same definitions and the saved
-  log-sum-exp. The kernels' own gradients are by hand (matmuls for dot and L2, C for L1);
-  the elementwise part (scale, modifier, mask) runs under a small autograd graph per tile
-  when it has anything to differentiate, so gradients reach the score modifier's tensors
+  log-sum-exp. The pairwise term's gradients are the fast forms registered with it (matmuls
+  for dot and L2, C loops for L1), or C loops generated from a user's term (``term_c``,
+  which also return the gradients of the tensors the term reads); a term with neither is
+  differentiated by autograd through its definition. The elementwise part (scale, modifier,
+  mask) runs under a small autograd graph per tile when it has anything to differentiate,
+  so gradients reach the score modifier's tensors
   (ALiBi slopes, bias tables, tensors captured by user callables) and a tensor scale.
 - Similarity features (unit-normalize, the Mahalanobis map) are O(N·D) and run outside the
   tile loop under ordinary autograd, so gradients reach q, k and the metric.
-- Sparse graph masks go to the gather path in ``graph_gather`` instead of tiles.
+- Sparse graph masks are the graph engine's (``graph_gather``), ahead of this one in the
+  dispatch order.
 - Dropout runs in the engine: each tile's keep mask comes from its own seeded generator, so
   the backward pass regenerates it exactly.
 """
@@ -23,10 +27,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..masks import GraphMask
 from ..problem import Problem
 from ..reference import accumulation_dtype
-from . import graph_gather, native
+from ..similarity import DOT
+from . import native, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -55,12 +59,20 @@ def _needs_grad(p: Problem) -> bool:
     )
 
 
-def why_not(p: Problem) -> str | None:
+def cpu_why_not(p: Problem) -> str | None:
+    """What rules out both CPU engines (tiles and graph edges)."""
     if p.q.device.type != "cpu":
-        return f"the fused CPU engine runs CPU tensors; got device {p.q.device}"
+        return f"the fused CPU engines run CPU tensors; got device {p.q.device}"
     if torch.compiler.is_compiling():
-        # Its tile plan is read from mask values: data-dependent control flow no graph can hold.
-        return "the fused CPU engine cannot be traced by torch.compile or torch.export"
+        # Their plans are read from mask values: data-dependent control flow no graph can hold.
+        return "the fused CPU engines cannot be traced by torch.compile or torch.export"
+    return None
+
+
+def why_not(p: Problem) -> str | None:
+    reason = cpu_why_not(p)
+    if reason is not None:
+        return reason
     if p.return_weights and _needs_grad(p):
         return (
             "return_weights=True while gradients are needed: the fused engine returns weights "
@@ -155,33 +167,23 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-def _batched_view(t: Tensor) -> Tensor:
-    """(B, X, n, d) -> (B·X, n, d) as a view (never a copy: results are accumulated into it)."""
-    return t.view(-1, *t.shape[2:])
-
-
-def _add_kernel_grads(kernel: str, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
-                      dk: Tensor) -> None:
-    """Add the pairwise kernel's gradients for the query and key tile into dq (like fq_t) and
-    dk (like fk_t), from draw = d(loss)/d(kernel(fq_t, fk_t)) (B, Hk, (H/Hk)·bq, bk).
-
-    The engine's one restatement of the core: the analytic derivatives of the kernels.
-    dot q·k: dq = dS·k, dk = dSᵀ·q. neg_sqdist 2q·k - |q|² - |k|²:
-    dq = 2(dS·k - rowsum(dS)·q), dk = 2(dSᵀ·q - colsum(dS)·k). The kernel's clamp at 0 only
-    touches pairs with q ≈ k up to rounding, where these terms vanish, so it is not undone.
-    neg_l1 -Σ|q-k|: the C kernel (``native.l1_grads``)."""
-    if kernel == "neg_l1":
-        gq, gk = native.l1_grads(draw, fq_t, fk_t)
-        dq += gq
-        dk += gk
+def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
+                    dk: Tensor, sums: list, extras) -> None:
+    """Add the pairwise term's gradients for the query and key tile into dq (like fq_t) and
+    dk (like fk_t), and those of the tensors its C loops read into their place in ``sums``
+    (2 + their index in ``extras``), from draw = d(loss)/d(term scores)
+    (B, Hk, (H/Hk)·bq, bk): the torch derivative registered with the term, else its C loops
+    (``analytic_kernel`` said which)."""
+    if spec.pair.tile_grads is not None:
+        spec.pair.tile_grads(draw, fq_t, fk_t, dq, dk)
         return
-    alpha = 2.0 if kernel == "neg_sqdist" else 1.0
-    d3, q3, k3 = draw.flatten(0, 1), fq_t.flatten(0, 1), fk_t.flatten(0, 1)
-    _batched_view(dq).baddbmm_(d3, k3, alpha=alpha)
-    _batched_view(dk).baddbmm_(d3.transpose(1, 2), q3, alpha=alpha)
-    if kernel == "neg_sqdist":
-        dq.sub_(draw.sum(-1, keepdim=True) * fq_t, alpha=2.0)
-        dk.sub_(draw.sum(-2).unsqueeze(-1) * fk_t, alpha=2.0)
+    gq, gk, tensor_grads = spec.loops.grads(draw, fq_t, fk_t)
+    dq += gq
+    dk += gk
+    for tensor, grad in zip(spec.loops.tensors, tensor_grads, strict=True):
+        for e, extra in enumerate(extras):
+            if extra is tensor:
+                add_grads(sums, 2 + e, [grad])  # float64 sums; cast once at the end
 
 
 def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
@@ -199,11 +201,12 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
     runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
     and the modifier's tensor gradients; the kernel's gradients are matmuls or C
-    (``_add_kernel_grads``). L1 without its C kernel (cdist) is differentiated by autograd."""
+    (``_add_pair_grads``). A term without either (L1 without its C loops, a user's term) is
+    differentiated by autograd."""
     fq, fk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
-    by_autograd = not analytic_kernel(spec, fq.dtype)
+    by_autograd = not analytic_kernel(spec)
     elementwise_grad = elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
@@ -238,7 +241,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        _batched_view(sums[1][:, :, k0:k1]).baddbmm_(
+        sums[1][:, :, k0:k1].view(-1, k1 - k0, sums[1].shape[-1]).baddbmm_(
             kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), do_t.flatten(0, 1))
         ds = _softmax_grad(p, dp, delta_t)
         if graph:
@@ -256,8 +259,8 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 continue
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
-        _add_kernel_grads(spec.kernel, group_heads(ds, hk), fq_t, fk_t, dfq_t,
-                          sums[0][:, :, k0:k1])
+        _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1],
+                        sums, extras)
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
@@ -318,17 +321,28 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def _spec(p: Problem, scale) -> TileSpec:
+def tile_spec(p: Problem, scale, loops=None) -> TileSpec:
+    """The problem as the tile loops (and the graph engine's chunks) see it."""
     block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
     seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
     return TileSpec(
-        kernel=p.similarity.kernel, scale=scale, score_mod=p.score_mod, mask=p.mask,
+        pair=p.similarity.pairwise, scale=scale, score_mod=p.score_mod, mask=p.mask,
         batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k, span_k=span_k,
+        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
     )
 
 
-def _features(p: Problem):
+def _tile_loops(p: Problem, fq: Tensor):
+    """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
+    definition (a user's term, ``term_c``); None for matrix-product terms and without a C
+    compiler."""
+    pair = p.similarity.pairwise
+    if pair.matrix is not None:
+        return native.tile_loops(pair, fq.dtype)
+    return term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
+
+
+def features(p: Problem):
     """Query and key features in the accumulation dtype, v cast alike, and the scale left for
     the tiles (None when folded into the query features, which the dot kernel allows)."""
     acc = accumulation_dtype(p.q.dtype)
@@ -336,23 +350,31 @@ def _features(p: Problem):
     metric = None if p.metric is None else p.metric.to(acc)
     fq, fk = p.similarity.features(q, k, metric)
     scale = p.scale_tensor()
-    if not isinstance(scale, Tensor) and p.similarity.kernel == "dot":
+    if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
         fq, scale = fq * scale, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
         v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
     return fq, fk, v, scale
 
 
+def extra_tensors(p: Problem, loops=None) -> list[Tensor]:
+    """The tensors besides q, k, v that gradients must reach inside the engine, once each.
+    The metric acts through the features (ordinary autograd). Compiled loops read the tensors
+    their trace captured, which stand in for the term's own."""
+    traced = loops is not None and loops.tensors
+    term_tensors = p.similarity.tensors() if traced else ()
+    extras = [*(loops.tensors if traced else ()),
+              *(t for t in p.grad_tensors()
+                if t is not p.metric and not any(t is u for u in term_tensors))]
+    return [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
+
+
 def run(p: Problem):
-    fq, fk, v, scale = _features(p)
-    spec = _spec(p, scale)
-    # The metric acts through the features; a tensor read twice gets one gradient.
-    extras = list({id(t): t for t in p.grad_tensors() if t is not p.metric}.values())
-    sparse = isinstance(p.mask, GraphMask) and graph_gather.is_sparse(p.mask, p.nq, p.nk)
-    if sparse and not p.return_weights:
-        out, lse = graph_gather.attention(spec, p.mask, fq, fk, v, extras)
-    else:
-        out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
+    fq, fk, v, scale = features(p)
+    loops = _tile_loops(p, fq)
+    spec = tile_spec(p, scale, loops)
+    extras = extra_tensors(p, loops)
+    out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
     if p.lse_sink is not None:
         p.lse_sink.append(lse.detach())
     out = out.to(p.q.dtype)

@@ -1,4 +1,7 @@
-"""Sparse graph attention along the edges: cost ∝ edges·D, not Nq·Nk.
+"""The graph engine: sparse graph attention along the edges, cost ∝ edges·D, not Nq·Nk.
+
+It runs a ``qkv.graph`` mask sparse enough that gathering rows per edge beats dense tiles
+(``is_sparse``), with the fused CPU engine's features and tile spec.
 
 A ``GraphMask`` stores its edges target-major and sorted, so the edges of a run of target
 nodes are one contiguous slice. Each slice of targets is one chunk:
@@ -11,9 +14,12 @@ modifier) runs under autograd, and the kernel's and the values' gradients are sc
 along the edges by hand, like the tile engine's.
 
 Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
-They run in C (``native``), reading rows in place; without the C library, in torch by
-gathering rows per edge (the same formulas, ``ROW_KERNELS``). Chunks are shared among
-torch's threads like the tile engine's query blocks (``run_split``).
+They run in C, reading rows in place: the built-in terms by their id (``Pairwise.c_id``,
+``native``), a user's term in loops generated from it (``term_c``, which also return the
+gradients of the tensors it reads). Without a C library, or for a term that does not trace,
+they run in torch by gathering rows per edge and evaluating the term's own definition
+(``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
+threads like the tile engine's query blocks (``run_split``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
-from ..similarity import ROW_KERNELS
-from . import native
+from ..scores import modified_scores
+from ..similarity import DOT
+from . import fused_cpu, native, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -59,12 +66,25 @@ def _fold_heads(x: Tensor, heads: int) -> Tensor:
     return x.view(b, e, heads, h // heads, d).sum(3)
 
 
-def _scores(kernel, q_rows, k_rows, target, source) -> Tensor:
-    if native.available(q_rows.dtype):
-        return native.edge_scores(kernel, q_rows, k_rows, target, source)
-    heads = q_rows.shape[2]
-    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
-    return ROW_KERNELS[kernel](qe, ke)
+def _gathered(q_rows, k_rows, target, source) -> tuple[Tensor, Tensor]:
+    """Each edge's query and key rows (B, E, H, d)."""
+    return q_rows.index_select(1, target), _gather_heads(k_rows, source, q_rows.shape[2])
+
+
+def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
+    """(B, E, H): the pairwise term of each edge."""
+    if native.edge_loops(spec.pair, q_rows.dtype):
+        return native.edge_scores(spec.pair.c_id, q_rows, k_rows, target, source)
+    if spec.loops is not None:
+        return spec.loops.edge_scores(q_rows, k_rows, target, source)
+    return spec.pair.rows(*_gathered(q_rows, k_rows, target, source))
+
+
+def _dot_rows(q_rows, k_rows, target, source) -> Tensor:
+    """(B, E, H): q·k of each edge's rows (the backward's dout·v)."""
+    if native.edge_loops(DOT, q_rows.dtype):
+        return native.edge_scores(DOT.c_id, q_rows, k_rows, target, source)
+    return DOT.rows(*_gathered(q_rows, k_rows, target, source))
 
 
 def _scatter(weights, x_rows, frm, to, out) -> None:
@@ -74,37 +94,42 @@ def _scatter(weights, x_rows, frm, to, out) -> None:
     out.index_add_(1, to, _fold_heads(weights.unsqueeze(-1) * x, out.shape[2]))
 
 
-def _kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk) -> None:
-    if native.available(ds.dtype):
-        return native.edge_kernel_grads(kernel, ds, q_rows, k_rows, target, source, dq, dk)
-    heads, g = q_rows.shape[2], ds.unsqueeze(-1)
-    qe, ke = q_rows.index_select(1, target), _gather_heads(k_rows, source, heads)
-    # ∂kernel/∂q and ∂kernel/∂k: dot (k, q), -|q-k|² (-2(q-k), 2(q-k)), -|q-k|₁ (-sign, sign)
-    if kernel == "dot":
-        gq, gk = g * ke, g * qe
-    else:
-        diff = 2 * (qe - ke) if kernel == "neg_sqdist" else torch.sign(qe - ke)
-        gq = -g * diff
-        gk = -gq
-    dq.index_add_(1, target, gq)
-    dk.index_add_(1, source, _fold_heads(gk, dk.shape[2]))
+def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> None:
+    """sums[0][:, target] += ds·∂term/∂q, sums[1][:, source] += ds·∂term/∂k, and the term's
+    tensors' gradients into their sums, for ds (B, E, H) = d(loss)/d(edge terms)."""
+    if native.edge_loops(spec.pair, ds.dtype):
+        native.edge_kernel_grads(spec.pair.c_id, ds, q_rows, k_rows, target, source, sums[0],
+                                 sums[1])
+        return
+    if spec.loops is not None:
+        grads = spec.loops.edge_grads(ds, q_rows, k_rows, target, source, sums[0], sums[1])
+        for tensor, grad in zip(spec.loops.tensors, grads, strict=True):
+            for i, w in enumerate(wanted):
+                if w is tensor:
+                    add_grads(sums, 3 + i, [grad])  # float64 sums; cast once at the end
+        return
+    tensors = [t for t in spec.pair.tensors() if any(t is w for w in wanted)]
+    with torch.enable_grad():
+        qe, ke = (t.detach().requires_grad_() for t in _gathered(q_rows, k_rows, target, source))
+        found = torch.autograd.grad(spec.pair.rows(qe, ke), (qe, ke, *tensors), ds,
+                                    allow_unused=True)
+    sums[0].index_add_(1, target, found[0])
+    sums[1].index_add_(1, source, _fold_heads(found[1], sums[1].shape[2]))
+    positions = [next(i for i, w in enumerate(wanted) if w is t) for t in tensors]
+    for i, g in zip(positions, found[2:], strict=True):
+        add_grads(sums, 3 + i, [g])
 
 
 def _modify(spec: TileSpec, raw: Tensor, target: Tensor, source: Tensor) -> Tensor:
-    """Scale and score modifier of edge scores raw (B, E, H, 1)."""
-    s = raw
-    if spec.scale is not None:
-        scale = spec.scale
-        if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
-            scale = scale.reshape(-1, 1)
-        s = s * scale
-    if spec.score_mod is not None:
-        b = torch.arange(spec.batch, device=s.device).view(-1, 1, 1, 1)
-        h = torch.arange(spec.heads, device=s.device).view(1, 1, -1, 1)
-        s = spec.score_mod(s, b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1),
-                           spec.offset)
-        s = s.expand(raw.shape).to(raw.dtype)
-    return s
+    """``scores.modified_scores`` of edge scores raw (B, E, H, 1): each edge's (target,
+    source) pair are its query and key indices; the edges are the mask."""
+    scale = spec.scale
+    if isinstance(scale, Tensor):  # (1, H, 1, 1) or () -> broadcast over (B, E, H, 1)
+        scale = scale.reshape(-1, 1)
+    b = torch.arange(spec.batch, device=raw.device).view(-1, 1, 1, 1)
+    h = torch.arange(spec.heads, device=raw.device).view(1, 1, -1, 1)
+    index = (b, h, target.view(1, -1, 1, 1), source.view(1, -1, 1, 1))
+    return modified_scores(raw, index, spec.offset, scale=scale, score_mod=spec.score_mod)
 
 
 def _chunks(target: Tensor, nq: int) -> list[tuple[int, int, int, int]]:
@@ -126,7 +151,7 @@ def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
     fq_rows, fk_rows, v_rows = rows
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    scores = _modify(spec, _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
+    scores = _modify(spec, _scores(spec, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
     local = t - first
     shape = (scores.shape[0], count, spec.heads, 1)
     index = local.view(1, -1, 1, 1).expand_as(scores)
@@ -148,7 +173,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     fq_rows, fk_rows, v_rows, lse, dout, delta = saved
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
-    raw = _scores(spec.kernel, fq_rows, fk_rows, t, s).unsqueeze(-1)
+    raw = _scores(spec, fq_rows, fk_rows, t, s).unsqueeze(-1)
     graph_needed = elementwise_needs_grad(spec)
     if graph_needed:
         raw.requires_grad_()
@@ -157,7 +182,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     else:
         scores = _modify(spec, raw, t, s)
     p = torch.exp(scores.detach() - lse.index_select(1, t))
-    dp = _scores("dot", dout, v_rows, t, s).unsqueeze(-1)
+    dp = _dot_rows(dout, v_rows, t, s).unsqueeze(-1)
     kept = p
     if spec.dropout_p > 0:
         keep = dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
@@ -174,8 +199,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
             return
     elif spec.scale is not None:
         ds = ds * spec.scale
-    _kernel_grads(spec.kernel, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums[0],
-                  sums[1])
+    _add_term_grads(spec, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums, wanted)
 
 
 class _GraphAttention(torch.autograd.Function):
@@ -222,6 +246,31 @@ class _GraphAttention(torch.autograd.Function):
 
         total = sum_worker_grads(run_split(work, chunks))
         return (None, None, *total[:3], *grads_for_extras(ctx.extras, total[3:]))
+
+
+def why_not(p) -> str | None:
+    reason = fused_cpu.cpu_why_not(p)
+    if reason is not None:
+        return reason
+    if not isinstance(p.mask, GraphMask):
+        return "the graph engine runs qkv.graph masks"
+    if not is_sparse(p.mask, p.nq, p.nk):
+        return "the graph has too many edges: dense tiles are faster"
+    if p.return_weights:
+        return "the graph engine does not return weights (the fused engine does)"
+    return None
+
+
+def run(p):
+    fq, fk, v, scale = fused_cpu.features(p)
+    pair = p.similarity.pairwise
+    # A user's term runs in C loops generated from it (``term_c``) when it traces.
+    loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
+    spec = fused_cpu.tile_spec(p, scale, loops)
+    out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p, loops))
+    if p.lse_sink is not None:
+        p.lse_sink.append(lse.detach())
+    return out.to(p.q.dtype)
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:

@@ -11,10 +11,11 @@ single operation for.
   key and value rows in place instead of gathering a copy per edge.
 
 The source is compiled once per machine with the system C compiler into ``$QKV_CACHE``
-(default ``~/.cache/qkv``), which takes about two seconds. Without a compiler, or with
-``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch operations (``cdist``
-with autograd for L1, the reference's own formula). The C code is called through ctypes,
-which releases the GIL, so the engine's workers run it in parallel.
+(default ``~/.cache/qkv``), which takes about two seconds; generated sources (a user's
+similarity term, ``term_c``) are built the same way (``compile_library``). Without a
+compiler, or with ``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch
+operations (``cdist`` with autograd for L1, the reference's own formula). The C code is
+called through ctypes, which releases the GIL, so the engine's workers run it in parallel.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ _SIGNATURES = {
     "edge_scatter": [_PTR] * 5 + [_I64] * 8,
     "edge_kernel_grads": [_I64] + [_PTR] * 7 + [_I64] * 7,
 }
-_KERNEL_IDS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
+# Functions that return a status: nonzero means an id they do not know.
+_CHECKED = {"edge_scores", "edge_kernel_grads"}
+# The pairwise terms the C edge loops know (``Pairwise.c_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁.
+EDGE_TERMS = frozenset({0, 1, 2})
 
 
 def _cache_dir() -> Path:
@@ -68,12 +72,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+def _build(compiler: str, source: bytes, stem: str) -> Path:
+    """The shared library of C ``source``, compiled once per source, compiler, flags and CPU
+    (a content hash names it: a changed source never loads a stale build)."""
     key = hashlib.sha256(b"\0".join(
         [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()]
     )).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels_{key}.so"
+    target = _cache_dir() / f"{stem}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,13 +86,29 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", partial], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, "-x", "c", "-", "-o", partial], input=source,
+                       check=True, capture_output=True, timeout=120)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _compiler() -> str | None:
+    if os.environ.get("QKV_NATIVE", "1") == "0":
+        return None
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(source: str, stem: str) -> ctypes.CDLL | None:
+    """Build (or find in ``$QKV_CACHE``) and load generated C source; None without a
+    compiler or with ``QKV_NATIVE=0``. Raises ``OSError`` / ``SubprocessError`` when the
+    source does not compile."""
+    compiler = _compiler()
+    if compiler is None or _load() is None:
+        return None
+    return ctypes.CDLL(str(_build(compiler, source.encode(), stem)))
 
 
 def _load() -> dict | None:
@@ -103,13 +124,11 @@ def _load() -> dict | None:
 
 
 def _open() -> dict | None:
-    if os.environ.get("QKV_NATIVE", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, _SOURCE.read_bytes(), "cpu_kernels")))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"qkv: the C tile kernels did not build ({detail}); using torch "
@@ -119,7 +138,8 @@ def _open() -> dict | None:
     for name, argtypes in _SIGNATURES.items():
         for dtype, suffix in _SUFFIX.items():
             function = getattr(lib, f"{name}_{suffix}")
-            function.argtypes, function.restype = argtypes, None
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int64 if name in _CHECKED else None
             functions[name, dtype] = function
     return functions
 
@@ -127,6 +147,34 @@ def _open() -> dict | None:
 def available(dtype: torch.dtype) -> bool:
     """Whether the C kernel serves CPU tensors of ``dtype`` (it is built on first call)."""
     return _load() is not None and dtype in _SUFFIX
+
+
+class TileLoops:
+    """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and
+    ``grads(ds, q, k) -> (dq, dk, grads of tensors)``, one gradient per tensor in
+    ``tensors`` (the tensors the loops read, as autograd should see them). Generated loops
+    also run along graph edges: ``edge_scores(q_rows, k_rows, target, source)`` and
+    ``edge_grads(ds, q_rows, k_rows, target, source, dq, dk) -> grads of tensors``, laid out
+    as ``edge_scores`` and ``edge_kernel_grads`` below; None for the hand-written L1 loops
+    (the edge loops here take L1 by its id)."""
+
+    def __init__(self, scores, grads, edge_scores=None, edge_grads=None,
+                 tensors: tuple[Tensor, ...] = ()):
+        self.scores, self.grads, self.tensors = scores, grads, tensors
+        self.edge_scores, self.edge_grads = edge_scores, edge_grads
+
+
+def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:
+    """The C tile loops registered for ``pair`` (a ``similarity.Pairwise``) by its ``c_id``,
+    or None: only -‖q-k‖₁ (id 2) has them, the others are matrix products."""
+    if pair.c_id == 2 and available(dtype):
+        return _L1_LOOPS
+    return None
+
+
+def edge_loops(pair, dtype: torch.dtype) -> bool:
+    """Whether the C edge loops compute ``pair`` for ``dtype``."""
+    return pair.c_id in EDGE_TERMS and available(dtype)
 
 
 def _batched(t: Tensor) -> Tensor:
@@ -160,6 +208,11 @@ def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
                                  dk.data_ptr(), nb, m, n, d, scratch[0].data_ptr(),
                                  scratch[1].data_ptr())
     return dq.view(q.shape), dk.view(k.shape)
+
+
+# Looked up at call time, so the module's functions stay the one place to change (or patch).
+_L1_LOOPS = TileLoops(lambda q, k, out=None: l1_scores(q, k, out),
+                      lambda ds, q, k: (*l1_grads(ds, q, k), ()))
 
 
 def _rows(t: Tensor) -> int:
@@ -226,16 +279,29 @@ def _check_rows(*rows: Tensor) -> None:
         raise ValueError("edge rows must be contiguous (B, N, heads, d)")
 
 
-def edge_scores(kernel: str, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+def _term_id(c_id) -> int:
+    if c_id not in EDGE_TERMS:
+        raise ValueError(f"the C edge loops have no pairwise term with id {c_id!r}; they know "
+                         f"{sorted(EDGE_TERMS)}")
+    return c_id
+
+
+def _checked(status: int, c_id: int) -> None:
+    if status:
+        raise ValueError(f"the C edge loops rejected pairwise term id {c_id}")
+
+
+def edge_scores(c_id: int, q_rows: Tensor, k_rows: Tensor, target: Tensor,
                 source: Tensor) -> Tensor:
-    """(B, E, H): the pairwise kernel of each edge's query (target) and key (source) rows."""
+    """(B, E, H): pairwise term ``c_id`` of each edge's query (target) and key (source) rows."""
     _check_rows(q_rows, k_rows, target, source)
     batch, nq, heads, d = q_rows.shape
     out = q_rows.new_empty(batch, target.numel(), heads)
-    _load()["edge_scores", q_rows.dtype](
-        _KERNEL_IDS[kernel], q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
+    status = _load()["edge_scores", q_rows.dtype](
+        _term_id(c_id), q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
         source.data_ptr(), out.data_ptr(), batch, target.numel(), nq, k_rows.shape[1], heads,
         k_rows.shape[2], d)
+    _checked(status, c_id)
     return out
 
 
@@ -250,13 +316,14 @@ def edge_scatter(weights: Tensor, x_rows: Tensor, frm: Tensor, to: Tensor, out: 
         out.shape[3])
 
 
-def edge_kernel_grads(kernel: str, ds: Tensor, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+def edge_kernel_grads(c_id: int, ds: Tensor, q_rows: Tensor, k_rows: Tensor, target: Tensor,
                       source: Tensor, dq: Tensor, dk: Tensor) -> None:
-    """dq[:, target] += ds · ∂kernel/∂q and dk[:, source] += ds · ∂kernel/∂k, in place, for
+    """dq[:, target] += ds · ∂term/∂q and dk[:, source] += ds · ∂term/∂k, in place, for
     ds (B, E, H) = d(loss)/d(edge scores); dq and dk are laid out like q_rows and k_rows."""
     _check_rows(ds, q_rows, k_rows, target, source, dq, dk)
     batch, nq, heads, d = q_rows.shape
-    _load()["edge_kernel_grads", q_rows.dtype](
-        _KERNEL_IDS[kernel], ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(),
+    status = _load()["edge_kernel_grads", q_rows.dtype](
+        _term_id(c_id), ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(),
         target.data_ptr(), source.data_ptr(), dq.data_ptr(), dk.data_ptr(), batch,
         target.numel(), nq, k_rows.shape[1], heads, k_rows.shape[2], d)
+    _checked(status, c_id)

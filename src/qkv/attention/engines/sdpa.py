@@ -7,13 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from ..problem import Problem
+from ..similarity import BUILTIN
 
 # enable_gqa arrived in torch 2.5; older versions get the heads repeated.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def why_not(p: Problem) -> str | None:
-    if p.similarity.name != "dot":
+    if p.similarity is not BUILTIN["dot"]:
         return f"SDPA computes only the dot product, not similarity={p.similarity.name!r}"
     if p.score_mod is not None:
         return "SDPA has no score_mod"

@@ -1,7 +1,8 @@
 """What the fused CPU engine computes on one tile, and which tiles it visits.
 
-Everything a variant defines comes from the core's single definitions: the pairwise kernel
-(``similarity.KERNELS``), the score modifier and the mask rule (``mask_mod``, ``tile_states``).
+Everything a variant defines comes from the core's single definitions: the similarity's
+pairwise term (``similarity.Pairwise``, with the fast forms registered for it), the score
+modifier and the mask rule (``mask_mod``, ``tile_states``).
 Nothing here restates a similarity, modifier or mask formula.
 """
 
@@ -15,8 +16,8 @@ import torch
 from torch import Tensor
 
 from ..masks import EMPTY, FULL, Mask
-from ..scores import ScoreMod
-from ..similarity import KERNELS
+from ..scores import ScoreMod, modified_scores
+from ..similarity import Pairwise
 from . import native
 
 BLOCK_Q = 128
@@ -37,7 +38,7 @@ class TileSpec:
     ``scale`` is None when it was folded into the query features (dot kernel, float scale),
     else a float or a tensor broadcastable to (B, H, 1, 1)."""
 
-    kernel: str
+    pair: Pairwise
     scale: float | Tensor | None
     score_mod: ScoreMod | None
     mask: Mask | None
@@ -50,6 +51,7 @@ class TileSpec:
     block_q: int
     block_k: int
     span_k: int = 0  # the widest merged key span; 0 means block_k
+    loops: native.TileLoops | None = None  # the pairwise term's C loops, when it has them
 
     @property
     def offset(self) -> int:
@@ -146,26 +148,26 @@ def tile_shape(spec: TileSpec, idx: TileIndex, batch: int) -> tuple[int, int, in
     return batch, spec.heads, idx.q.shape[2], idx.kv.shape[3]
 
 
-def analytic_kernel(spec: TileSpec, dtype: torch.dtype) -> bool:
-    """Whether the engine has the kernel's gradients by hand (matmuls for dot and neg_sqdist,
-    the C kernel for neg_l1), rather than by autograd through ``KERNELS``."""
-    return spec.kernel in ("dot", "neg_sqdist") or (
-        spec.kernel == "neg_l1" and native.available(dtype)
-    )
+def analytic_kernel(spec: TileSpec) -> bool:
+    """Whether the pairwise term's tile gradients are at hand (registered torch matmuls, or
+    C loops), rather than by autograd through its torch form."""
+    return spec.pair.tile_grads is not None or spec.loops is not None
 
 
 def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None = None) -> Tensor:
-    """The pairwise kernel on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
-    front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. L1 runs
-    in C when it can (the same formula, vectorized across keys; see ``native``)."""
+    """The pairwise term on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
+    front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. A term
+    with C loops runs them (the same formula, vectorized across keys; see ``native``) unless
+    autograd must see it."""
     b, hk, rows, _ = fq_t.shape
     out = None
     if scratch is not None:
         out = scratch[: b * hk * rows * fk_t.shape[2]].view(b, hk, rows, fk_t.shape[2])
-    if spec.kernel == "neg_l1" and native.available(fq_t.dtype):
-        if not (torch.is_grad_enabled() and (fq_t.requires_grad or fk_t.requires_grad)):
-            return native.l1_scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
-    return KERNELS[spec.kernel](fq_t, fk_t, out=out)
+    loops = spec.loops
+    if loops is not None and not (torch.is_grad_enabled() and (fq_t.requires_grad or
+                                                               fk_t.requires_grad)):
+        return loops.scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
+    return spec.pair.scores(fq_t, fk_t, out=out)
 
 
 def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
@@ -174,23 +176,11 @@ def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
 
 
 def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:
-    """The elementwise part of a tile's scores: scale, score modifier, mask (-inf where it
-    forbids). raw: (B, H, bq, bk). Outside autograd the scale and the mask are applied in
-    place."""
-    inplace = not torch.is_grad_enabled()
-    shape = raw.shape
-    s = raw
-    if spec.scale is not None:
-        s = s.mul_(spec.scale) if inplace and not isinstance(spec.scale, Tensor) else s * spec.scale
-    if spec.score_mod is not None:
-        s = spec.score_mod(s, idx.b, idx.h, idx.q, idx.kv, spec.offset)
-        if s.shape != shape:
-            s = s.expand(shape)
-        s = s.to(raw.dtype).contiguous()
-    if masked:
-        fill = s.masked_fill_ if inplace else s.masked_fill
-        s = fill(~tile_mask(spec, idx), float("-inf"))
-    return s
+    """``scores.modified_scores`` on one tile (B, H, bq, bk): scale, score modifier, and the
+    mask when the tile is ``masked``; in place outside autograd."""
+    return modified_scores(raw, (idx.b, idx.h, idx.q, idx.kv), spec.offset, scale=spec.scale,
+                           score_mod=spec.score_mod, mask=spec.mask if masked else None,
+                           inplace=not torch.is_grad_enabled())
 
 
 def tile_mask(spec: TileSpec, idx: TileIndex) -> Tensor:
@@ -275,6 +265,8 @@ def add_grads(sums: list[Tensor | None], start: int, grads) -> None:
 
 
 def grads_for_extras(extras, wanted_grads) -> list[Tensor | None]:
-    """One gradient per extra tensor: the computed ones, in order, for those requiring grad."""
+    """One gradient per extra tensor, in its dtype: the computed ones, in order, for those
+    requiring grad."""
     found = iter(wanted_grads)
-    return [next(found) if e.requires_grad else None for e in extras]
+    grads = [next(found) if e.requires_grad else None for e in extras]
+    return [g if g is None else g.to(e.dtype) for g, e in zip(grads, extras, strict=True)]

@@ -1,8 +1,9 @@
 """Planning one call, launching the kernels, and the autograd Function around them.
 
 Similarity = ``features`` (an O(N·D) torch map: identity, unit vectors for cosine, q Lᵀ for
-Mahalanobis, differentiated by torch autograd) + a pairwise kernel fused in Triton. Masks and
-score modifiers are compiled from their definitions (trace.py, codegen.py). Gradients reach
+Mahalanobis, differentiated by torch autograd) + a pairwise term fused in Triton: the kernels'
+own code for the built-in terms (``Pairwise.triton_id``), else the term compiled from its
+definition like masks and score modifiers (trace.py, codegen.py). Gradients reach
 q, k, v, a tensor scale, the metric (through ``features``) and every captured float tensor a
 score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
 """
@@ -16,13 +17,11 @@ from torch import Tensor
 
 from ...problem import Problem
 from ...reference import expand_kv_heads
-from . import kernels
+from ..trace import MAX_SLOTS, SLOT_INFO
+from . import KERNEL_IDS, TRACED, kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .trace import MAX_SLOTS, SLOT_INFO
-from .variant import trace_variant
-
-PAIRWISE_KERNELS = {"dot": 0, "neg_sqdist": 1, "neg_l1": 2}
+from .variant import traced_once
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def choose_tiling(kernel: int, d_pad: int, on_gpu: bool) -> Tiling:
     if not on_gpu:  # the interpreter: small tiles, several per axis even on tiny tests
         small = Tiles(16, 16, 1, 1)
         return Tiling(small, small, small, min(d_pad, 64))
-    if kernel == 2:
+    if kernel in (2, TRACED):  # CUDA cores, D in chunks
         return Tiling(Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), 4)
     if d_pad <= 64:
         return Tiling(Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 4, 2), d_pad)
@@ -61,27 +60,35 @@ def choose_tiling(kernel: int, d_pad: int, on_gpu: bool) -> Tiling:
 
 @dataclass
 class Variant:
-    """The compiled mask / score modifier of one call and the tensors they read."""
+    """The compiled mask / score modifier / traced pairwise term of one call and the tensors
+    they read."""
 
     mask_fn: object
     mod_fn: object
     mod_bwd_fn: object
+    term_fns: tuple  # term_fn, term_dq_fn, term_dk_fn, term_grad_fn
     has_mask: bool
     has_mod: bool
+    has_term: bool
     slots: list[Tensor]
     grad_slots: set[int]
 
 
 def compile_variant(p: Problem) -> Variant:
-    """Trace the mask and score modifier and load their generated Triton functions."""
-    traced = trace_variant(p)
+    """Load the generated Triton functions of the call's traced mask, score modifier and
+    pairwise term (traced once per call, ``traced_once``)."""
+    traced = traced_once(p)
     module = load_module(traced.source)
     return Variant(
         mask_fn=module.mask_fn if traced.has_mask else kernels.noop_mask,
         mod_fn=module.mod_fn if traced.has_mod else kernels.noop_mod,
         mod_bwd_fn=module.mod_bwd_fn if traced.has_mod else kernels.noop_mod_bwd,
+        term_fns=(module.term_fn, module.term_dq_fn, module.term_dk_fn, module.term_grad_fn)
+        if traced.has_term else (kernels.noop_term, kernels.noop_term, kernels.noop_term,
+                                 kernels.noop_term_grad),
         has_mask=traced.has_mask,
         has_mod=traced.has_mod,
+        has_term=traced.has_term,
         slots=traced.slots,
         grad_slots=traced.grad_slots,
     )
@@ -102,7 +109,9 @@ class Plan:
 
 
 def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
-    kernel = PAIRWISE_KERNELS[p.similarity.kernel]
+    kernel = TRACED if variant.has_term else p.similarity.pairwise.triton_id
+    if kernel not in KERNEL_IDS | {TRACED}:
+        raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
     tiling = choose_tiling(kernel, _pad(head_dim), p.q.is_cuda)
     tiles = (tiling.fwd, tiling.dq, tiling.dkv)
     fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)
@@ -157,7 +166,7 @@ def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:
         DV_PAD=_pad(v.shape[3]), BLOCK_D=plan.tiling.block_d, KERNEL=plan.kernel,
         HAS_MASK=plan.variant.has_mask, MASK_FN=plan.variant.mask_fn,
         HAS_MOD=plan.variant.has_mod, MOD_FN=plan.variant.mod_fn, PRECISION=plan.precision,
-        DROPOUT=plan.dropout_p > 0,
+        DROPOUT=plan.dropout_p > 0, TERM_FN=plan.variant.term_fns[0],
     )
 
 
@@ -218,7 +227,9 @@ def attention_backward(plan: Plan, q, k, v, scale, out, lse, grad_out, slots, ne
     grad_args = [g if g is not None else dscale for g in grads]
     grad_args += [dscale] * (MAX_SLOTS - len(grad_args))
     common = _common(plan, q, k, v)
-    common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn)
+    _, term_dq, term_dk, term_grad = plan.variant.term_fns
+    common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn, TERM_DQ_FN=term_dq,
+                  TERM_DK_FN=term_dk, TERM_GRAD=bool(need_slots), TERM_GRAD_FN=term_grad)
     strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
     t, table = plan.tiling.dkv, plan.dkv_cols
     kernels.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](

@@ -3,9 +3,10 @@
 Each program owns one tile of rows and loops only over the tiles its block table lists:
 first the PARTIAL ones (bounds and mask evaluated), then the FULL ones (no masking at all).
 The variant is fixed at compile time through constexpr arguments:
-- ``KERNEL``: the pairwise similarity on (features of) q and k: 0 dot (tensor cores),
+- ``KERNEL``: the pairwise term on (features of) q and k: 0 dot (tensor cores),
   1 neg_sqdist (2q·k - ‖q‖² - ‖k‖² on tensor cores, norms in fp32), 2 neg_l1 (CUDA cores,
-  D in chunks of BLOCK_D);
+  D in chunks of BLOCK_D), 3 a term traced from its definition (``TERM_FN`` and its
+  derivatives, generated like the score modifier's; CUDA cores, D in chunks of BLOCK_D);
 - ``MASK_FN`` / ``MOD_FN`` / ``MOD_BWD_FN``: jit functions generated from the mask and score
   modifier definitions (see codegen.py); they read the captured tensors A0..A3 (strides AS).
 
@@ -36,6 +37,16 @@ def noop_mod_bwd(score, ds, valid, b, h, q_idx, kv_idx, offset, A0, A1, A2, A3, 
 
 
 @triton.jit
+def noop_term(pq, pk, pd, A0, A1, A2, A3, AS):
+    return pq * 0.0
+
+
+@triton.jit
+def noop_term_grad(pq, pk, pd, A0, A1, A2, A3, AS, dz, pd1, d_ok, G0, G1, G2, G3):
+    pass
+
+
+@triton.jit
 def _load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
     """Rows ``offs`` (< n) of a (n, D) matrix, columns ``offs_d`` (< D), zero-padded."""
     return tl.load(base + offs[:, None] * stride + offs_d[None, :],
@@ -43,10 +54,10 @@ def _load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
 
 
 @triton.jit
-def _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK,
+def _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
                  KERNEL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
     """z (BLOCK_M, BLOCK_N) fp32. For neg_sqdist it is unclamped (callers clamp at 0)."""
     if KERNEL == 0:
         z = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -55,13 +66,23 @@ def _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK,
         kf = k.to(tl.float32)
         z = 2.0 * tl.dot(q, tl.trans(k), input_precision=PRECISION)
         z = z - tl.sum(qf * qf, 1)[:, None] - tl.sum(kf * kf, 1)[None, :]
-    else:
+    elif KERNEL == 2:
         z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, D_PAD, BLOCK_D):
             offs_c = d0 + tl.arange(0, BLOCK_D)
             qc = _load_rows(Qb, offs_m, sqm, NQ, D, offs_c).to(tl.float32)
             kc = _load_rows(Kb, offs_n, skn, NK, D, offs_c).to(tl.float32)
             z -= tl.sum(tl.abs(qc[:, None, :] - kc[None, :, :]), 2)
+    else:
+        tl.static_assert(KERNEL == 3, "unknown pairwise KERNEL id")
+        z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D_PAD, BLOCK_D):
+            offs_c = d0 + tl.arange(0, BLOCK_D)
+            qc = _load_rows(Qb, offs_m, sqm, NQ, D, offs_c).to(tl.float32)
+            kc = _load_rows(Kb, offs_n, skn, NK, D, offs_c).to(tl.float32)
+            pd = tl.minimum(offs_c, D - 1)[None, None, :]
+            t = TERM_FN(qc[:, None, :], kc[None, :, :], pd, A0, A1, A2, A3, AS)
+            z += tl.sum(tl.where((offs_c < D)[None, None, :], t, 0.0), 2)
     return z
 
 
@@ -109,6 +130,38 @@ def _l1_grad_rows(dz, Xb, Yb, offs_x, offs_y, sx, sy, NX, NY, OUT, so, sign,
 
 
 @triton.jit
+def _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, OUT, A0, A1, A2, A3, AS,
+                    G0, G1, G2, G3, D: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK_D: tl.constexpr, FOR_KEYS: tl.constexpr, TERM_D_FN: tl.constexpr,
+                    TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
+    """For a traced term and dz (BLOCK_M, BLOCK_N) = d(loss)/d(z): OUT[m] += Σ_n dz·∂term/∂q
+    (FOR_KEYS False, OUT rows offs_m) or OUT[n] += Σ_m dz·∂term/∂k (FOR_KEYS True, rows
+    offs_n), chunk by chunk over D; with TERM_GRAD, also the gradients of the tensors the
+    term reads (``term_grad_fn``)."""
+    dz3 = dz[:, :, None]
+    for d0 in range(0, D_PAD, BLOCK_D):
+        offs_c = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_c < D
+        qc = _load_rows(Qb, offs_m, sqm, NQ, D, offs_c).to(tl.float32)[:, None, :]
+        kc = _load_rows(Kb, offs_n, skn, NK, D, offs_c).to(tl.float32)[None, :, :]
+        pd1 = tl.minimum(offs_c, D - 1)
+        pd = pd1[None, None, :]
+        part = tl.where((dz3 != 0.0) & d_ok[None, None, :],
+                        dz3 * TERM_D_FN(qc, kc, pd, A0, A1, A2, A3, AS), 0.0)
+        if FOR_KEYS:
+            ptrs = OUT + offs_n[:, None] * D + offs_c[None, :]
+            keep = (offs_n[:, None] < NK) & d_ok[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + tl.sum(part, 0), mask=keep)
+        else:
+            ptrs = OUT + offs_m[:, None] * D + offs_c[None, :]
+            keep = (offs_m[:, None] < NQ) & d_ok[None, :]
+            tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + tl.sum(part, 1), mask=keep)
+        if TERM_GRAD:
+            dzd = tl.where(d_ok[None, None, :], dz3, 0.0)
+            TERM_GRAD_FN(qc, kc, pd, A0, A1, A2, A3, AS, dzd, pd1, d_ok, G0, G1, G2, G3)
+
+
+@triton.jit
 def fwd_kernel(
     Q, K, V, O, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, stb, sth, stm,
@@ -117,6 +170,7 @@ def fwd_kernel(
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    TERM_FN: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H). Writes O (B, H, Nq, Dv) and base-2 LSE (B, H, Nq)."""
     pid_m = tl.program_id(0)
@@ -145,11 +199,11 @@ def fwd_kernel(
             offs_n = tl.load(row + 2 + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
             k = q
-            if KERNEL != 2:
+            if KERNEL < 2:  # the other terms load D in chunks
                 k = _load_rows(Kb, offs_n, skn, NK, D, offs_d)
             v = _load_rows(Vb, offs_n, svn, NK, DV, offs_v)
-            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, KERNEL, D, D_PAD,
-                             BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+                             KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
             s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                         KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -181,7 +235,9 @@ def bwd_kv_kernel(
     DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr,
+    TERM_DQ_FN: tl.constexpr, TERM_DK_FN: tl.constexpr, TERM_GRAD: tl.constexpr,
+    TERM_GRAD_FN: tl.constexpr,
 ):
     """Grid (ceil(Nk / BLOCK_N), B·Hkv): dK, dV (fp32, contiguous) for one key tile, summed
     over the query heads of its group and the query tiles of its column table."""
@@ -219,8 +275,9 @@ def bwd_kv_kernel(
                 do = _load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
                 lse = tl.load(LSE + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
                 delta = tl.load(DELTA + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-                z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, KERNEL, D,
-                                 D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+                z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3,
+                                 AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                                 TERM_FN)
                 s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3,
                             AS, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
                 p = tl.exp2(s - lse[:, None])
@@ -243,6 +300,10 @@ def bwd_kv_kernel(
                 if KERNEL == 2:
                     _l1_grad_rows(tl.trans(dz), Kb, Qb, offs_n, offs_m, skn, sqm, NK, NQ, DKb, D,
                                   -1.0, D, D_PAD, BLOCK_D)
+                elif KERNEL == 3:
+                    _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DKb, A0, A1,
+                                    A2, A3, AS, AS, AS, AS, AS, D, D_PAD, BLOCK_D, True,
+                                    TERM_DK_FN, False, TERM_GRAD_FN)
                 else:
                     dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
                     col_sum += tl.sum(dz, 0)
@@ -266,7 +327,8 @@ def bwd_q_kernel(
     KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
     MOD_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TERM_FN: tl.constexpr, TERM_DQ_FN: tl.constexpr,
+    TERM_DK_FN: tl.constexpr, TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H): dQ (fp32, contiguous) for one query tile; also the
     gradients of the scale (DSCALE, (H,)) and of the score modifier's tensors (G0..G3)."""
@@ -301,11 +363,11 @@ def bwd_q_kernel(
             offs_n = tl.load(row + 2 + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
             k = q
-            if KERNEL != 2:
+            if KERNEL < 2:  # the other terms load D in chunks
                 k = _load_rows(Kb, offs_n, skn, NK, D, offs_d)
             v = _load_rows(Vb, offs_n, svn, NK, DVD, offs_v)
-            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, KERNEL, D, D_PAD,
-                             BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+                             KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
             s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                         KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
@@ -328,6 +390,10 @@ def bwd_q_kernel(
             if KERNEL == 2:
                 _l1_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DQb, D, -1.0,
                               D, D_PAD, BLOCK_D)
+            elif KERNEL == 3:
+                _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DQb, A0, A1, A2,
+                                A3, AS, G0, G1, G2, G3, D, D_PAD, BLOCK_D, False, TERM_DQ_FN,
+                                TERM_GRAD, TERM_GRAD_FN)
             else:
                 dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
                 row_sum += tl.sum(dz, 1)
@@ -350,7 +416,7 @@ def weights_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr,
 ):
     """Grid (ceil(Nq / BLOCK_M), B·H): the attention weights W (B, H, Nq, Nk) recomputed from
     the forward's LSE on every listed tile; unlisted (empty) tiles keep W's zeros."""
@@ -376,10 +442,10 @@ def weights_kernel(
             offs_n = tl.load(row + 2 + j) * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
             k = q
-            if KERNEL != 2:
+            if KERNEL < 2:  # the other terms load D in chunks
                 k = _load_rows(Kb, offs_n, skn, NK, D, offs_d)
-            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, KERNEL, D, D_PAD,
-                             BLOCK_M, BLOCK_N, BLOCK_D, PRECISION)
+            z = _pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+                             KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
             s = _logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                         KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])

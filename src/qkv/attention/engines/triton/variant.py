@@ -1,4 +1,5 @@
-"""Tracing one call's mask and score modifier into Triton source (no Triton import needed)."""
+"""Tracing one call's mask, score modifier and pairwise term into Triton source (no Triton
+import needed)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ...problem import Problem
+from ..trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 from .codegen import generate_source
-from .trace import CompileError, Graph, trace_mask, trace_score_mod
 
 
 @dataclass
@@ -16,6 +17,7 @@ class TracedVariant:
     source: str
     has_mask: bool
     has_mod: bool
+    has_term: bool  # a pairwise term without Triton code of its own, traced
     slots: list[Tensor]  # the captured tensors, on the problem's device
     grad_slots: set[int]  # float slots that need a gradient
 
@@ -33,7 +35,12 @@ def _trace(what: str, obj, trace, graph: Graph):
 
 def trace_variant(p: Problem) -> TracedVariant:
     """Raises CompileError naming what cannot be compiled."""
-    graph = Graph(p.q.device)
+    graph = Graph(p.q.device, p.q.shape[-1])
+    pair = p.similarity.pairwise
+    term_root = (
+        None if pair.triton_id is not None
+        else _trace("the pairwise term", pair.term, trace_term, graph)
+    )
     mask_root = None if p.mask is None else _trace("mask", p.mask, trace_mask, graph)
     mod_root = (
         None if p.score_mod is None
@@ -43,13 +50,18 @@ def trace_variant(p: Problem) -> TracedVariant:
         i for i, t in enumerate(graph.slots) if t.is_floating_point() and t.requires_grad
     }
     return TracedVariant(
-        source=generate_source(mask_root, mod_root, grad_slots),
+        source=generate_source(mask_root, mod_root, grad_slots, term_root),
         has_mask=mask_root is not None,
         has_mod=mod_root is not None,
+        has_term=term_root is not None,
         slots=graph.slots,
         grad_slots=grad_slots,
     )
 
 
-def check_compiles(p: Problem) -> None:
-    trace_variant(p)
+def traced_once(p: Problem) -> TracedVariant:
+    """The call's traced variant, traced on the first request (``why_not``) and kept on the
+    problem for ``run``. Raises CompileError naming what cannot be compiled."""
+    if "triton" not in p.prepared:
+        p.prepared["triton"] = trace_variant(p)
+    return p.prepared["triton"]

@@ -1,11 +1,13 @@
-"""Tracing a mask rule or a score modifier into an expression graph that Triton can compile.
+"""Tracing a mask rule, a score modifier or a similarity's pairwise term into an expression
+graph that an engine can compile (Triton: ``triton/codegen.py``; C: ``term_c.py``).
 
-The single definitions in ``masks.py`` and ``scores.py`` are ordinary torch code on index
-tensors. The Triton engine calls them once per request with symbolic stand-ins (``Sym``) for
-``score``, ``b``, ``h``, ``q_idx``, ``kv_idx`` and ``offset``; every operator, torch function
-and tensor lookup they perform records a node instead of computing. ``codegen`` then writes
-the graph out as ``@triton.jit`` functions. This is how FlexAttention derives its kernels from
-``score_mod`` / ``mask_mod``, done here with a small tracer instead of TorchDynamo.
+The single definitions in ``masks.py``, ``scores.py`` and ``similarity.py`` are ordinary torch
+code. An engine calls them once per request with symbolic stand-ins (``Sym``) for ``score``,
+``b``, ``h``, ``q_idx``, ``kv_idx`` and ``offset`` (or a term's q_d, k_d and d); every
+operator, torch function and tensor lookup they perform records a node instead of computing.
+A code generator then writes the graph out, with its derivatives (``derivative``). This is
+how FlexAttention derives its kernels from ``score_mod`` / ``mask_mod``, done here with a
+small tracer instead of TorchDynamo.
 
 Tensors a rule reads (padding lengths, segment ids, ALiBi slopes, a bias table) become
 *slots*: kernel arguments that the generated code gathers from with ``tl.load``.
@@ -39,8 +41,12 @@ def _kind_of_dtype(dtype: torch.dtype) -> str:
 class Graph:
     """Hash-consed nodes plus the tensors (slots) the traced code reads."""
 
-    def __init__(self, device):
+    def __init__(self, device, head_dim: int = 0):
         self.device = device
+        self.head_dim = head_dim
+        # While a pairwise term is traced: its dimension index d, at which a captured 1-D
+        # tensor used whole is read (a per-dimension weight broadcasts along d, as in torch).
+        self.per_dim: Sym | None = None
         self.nodes: dict[tuple, Sym] = {}
         self.slots: list[Tensor] = []
         self._slot_of: dict[int, int] = {}
@@ -94,9 +100,23 @@ class Graph:
         if isinstance(value, Tensor):
             if value.dim() == 0:
                 return self.load(value, ())
+            if self.per_dim is not None and value.dim() == 1:
+                if value.numel() == 1:
+                    return self.load(value, (0,))
+                if value.numel() == self.head_dim:
+                    return self.load(value, (self.per_dim,))
+                raise CompileError(
+                    f"a pairwise term reads a tensor of shape {tuple(value.shape)}; per-dimension "
+                    f"tensors must have shape (D,) = ({self.head_dim},)"
+                )
             raise CompileError(
                 f"a captured tensor of shape {tuple(value.shape)} is used whole; index it with "
                 "b, h, q_idx or kv_idx so each score reads one element"
+            )
+        if isinstance(value, PartialLoad):
+            raise CompileError(
+                f"a captured tensor of shape {tuple(value.tensor.shape)} is used with "
+                f"{len(value.index)} of its {value.tensor.dim()} indices; index every dimension"
             )
         raise CompileError(f"cannot compile a value of type {type(value).__name__}")
 
@@ -313,9 +333,30 @@ def _filled(fill):
     return handler
 
 
+class PartialLoad:
+    """A captured tensor indexed in fewer dimensions than it has (``bias[b]`` of a (B, N)
+    bias): FlexAttention code indexes one dimension after another, ``bias[b][q_idx]``. Each
+    further index extends it; with one index per dimension it becomes a load."""
+
+    def __init__(self, graph: Graph, tensor: Tensor, index: tuple):
+        self.graph, self.tensor, self.index = graph, tensor, index
+
+    def __getitem__(self, index):
+        return _getitem(self.graph, self.tensor, self.index + _as_tuple(index))
+
+
+def _as_tuple(index) -> tuple:
+    return index if isinstance(index, tuple) else (index,)
+
+
 def _getitem(graph, tensor, index):
     if isinstance(tensor, Sym):
         return tensor[index]
+    index = _as_tuple(index)
+    if len(index) < tensor.dim() and all(
+        isinstance(i, Sym) or (isinstance(i, int) and not isinstance(i, bool)) for i in index
+    ):
+        return PartialLoad(graph, tensor, index)
     return graph.load(tensor, index)
 
 
@@ -334,7 +375,24 @@ def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **k
     return graph.node("searchsorted", (slot, graph.lift(values), right), INT)
 
 
+def _binary(method: str):
+    """torch.mul(a, b) and friends (also what ``tensor * traced`` dispatches to)."""
+
+    def handler(graph, a, b, **kwargs):
+        if kwargs:
+            raise CompileError(f"torch.{method.strip('_')} with keyword arguments does not compile")
+        return getattr(graph.lift(a), method)(b)
+
+    return handler
+
+
 _TORCH_HANDLERS = {
+    "add": _binary("__add__"),
+    "sub": _binary("__sub__"),
+    "mul": _binary("__mul__"),
+    "div": _binary("__truediv__"),
+    "true_divide": _binary("__truediv__"),
+    "pow": _binary("__pow__"),
     "where": _where,
     "minimum": _extremum("minimum"),
     "maximum": _extremum("maximum"),
@@ -358,6 +416,23 @@ def trace_mask(mask, graph: Graph) -> Sym | bool:
     )
 
 
+TERM_ARGS = ("pq", "pk", "pd")  # the generated term functions' q_d, k_d and d
+
+
+def trace_term(term, graph: Graph) -> Sym:
+    """A similarity's per-dimension term as a graph over (q_d, k_d) and the dimension d."""
+    g = graph
+    pq, pk = g.leaf(TERM_ARGS[0], FLOAT), g.leaf(TERM_ARGS[1], FLOAT)
+    g.per_dim = g.leaf(TERM_ARGS[2], INT)
+    try:
+        out = g.lift(term(pq, pk))
+    finally:
+        g.per_dim = None
+    if not isinstance(out, Sym):
+        raise CompileError("the pairwise term returned a constant; it must depend on q_d, k_d")
+    return out._cast(FLOAT)
+
+
 def trace_score_mod(score_mod, graph: Graph) -> Sym:
     """The score modifier as a graph over (score, b, h, q_idx, kv_idx, offset)."""
     g = graph
@@ -369,3 +444,110 @@ def trace_score_mod(score_mod, graph: Graph) -> Sym:
     if not isinstance(out, Sym):
         raise CompileError("the score modifier returned a constant; it must return a score")
     return out._cast(FLOAT)
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (bool, int, float))
+
+
+# -- forward-mode derivatives of a traced graph ----------------------------------------------
+def _plus(a, b):
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def _times(a, b):
+    if a is None or b is None:
+        return None
+    if _is_num(a) and a == 1:
+        return b
+    return a if _is_num(b) and b == 1 else a * b
+
+
+def _neg(a):
+    return None if a is None else -a
+
+
+def derivative(node, leaf: Sym, memo: dict[int, object]):
+    """∂node/∂leaf as a graph (or a number), None meaning zero. Integer and boolean values,
+    comparisons and index arithmetic carry no derivative."""
+    if not isinstance(node, Sym) or node.kind != FLOAT:
+        return None
+    if node is leaf:
+        return 1.0
+    if id(node) in memo:
+        return memo[id(node)]
+    op, args = node.op, node.args
+    d = [derivative(a, leaf, memo) for a in args] if op not in ("arg", "load") else []
+    g = node.graph
+    if op in ("arg", "load", "full", "floordiv"):
+        result = None
+    elif op == "add":
+        result = _plus(d[0], d[1])
+    elif op == "sub":
+        result = _plus(d[0], _neg(d[1]))
+    elif op == "mul":
+        result = _plus(_times(d[0], args[1]), _times(args[0], d[1]))
+    elif op == "truediv":
+        a, b = args
+        result = _plus(_times(d[0], 1.0 / b), _neg(_times(d[1], node / b)))
+    elif op == "mod":
+        result = _plus(d[0], _neg(_times(d[1], g.node("floordiv", (args[0], args[1]), FLOAT))))
+    elif op == "neg":
+        result = _neg(d[0])
+    elif op == "abs":
+        a = args[0]
+        sign = g.node("where", (a > 0, 1.0, g.node("where", (a < 0, -1.0, 0.0), FLOAT)), FLOAT)
+        result = _times(d[0], sign)
+    elif op == "exp":
+        result = _times(d[0], node)
+    elif op == "log":
+        result = _times(d[0], 1.0 / args[0])
+    elif op == "tanh":
+        result = _times(d[0], 1.0 - node * node)
+    elif op == "sigmoid":
+        result = _times(d[0], node * (1.0 - node))
+    elif op == "sqrt":
+        result = _times(d[0], 0.5 / node)
+    elif op == "sin":
+        result = _times(d[0], args[0].cos())
+    elif op == "cos":
+        result = _neg(_times(d[0], args[0].sin()))
+    elif op in ("minimum", "maximum"):
+        a, b = args
+        pick_a = (a <= b) if op == "minimum" else (a >= b)
+        result = _select(g, pick_a, d[0], d[1])
+    elif op == "where":
+        result = _select(g, args[0], d[1], d[2])
+    elif op == "cast":
+        result = d[0] if args[0].kind == FLOAT else None
+    else:
+        raise CompileError(f"no derivative rule for the operation {op!r}")
+    memo[id(node)] = result
+    return result
+
+
+def _select(g, cond, a, b):
+    if a is None and b is None:
+        return None
+    return g.node("where", (cond, 0.0 if a is None else a, 0.0 if b is None else b), FLOAT)
+
+
+def depends_on(node, names: set[str]) -> bool:
+    """Whether ``node`` reads any of the named leaves."""
+    if not isinstance(node, Sym):
+        return False
+    if node.op == "arg":
+        return node.args[0] in names
+    return any(depends_on(a, names) for a in node.args)
+
+
+def loads_in(node, found: dict[int, Sym]) -> dict[int, Sym]:
+    """Every captured-tensor load under ``node``, by node id."""
+    if isinstance(node, Sym) and id(node) not in found:
+        if node.op == "load":
+            found[id(node)] = node
+        for a in node.args:
+            loads_in(a, found)
+    return found

@@ -1,0 +1,413 @@
+"""A similarity's pairwise term compiled to C tile loops from its own definition.
+
+A term without C loops of its own (a user's ``qkv.Similarity``) is traced once per call
+(``trace.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
+graph, its derivatives in q_d and k_d and in every tensor it reads (``trace.derivative``),
+into the same loops the built-in L1 has (``cpu_kernels.c``): keys innermost on a transposed
+block held in cache, so the compiler vectorizes the term across keys. The source is built
+once per distinct term (``native.compile_library``, content-hashed) and loaded with ctypes.
+
+The loops read the term's captured tensors (``Graph.slots``: shape () or (D,), float) and
+return their gradients, so a learnable weight or temperature trains as with autograd. A term
+that does not trace, or reads other tensors, has no loops here: the engine then evaluates it
+with torch (``similarity.pairwise_sum``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import subprocess
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import native
+from .trace import (
+    BOOL,
+    FLOAT,
+    INT,
+    MAX_SLOTS,
+    TERM_ARGS,
+    CompileError,
+    Graph,
+    Sym,
+    derivative,
+    loads_in,
+    trace_term,
+)
+
+_BLOCK = 64  # keys per transposed block, as in cpu_kernels.c
+_C_TYPES = {torch.float32: ("float", "f"), torch.float64: ("double", "")}
+_BIN = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
+        "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_MATH = ("exp", "log", "sqrt", "sin", "cos", "tanh")
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+_lock = threading.Lock()
+_LIBRARIES: dict[str, object] = {}  # source digest -> (scores, grads) functions, or None
+
+
+def _literal(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NAN"
+        if math.isinf(value):
+            return "INFINITY" if value > 0 else "(-INFINITY)"
+        return repr(value)
+    return f"{value}LL"
+
+
+class _Emitter:
+    """C statements for a graph, one local per node (post-order), in type ``ctype``."""
+
+    def __init__(self, ctype: str, fsuffix: str):
+        self.ctype, self.fsuffix = ctype, fsuffix
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+
+    def ref(self, value) -> str:
+        if not isinstance(value, Sym):
+            return _literal(value)
+        if id(value) not in self.names:
+            if value.op == "arg":
+                self.names[id(value)] = value.args[0]
+            else:
+                expr = self._expr(value)  # emits the operands' lines first
+                name = f"t{len(self.lines)}"
+                kind = {FLOAT: self.ctype, INT: "int64_t", BOOL: "int"}[value.kind]
+                self.lines.append(f"    const {kind} {name} = {expr};")
+                self.names[id(value)] = name
+        return self.names[id(value)]
+
+    def _f(self, value) -> str:
+        return f"(({self.ctype}){self.ref(value)})"
+
+    def _expr(self, node: Sym) -> str:
+        op, args = node.op, node.args
+        if op in _BIN:
+            return f"({self.ref(args[0])} {_BIN[op]} {self.ref(args[1])})"
+        if op == "truediv":
+            return f"({self._f(args[0])} / {self._f(args[1])})"
+        if op in ("floordiv", "mod"):
+            a, b = self.ref(args[0]), self.ref(args[1])
+            if node.kind == FLOAT:
+                floor = f"floor{self.fsuffix}({self._f(args[0])} / {self._f(args[1])})"
+                return floor if op == "floordiv" else f"({a} - {b} * {floor})"
+            return f"qkv_{op}({a}, {b})"
+        if op == "neg":
+            return f"(-{self.ref(args[0])})"
+        if op == "invert":
+            a = self.ref(args[0])
+            return f"(!{a})" if args[0].kind == BOOL else f"(~{a})"
+        if op == "abs":
+            a = self.ref(args[0])
+            return f"fabs{self.fsuffix}({a})" if node.kind == FLOAT else f"llabs({a})"
+        if op in _MATH:
+            return f"{op}{self.fsuffix}({self._f(args[0])})"
+        if op == "sigmoid":
+            return f"(1 / (1 + exp{self.fsuffix}(-{self._f(args[0])})))"
+        if op in ("minimum", "maximum"):
+            a, b = self.ref(args[0]), self.ref(args[1])
+            return f"({a} {'<' if op == 'minimum' else '>'} {b} ? {a} : {b})"
+        if op == "where":
+            return f"({self.ref(args[0])} ? {self.ref(args[1])} : {self.ref(args[2])})"
+        if op == "cast":
+            kind = {FLOAT: self.ctype, INT: "int64_t"}.get(node.kind)
+            a = self.ref(args[0])
+            return f"(({kind}){a})" if kind else f"({a} != 0)"
+        if op == "full":
+            return _literal({FLOAT: float, INT: int, BOOL: bool}[node.kind](args[1]))
+        if op == "load":
+            slot, *index = args
+            return f"A{slot}[{self.ref(index[0]) if index else '0'}]"
+        raise CompileError(f"the C code generator has no form of the operation {op!r}")
+
+
+_PARAMS = "{T} pq, {T} pk, int64_t pd, " + ", ".join(f"const {{T}} *A{i}" for i in range(MAX_SLOTS))
+_ARGS = "x, row[j], c, A0, A1, A2, A3"
+_EARGS = "qr[c], kr[c], c, A0, A1, A2, A3"
+
+
+def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> str:
+    e = _Emitter(ctype, fsuffix)
+    result = e.ref(root) if root is not None else "0"
+    rtype = ctype if kind == FLOAT else "int64_t"
+    return "\n".join([f"static inline {rtype} {name}({_PARAMS.format(T=ctype)}) {{",
+                      "    (void)pq; (void)pk; (void)pd;", *e.lines,
+                      f"    return {result};", "}"])
+
+
+_LOOPS = """
+void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, int64_t n,
+                 int64_t d, {T} *kt, {CONST_SLOTS}) {{
+    for (int64_t b = 0; b < nb; b++) {{
+        const {T} *qb = q + b * m * d, *kb = k + b * n * d;
+        {T} *ob = out + b * m * n;
+        for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {{
+            int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;
+            transpose_block(kb, n0, cols, d, kt);
+            for (int64_t i = 0; i < m; i++) {{
+                {T} acc[BLOCK] = {{0}};
+                const {T} *qi = qb + i * d;
+                for (int64_t c = 0; c < d; c++) {{
+                    const {T} x = qi[c], *row = kt + c * BLOCK;
+                    _Pragma("omp simd")
+                    for (int64_t j = 0; j < BLOCK; j++) acc[j] += term({ARGS});
+                }}
+                {T} *oi = ob + i * n + n0;
+                for (int64_t j = 0; j < cols; j++) oi[j] = acc[j];
+            }}
+        }}
+    }}
+}}
+
+void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
+                int64_t m, int64_t n, int64_t d, {T} *kt, {T} *dkt, {CONST_SLOTS},
+                {GRAD_SLOTS}) {{
+    for (int64_t b = 0; b < nb; b++) {{
+        const {T} *qb = q + b * m * d, *kb = k + b * n * d, *sb = ds + b * m * n;
+        {T} *dqb = dq + b * m * d, *dkb = dk + b * n * d;
+        for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {{
+            int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;
+            transpose_block(kb, n0, cols, d, kt);
+            memset(dkt, 0, sizeof({T}) * BLOCK * d);
+            for (int64_t i = 0; i < m; i++) {{
+                {T} g[BLOCK] = {{0}};
+                memcpy(g, sb + i * n + n0, sizeof({T}) * cols);
+                const {T} *qi = qb + i * d;
+                {T} *dqi = dqb + i * d;
+                for (int64_t c = 0; c < d; c++) {{
+                    const {T} x = qi[c], *row = kt + c * BLOCK;
+                    {T} *drow = dkt + c * BLOCK, total_q = 0;{SUM_DECLS}
+                    /* 0 where ds is 0 (padding keys, masked pairs): never 0 * inf */
+                    _Pragma("omp simd reduction(+:total_q{SUM_NAMES})")
+                    for (int64_t j = 0; j < BLOCK; j++) {{
+                        const {T} gj = g[j];
+                        total_q += gj != 0 ? gj * term_dq({ARGS}) : 0;
+                        drow[j] += gj != 0 ? gj * term_dk({ARGS}) : 0;{SUM_UPDATES}
+                    }}
+                    dqi[c] += total_q;{SUM_STORES}
+                }}
+            }}
+            for (int64_t j = 0; j < cols; j++)
+                for (int64_t c = 0; c < d; c++)
+                    dkb[(n0 + j) * d + c] += dkt[c * BLOCK + j];
+        }}
+    }}
+}}
+"""
+
+_EDGES = """
+/* Graph edges, rows (B, N, heads, d) contiguous: edge e joins query row target[e] and key row
+ * source[e]; query head h reads key head h / (heads / kv_heads); per-edge values (B, E, H). */
+void term_edge_scores(const {T} *q, const {T} *k, const int64_t *target, const int64_t *source,
+                      {T} *out, int64_t batch, int64_t edges, int64_t nq, int64_t nk,
+                      int64_t heads, int64_t kv_heads, int64_t d, {CONST_SLOTS}) {{
+    const int64_t group = heads / kv_heads;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t e = 0; e < edges; e++)
+            for (int64_t h = 0; h < heads; h++) {{
+                const {T} *qr = q + ((b * nq + target[e]) * heads + h) * d;
+                const {T} *kr = k + ((b * nk + source[e]) * kv_heads + h / group) * d;
+                {T} total = 0;
+                _Pragma("omp simd reduction(+:total)")
+                for (int64_t c = 0; c < d; c++) total += term({EARGS});
+                out[(b * edges + e) * heads + h] = total;
+            }}
+}}
+
+void term_edge_grads(const {T} *ds, const {T} *q, const {T} *k, const int64_t *target,
+                     const int64_t *source, {T} *dq, {T} *dk, int64_t batch, int64_t edges,
+                     int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t d,
+                     {CONST_SLOTS}, {GRAD_SLOTS}) {{
+    const int64_t group = heads / kv_heads;
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t e = 0; e < edges; e++)
+            for (int64_t h = 0; h < heads; h++) {{
+                const {T} gj = ds[(b * edges + e) * heads + h];
+                if (gj == 0) continue;  /* never 0 * inf */
+                const int64_t qi = (b * nq + target[e]) * heads + h;
+                const int64_t ki = (b * nk + source[e]) * kv_heads + h / group;
+                const {T} *qr = q + qi * d, *kr = k + ki * d;
+                {T} *dqr = dq + qi * d, *dkr = dk + ki * d;
+                for (int64_t c = 0; c < d; c++) {{
+                    dqr[c] += gj * term_dq({EARGS});
+                    dkr[c] += gj * term_dk({EARGS});{EDGE_UPDATES}
+                }}
+            }}
+}}
+"""
+
+_HEADER = """/* Generated by qkv.attention.engines.term_c from a similarity's term; do not edit. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#define BLOCK 64
+
+static inline int64_t qkv_floordiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline int64_t qkv_mod(int64_t a, int64_t b) { return a - b * qkv_floordiv(a, b); }
+"""
+
+
+def _source(root: Sym, dtype: torch.dtype) -> str:
+    """The C loops of one traced term in one dtype."""
+    ctype, fsuffix = _C_TYPES[dtype]
+    graph = root.graph
+    pq, pk = graph.leaf(TERM_ARGS[0], FLOAT), graph.leaf(TERM_ARGS[1], FLOAT)
+    parts = [_HEADER,
+             f"static void transpose_block(const {ctype} *k, int64_t n0, int64_t cols, "
+             f"int64_t d, {ctype} *kt) {{\n"
+             "    for (int64_t j = 0; j < cols; j++)\n"
+             "        for (int64_t c = 0; c < d; c++) kt[c * BLOCK + j] = k[(n0 + j) * d + c];\n"
+             "    for (int64_t c = 0; c < d; c++)\n"
+             "        for (int64_t j = cols; j < BLOCK; j++) kt[c * BLOCK + j] = 0;\n}",
+             _function("term", root, ctype, fsuffix),
+             _function("term_dq", derivative(root, pq, {}), ctype, fsuffix),
+             _function("term_dk", derivative(root, pk, {}), ctype, fsuffix)]
+    decls = names = updates = stores = edge_updates = ""
+    for n, load in enumerate(loads_in(root, {}).values()):
+        slot, *index = load.args
+        d_load = derivative(root, load, {})
+        if d_load is None:
+            continue
+        parts.append(_function(f"term_d{n}", d_load, ctype, fsuffix))
+        parts.append(_function(f"term_i{n}", index[0] if index else 0, ctype, fsuffix, INT))
+        # A tensor's gradient sums every pair's contribution, with cancellation: in double.
+        decls += f" double total_{n} = 0;"
+        names += f", total_{n}"
+        updates += (f"\n                        total_{n} += gj != 0 ? "
+                    f"(double)(gj * term_d{n}({_ARGS})) : 0;")
+        stores += (f"\n                    G{slot}[term_i{n}(x, x, c, A0, A1, A2, A3)] "
+                   f"+= total_{n};")
+        edge_updates += (f"\n                    G{slot}[term_i{n}(qr[c], qr[c], c, A0, A1, A2, "
+                         f"A3)] += (double)(gj * term_d{n}({_EARGS}));")
+    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
+    parts.append(_LOOPS.format(T=ctype, ARGS=_ARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
+                               SUM_DECLS=decls, SUM_NAMES=names, SUM_UPDATES=updates,
+                               SUM_STORES=stores))
+    parts.append(_EDGES.format(T=ctype, EARGS=_EARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
+                               EDGE_UPDATES=edge_updates))
+    return "\n\n".join(parts)
+
+
+def _functions(source: str):
+    """(scores, grads, edge scores, edge grads) ctypes functions of ``source``, built once per
+    distinct source."""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    with _lock:
+        if digest not in _LIBRARIES:
+            try:
+                lib = native.compile_library(source, "similarity_term")
+            except (OSError, subprocess.SubprocessError) as err:
+                detail = getattr(err, "stderr", b"") or err
+                warnings.warn(f"qkv: a similarity term's C loops did not build ({detail!s}); "
+                              "using torch operations", RuntimeWarning, stacklevel=4)
+                lib = None
+            functions = None
+            if lib is not None:
+                functions = (lib.term_scores, lib.term_grads, lib.term_edge_scores,
+                             lib.term_edge_grads)
+                signatures = (
+                    [_PTR] * 3 + [_I64] * 4 + [_PTR] * (1 + MAX_SLOTS),
+                    [_PTR] * 5 + [_I64] * 4 + [_PTR] * (2 + 2 * MAX_SLOTS),
+                    [_PTR] * 5 + [_I64] * 7 + [_PTR] * MAX_SLOTS,
+                    [_PTR] * 7 + [_I64] * 7 + [_PTR] * (2 * MAX_SLOTS),
+                )
+                for function, argtypes in zip(functions, signatures, strict=True):
+                    function.argtypes, function.restype = argtypes, None
+            _LIBRARIES[digest] = functions
+        return _LIBRARIES[digest]
+
+
+def _batched(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+
+
+def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | None:
+    """C loops for ``pair`` (a ``similarity.Pairwise`` without C loops of its own) in
+    ``dtype`` with head dim ``head_dim``, traced from its term now (so they read the tensors
+    the term captures as they are now), or None when it does not trace or nothing builds."""
+    if dtype not in _C_TYPES or not native.available(dtype):
+        return None
+    graph = Graph("cpu", head_dim)
+    try:
+        root = trace_term(pair.term, graph)
+    except Exception:  # noqa: BLE001  any term this tracer cannot follow runs in torch instead
+        return None
+    if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
+        return None
+    try:
+        source = _source(root, dtype)
+    except CompileError:
+        return None
+    functions = _functions(source)
+    if functions is None:
+        return None
+    slots = tuple(graph.slots)  # autograd sees these: their gradients flow to what they came from
+    values = [t.detach().to(dtype).contiguous() for t in slots]
+    return native.TileLoops(*_bind(functions, values, dtype), tensors=slots)
+
+
+def _bind(functions, values: list[Tensor], dtype: torch.dtype):
+    """scores(q, k, out), grads(ds, q, k), edge_scores(q_rows, k_rows, target, source) and
+    edge_grads(ds, q_rows, k_rows, target, source, dq, dk) over the C functions with the
+    slot values (see ``native.TileLoops``)."""
+    scores_fn, grads_fn, edge_scores_fn, edge_grads_fn = functions
+    dummy = torch.zeros(1, dtype=dtype)  # fills unused slots; the closure keeps values alive
+    sink = torch.zeros(1, dtype=torch.float64)  # the same for unused gradient sums
+    pointers = [v.data_ptr() for v in values] + [dummy.data_ptr()] * (MAX_SLOTS - len(values))
+
+    def scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
+        q3, k3 = _batched(q), _batched(k)
+        nb, m, d = q3.shape
+        n = k3.shape[1]
+        if out is None:
+            out = q.new_empty(nb, m, n)
+        kt = q.new_empty(_BLOCK * d)
+        scores_fn(q3.data_ptr(), k3.data_ptr(), out.data_ptr(), nb, m, n, d, kt.data_ptr(),
+                  *pointers)
+        return out.view(*q.shape[:-1], n)
+
+    def grads(ds: Tensor, q: Tensor, k: Tensor):
+        q3, k3, ds3 = _batched(q), _batched(k), _batched(ds)
+        nb, m, d = q3.shape
+        n = k3.shape[1]
+        dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
+        sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
+        sum_pointers = [s.data_ptr() for s in sums] + [sink.data_ptr()] * (MAX_SLOTS - len(sums))
+        scratch = q.new_empty(2, _BLOCK * d)
+        grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(), dk.data_ptr(), nb,
+                 m, n, d, scratch[0].data_ptr(), scratch[1].data_ptr(), *pointers,
+                 *sum_pointers)
+        tensor_grads = tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
+        return dq.view(q.shape), dk.view(k.shape), tensor_grads
+
+    def edge_scores(q_rows: Tensor, k_rows: Tensor, target: Tensor, source: Tensor) -> Tensor:
+        batch, nq, heads, d = q_rows.shape
+        out = q_rows.new_empty(batch, target.numel(), heads)
+        edge_scores_fn(q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
+                       source.data_ptr(), out.data_ptr(), batch, target.numel(), nq,
+                       k_rows.shape[1], heads, k_rows.shape[2], d, *pointers)
+        return out
+
+    def edge_grads(ds, q_rows, k_rows, target, source, dq, dk):
+        batch, nq, heads, d = q_rows.shape
+        sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
+        sum_pointers = [s.data_ptr() for s in sums] + [sink.data_ptr()] * (MAX_SLOTS - len(sums))
+        edge_grads_fn(ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
+                      source.data_ptr(), dq.data_ptr(), dk.data_ptr(), batch, target.numel(), nq,
+                      k_rows.shape[1], heads, k_rows.shape[2], d, *pointers, *sum_pointers)
+        return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
+
+    return scores, grads, edge_scores, edge_grads
