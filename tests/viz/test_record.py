@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+import qkv
 from qkv.attention.problem import build_problem
 from qkv.attention.reference import scores_of
+from qkv.attention.similarity import SIMILARITIES as SIMILARITY_REGISTRY
 from qkv.models import GPT, GPTConfig
 from qkv.viz import capture
 from qkv.viz.compact import LEVELS, RowsBuilder, compress_head
@@ -116,6 +118,35 @@ def test_neuron_scores_are_the_layers_scores(similarity):
                                    rtol=1e-4, atol=1e-4)
     assert neuron.kernel == {"dot": "dot", "cosine": "dot", "l1": "neg_l1"}.get(similarity,
                                                                                  "neg_sqdist")
+
+
+@pytest.fixture
+def user_similarity():
+    """A user-defined term, registered for the test only."""
+    name = "viz_test_p3"
+    SIMILARITY_REGISTRY[name] = qkv.Similarity(lambda q, k: -(q - k).abs() ** 3, name=name)
+    yield name
+    del SIMILARITY_REGISTRY[name]
+
+
+def test_neuron_view_of_a_user_similarity_stores_the_layers_scores(user_similarity):
+    model, ids = _gpt(user_similarity, positions="rope"), torch.tensor([[3, 5, 7, 1, 2, 9]])
+    calls = []
+    recorder = Recorder(0.01, None, neuron_layers=[0])
+    with capture(model, layers=0, on_weights=lambda s, w, call: calls.append(call)), \
+            capture(model, layers=0, on_weights=recorder) as maps, torch.no_grad():
+        model(ids)
+    view = recorder.view(maps.select(), "gpt", ["t"] * 6, ["t"] * 6)
+    neuron, call = view.neurons[0], calls[0]
+    p = build_problem(call.q.double(), call.k.double(), call.k.double(), mask=call.mask,
+                      similarity=user_similarity)
+    reference = scores_of(p, p.q, p.k)[0].numpy()
+    assert neuron.kernel == "user"  # the page says it cannot draw a user term's parts
+    for h in range(4):
+        rows = view.rows[0][h]
+        q_rows = np.repeat(np.arange(6), rows.counts)
+        np.testing.assert_allclose(neuron.scores[h], reference[h, q_rows, rows.cols],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_neuron_budget_picks_whole_layers():

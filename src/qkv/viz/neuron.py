@@ -7,8 +7,10 @@ squared distance) or -|q_d-k_d| (negative L1). So the page stores the features o
 chosen heads, and draws each pair's per-dimension terms from them.
 
 Next to the terms' total it shows the score the layer used, computed here by the library's own
-definition (``ROW_KERNELS``, the row form the graph engine runs) plus the layer's score
-modifier, for every stored (query, key) entry.
+definition (the similarity's ``Pairwise.rows``, its term summed over dimensions) plus the
+layer's score modifier, for every stored (query, key) entry. A user-defined term
+(``qkv.Similarity``) has its scores stored, but the page draws per-dimension terms only for
+the built-in kernels, whose formulas it knows.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..attention.problem import build_problem
-from ..attention.similarity import ROW_KERNELS
+from ..attention.similarity import PAIRWISE
 from .capture import ObservedCall
 from .compact import HeadRows
 
@@ -30,10 +32,10 @@ class NeuronLayer:
     """One layer's neuron-view data for its captured heads (batch row 0).
 
     q_features (h, Nq, F) per captured head; k_features (u, Nk, F) with k_of_head[h] naming
-    head h's row (grouped heads share one); scale (h,); kernel: "dot", "neg_sqdist" or
-    "neg_l1"; scores[h] (nnz,) the layer's score for each stored entry of head h, in the
-    order of its HeadRows; similarity_scores[h] the similarity part alone, when a score
-    modifier adds to it (else None)."""
+    head h's row (grouped heads share one); scale (h,); kernel: "dot", "neg_sqdist",
+    "neg_l1" or "user" (a user-defined term); scores[h] (nnz,) the layer's score for each
+    stored entry of head h, in the order of its HeadRows; similarity_scores[h] the
+    similarity part alone, when a score modifier adds to it (else None)."""
 
     layer: int
     similarity: str
@@ -76,7 +78,7 @@ def _pair_scores(p, index, fq, fk, scale, h: int, rows: HeadRows, with_mod: bool
     are this call's, as the score modifier sees them, with the call's offset)."""
     q_rows = torch.from_numpy(np.repeat(np.arange(len(rows.counts)), rows.counts)).long()
     cols = torch.from_numpy(rows.cols).long()
-    s = ROW_KERNELS[p.similarity.kernel](fq[h][q_rows], fk[h][cols]) * scale[h]
+    s = p.similarity.pairwise.rows(fq[h][q_rows], fk[h][cols]) * scale[h]
     if with_mod and p.score_mod is not None:
         shape = (1, 1, 1, -1)
         s = p.score_mod(s.view(shape), torch.zeros(1, 1, 1, 1, dtype=torch.long),
@@ -90,7 +92,9 @@ def record(layer: NeuronLayer | None, site_layer: int, heads: list[int], call: O
     """Add one call (its stored rows ``new_rows``, one per captured head) to ``layer``."""
     p, index, fq, fk, scale = _features(call, heads)
     if layer is None:
-        layer = NeuronLayer(site_layer, p.similarity.name, p.similarity.kernel,
+        pairwise = p.similarity.pairwise
+        kernel = pairwise.name if PAIRWISE.get(pairwise.name) is pairwise else "user"
+        layer = NeuronLayer(site_layer, p.similarity.name, kernel,
                             scale.tolist(), np.zeros(0), np.zeros(0), [])
     layer._q_parts.append(fq.cpu())
     layer._score_parts.append([_pair_scores(p, index, fq, fk, scale, h, r, True)

@@ -69,6 +69,11 @@ PANELS_SCRIPT = r"""
     const kf = arrayOf(n.k).subarray((n.k_of_head[h] * nk + k) * d,
                                      (n.k_of_head[h] * nk + k + 1) * d);
     const kind = TERMS[n.kernel];
+    if (!kind) {  // a user-defined term: the page does not know its formula
+      text.textContent = "similarity " + n.similarity + " is a user-defined term: its " +
+        "per-dimension terms are not drawn here.";
+      return;
+    }
     const terms = Array.from(qf, (a, i) => kind.term(a, kf[i]));
     const sum = terms.reduce((s, t) => s + t, 0), scale = n.scale[h], total = scale * sum;
     const j = rows.index(q, k);

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ...cache import cache_dir
+
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
@@ -59,10 +61,6 @@ _CHECKED = {"edge_scores", "edge_kernel_grads"}
 EDGE_TERMS = frozenset({0, 1, 2})
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("QKV_CACHE") or Path.home() / ".cache" / "qkv")
-
-
 def _cpu_flags() -> str:
     """The CPU's feature flags: ``-march=native`` code is only valid on a CPU that has them."""
     try:
@@ -78,7 +76,7 @@ def _build(compiler: str, source: bytes, stem: str) -> Path:
     key = hashlib.sha256(b"\0".join(
         [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()]
     )).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}_{key}.so"
+    target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
