@@ -50,6 +50,7 @@ def load_llama_cpp(threads: int):
         if ids.shape[0] != 1:
             return None  # llama-cpp-python's generate is one sequence at a time
         out = []
+        llm.reset()  # else a repeated prompt is served from the previous call's cache
         for token in llm.generate(ids[0].tolist(), temp=0.0, top_k=1, reset=True):
             out.append(token)
             if len(out) == new:

@@ -20,7 +20,7 @@ def add_model_option(p: argparse.ArgumentParser, required: bool = False) -> None
 
 def add_weights_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: weight-only bf16 linear layers, 2-4x faster on CPU, logits "
+                   help="bf16: weight-only bf16 linear layers, about 2x faster on CPU, logits "
                         "within about 2e-2 relative (default fp32: exact)")
 
 
