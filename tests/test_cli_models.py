@@ -1,6 +1,5 @@
 """``qkv generate | chat | embed | eval --model``: the real checkpoints from the command line."""
 
-import functools
 import io
 import json
 import math
@@ -17,12 +16,8 @@ pytestmark = pytest.mark.slow  # each checkpoint loads once per module, a few se
 
 
 @pytest.fixture(autouse=True, scope="module")
-def loaded_once():
-    """Every command loads its checkpoint through qkv.models.load_pretrained; load each once."""
-    original = qkv.models.load_pretrained
-    qkv.models.load_pretrained = functools.lru_cache(maxsize=None)(original)
-    yield
-    qkv.models.load_pretrained = original
+def loaded_once(load_pretrained_once):
+    """Each checkpoint loads once in this module (see tests/conftest.py)."""
 
 
 def run(capsys, *argv):

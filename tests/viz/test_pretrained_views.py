@@ -4,7 +4,6 @@ random GPT-2 directory with a byte-level tokenizer for the bad-input cases."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import numpy as np
@@ -22,12 +21,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def loaded_once():
-    """``qkv viz --model`` loads through qkv.models.load_pretrained: load each checkpoint once."""
-    original = qkv.models.load_pretrained
-    qkv.models.load_pretrained = functools.lru_cache(maxsize=None)(original)
-    yield
-    qkv.models.load_pretrained = original
+def loaded_once(load_pretrained_once):
+    """Each checkpoint loads once in this module (see tests/conftest.py)."""
 
 
 def _assert_page_holds_the_maps(stored, model, ids, **forward):
