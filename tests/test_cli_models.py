@@ -10,7 +10,8 @@ import torch
 
 import qkv.models
 from qkv import cli
-from qkv.models.pretrained.usage import embed_texts, perplexity, token_nll
+from qkv.models.pretrained.usage import embed_texts
+from qkv.models.scoring import perplexity, token_nll
 
 pytestmark = pytest.mark.slow  # each checkpoint loads once per module, a few seconds
 

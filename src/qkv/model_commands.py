@@ -187,7 +187,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from .data.docstrings import stdlib_docstrings
     from .data.text import read_text_file, split_text
-    from .models.pretrained.usage import perplexity, token_nll
+    from .models.scoring import perplexity, token_nll
 
     model, tokenizer = load(args.model, "decoder", "qkv eval")
     if args.text:

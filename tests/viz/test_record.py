@@ -88,17 +88,22 @@ def test_generated_rows_equal_one_uncached_pass():
     assert neuron.q_features.shape[:2] == (2, 9) and neuron.k_features.shape[1] == 9
 
 
-@pytest.mark.parametrize("similarity", SIMILARITIES)
-def test_neuron_scores_are_the_layers_scores(similarity):
-    model, ids = _gpt(similarity), torch.tensor([[3, 5, 7, 1, 2, 9]])
+def _record_layer0(model):
+    """The recorded page view of layer 0 (neuron data included) for six tokens, and the
+    layer's observed call (its q, k, mask and modifier)."""
+    ids = torch.tensor([[3, 5, 7, 1, 2, 9]])
     calls = []
     recorder = Recorder(0.01, None, neuron_layers=[0])
     with capture(model, layers=0, on_weights=lambda s, w, call: calls.append(call)), \
             capture(model, layers=0, on_weights=recorder) as maps, torch.no_grad():
         model(ids)
-    view = recorder.view(maps.select(), "gpt", ["t"] * 6, ["t"] * 6)
-    neuron = view.neurons[0]
-    call, m = calls[0], calls[0].module
+    return recorder.view(maps.select(), "gpt", ["t"] * 6, ["t"] * 6), calls[0]
+
+
+@pytest.mark.parametrize("similarity", SIMILARITIES)
+def test_neuron_scores_are_the_layers_scores(similarity):
+    view, call = _record_layer0(_gpt(similarity))
+    neuron, m = view.neurons[0], call.module
     p = build_problem(call.q.double(), call.k.double(), call.k.double(), mask=call.mask,
                       score_mod=call.score_mod, similarity=m.similarity,
                       scale=m.scale if not torch.is_tensor(m.scale) else m.scale.double(),
@@ -130,14 +135,8 @@ def user_similarity():
 
 
 def test_neuron_view_of_a_user_similarity_stores_the_layers_scores(user_similarity):
-    model, ids = _gpt(user_similarity, positions="rope"), torch.tensor([[3, 5, 7, 1, 2, 9]])
-    calls = []
-    recorder = Recorder(0.01, None, neuron_layers=[0])
-    with capture(model, layers=0, on_weights=lambda s, w, call: calls.append(call)), \
-            capture(model, layers=0, on_weights=recorder) as maps, torch.no_grad():
-        model(ids)
-    view = recorder.view(maps.select(), "gpt", ["t"] * 6, ["t"] * 6)
-    neuron, call = view.neurons[0], calls[0]
+    view, call = _record_layer0(_gpt(user_similarity, positions="rope"))
+    neuron = view.neurons[0]
     p = build_problem(call.q.double(), call.k.double(), call.k.double(), mask=call.mask,
                       similarity=user_similarity)
     reference = scores_of(p, p.q, p.k)[0].numpy()

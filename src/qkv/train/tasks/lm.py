@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
+from ...models.scoring import token_nll
 from ..config import ConfigError, Schema, limited
 from .common import build, run_tokenizer
 
@@ -182,14 +183,8 @@ class LMTask:
         if n_windows == 0:
             raise ValueError(f"the held-out text has fewer than {data.block + 1} tokens")
         device = next(model.parameters()).device
-        starts = torch.arange(n_windows) * data.block
-        total = 0.0
-        for i in range(0, n_windows, cfg.eval.batch_size):
-            windows = ids[starts[i : i + cfg.eval.batch_size, None] + data.offsets].to(device)
-            logits = model(windows[:, :-1])
-            total += F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(),
-                                     reduction="sum").item()
-        tokens = n_windows * data.block
+        ids = ids[: n_windows * data.block + 1].to(device)  # whole windows only
+        total, tokens = token_nll(model, ids, data.block, cfg.eval.batch_size)
         loss = total / tokens
         return {
             "loss": loss, "perplexity": math.exp(min(loss, 50.0)),

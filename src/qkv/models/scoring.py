@@ -1,0 +1,34 @@
+"""Scoring text under a language model: summed negative log-likelihood and perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def token_nll(model, ids: Tensor, window: int, batch_size: int = 8) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of a token stream ids (N,) under a GPT, and the
+    number of tokens scored. The stream is cut into non-overlapping windows of ``window``
+    tokens; each window's first token is context only."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2 tokens; got {window}")
+    pieces = [ids[s:s + window + 1] for s in range(0, len(ids) - 1, window)]
+    full = [p for p in pieces if len(p) == window + 1]
+    groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)]
+    groups += [[p] for p in pieces if 1 < len(p) < window + 1]  # the stream's short tail
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for group in groups:
+            x = torch.stack(group)
+            logits = model(x[:, :-1])
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(),
+                                           reduction="sum"))
+            count += x[:, 1:].numel()
+    return total, count
+
+
+def perplexity(total_nll: float, count: int) -> float:
+    return math.exp(total_nll / max(1, count))
