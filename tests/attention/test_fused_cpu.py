@@ -165,8 +165,8 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
     mask = qkv.graph(edges, num_nodes=n)
     assert graph_gather.is_sparse(mask, n, n)
     calls = []
-    original = graph_gather.attention
-    monkeypatch.setattr(graph_gather, "attention", lambda *a: calls.append(1) or original(*a))
+    original = graph_gather._forward
+    monkeypatch.setattr(graph_gather, "_forward", lambda *a: calls.append(1) or original(*a))
     q, k, v = rand_qkv(1, 2, 2, n, n, 8, 8)
     qkv.attention(q, k, v, mask=mask)
     assert calls

@@ -68,8 +68,8 @@ def test_graph_gather_path_matches_reference(monkeypatch, name):
     C loops or its definition, gradients to the tensors the term reads."""
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     calls = []
-    original = graph_gather.attention
-    monkeypatch.setattr(graph_gather, "attention",
+    original = graph_gather._forward
+    monkeypatch.setattr(graph_gather, "_forward",
                         lambda *a: calls.append(1) or original(*a))
     mask = mask_cases(B, NQ, NK)["graph_edges"]
     metric, _ = similarity_inputs(name, H, EXAMPLE_D)

@@ -95,16 +95,9 @@ def test_head_weights_from_saved_log_sum_exp():
 def test_head_weights_from_the_fused_engines_log_sum_exp():
     """The fused CPU engine's forward keeps only out and lse; the chosen heads' weights rebuilt
     from that lse equal the reference's."""
-    from qkv.attention.engines import fused_cpu
-    from qkv.attention.engines.tiles import tile_plan
-
     q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     kw = dict(mask=qkv.causal(), score_mod=qkv.alibi(4), similarity="l2")
-    problem = build_problem(q, k, v, scale=None, metric=None, dropout_p=0.0,
-                            return_weights=False, **kw)
-    fq, fk, fv, scale = fused_cpu.features(problem)
-    spec = fused_cpu.tile_spec(problem, scale)
-    _, lse = fused_cpu._forward(spec, tile_plan(spec, fq.device), fq, fk, fv)
+    _, lse = qkv.attention(q, k, v, return_lse=True, backend="fused", **kw)
     got = head_weights(q, k, [1, 3], lse=lse, **kw)
     _, want = qkv.attention(q, k, v, return_weights=True, backend="reference", **kw)
     torch.testing.assert_close(got, want[:, [1, 3]], rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .pointwise import pointwise
+from .structure import Node
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -46,7 +47,7 @@ def _blocks(n: int, block: int) -> int:
     return (n + block - 1) // block
 
 
-class Mask:
+class Mask(Node):
     """Base class. Subclasses define ``mask_mod`` and may speed up ``tile_states``."""
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset: int) -> Tensor:

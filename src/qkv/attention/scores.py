@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 
 from .pointwise import pointwise
+from .structure import Node
 
 
-class ScoreMod:
+class ScoreMod(Node):
     """Base class for score modifiers. ``tensors()`` lists the tensors it reads, so engines can
     route gradients to learnable ones (relative-bias tables, ALiBi slopes)."""
 

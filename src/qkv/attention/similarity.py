@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .scores import captured_tensors
+from .structure import Node
 
 # The broadcast (..., m, n, D) block that ``pairwise_sum`` evaluates at once, in elements: a
 # megabyte in float32, so that its several elementwise passes stay in cache.
@@ -143,7 +144,7 @@ def pairwise_sum(term: Callable, q: Tensor, k: Tensor, tensors=()) -> Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class Pairwise:
+class Pairwise(Node):
     """A pairwise term Σ_d term(q_d, k_d) and the fast forms registered for it.
 
     ``term`` is elementwise: it gets broadcast tensors whose last dim is d, and tensors it
@@ -235,7 +236,7 @@ def _scale_rule(scale) -> Callable[[int], float]:
     return lambda d: float(scale)
 
 
-class Similarity:
+class Similarity(Node):
     """One similarity: score = scale · Σ_d term(f(q)_d, f(k)_d).
 
     Args:

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..problem import Problem
 from ..reference import accumulation_dtype
 from ..result import Result
 from ..similarity import DOT
-from . import native, term_c
+from . import native, ops, term_c
 from .tiles import (
     TileSpec,
     add_grads,
@@ -40,7 +39,6 @@ from .tiles import (
     dropout_keep,
     elementwise_needs_grad,
     grad_sums,
-    grads_for_extras,
     group_heads,
     modify_scores,
     run_split,
@@ -64,9 +62,6 @@ def cpu_why_not(p: Problem) -> str | None:
     """What rules out both CPU engines (tiles and graph edges)."""
     if p.q.device.type != "cpu":
         return f"the fused CPU engines run CPU tensors; got device {p.q.device}"
-    if torch.compiler.is_compiling():
-        # Their plans are read from mask values: data-dependent control flow no graph can hold.
-        return "the fused CPU engines cannot be traced by torch.compile or torch.export"
     return None
 
 
@@ -294,25 +289,6 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     return dfq, dfk, dv, dextras
 
 
-class _FusedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, spec: TileSpec, plan, fq, fk, v, *extras):
-        out, lse = _forward(spec, plan, fq, fk, v)
-        ctx.spec, ctx.plan, ctx.extras = spec, plan, extras
-        ctx.save_for_backward(fq, fk, v, out, lse)
-        return out, lse
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dlse):
-        fq, fk, v, out, lse = ctx.saved_tensors
-        wanted = [e for e in ctx.extras if e.requires_grad]
-        dout = torch.zeros_like(out) if dout is None else dout
-        dfq, dfk, dv, dwanted = _backward(ctx.spec, ctx.plan, fq, fk, v, out, lse, dout, dlse,
-                                          wanted)
-        return (None, None, dfq, dfk, dv, *grads_for_extras(ctx.extras, dwanted))
-
-
 def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:
     """The attention weights (B, H, Nq, Nk) recomputed tile by tile from the saved
     log-sum-exp (with the call's dropout applied, as the weights that multiplied v)."""
@@ -332,22 +308,36 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def tile_spec(p: Problem, scale, loops=None) -> TileSpec:
-    """The problem as the tile loops (and the graph engine's chunks) see it."""
-    block_q, block_k, span_k = block_sizes(p.batch, p.heads, p.nq, p.nk)
-    seed = int(torch.randint(0, 2**62, ())) if p.dropout_p > 0 else 0
+def draw_seed(dropout_p: float) -> int:
+    """Dropout's seed for one call (0 without dropout): each tile's keep mask derives from it,
+    so the backward pass regenerates the same masks."""
+    return int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
+
+
+def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, seed: int,
+              loops=None) -> TileSpec:
+    """The call as the tile loops (and the graph engine's chunks) see it, for features
+    fq (B, H, Nq, D) and fk (B, Hk, Nk, D). The mask's checks run here too, at run time,
+    so a compiled call refuses bad values with the same message as an eager one."""
+    batch, heads, nq = fq.shape[:3]
+    nk = fk.shape[2]
+    if variant.mask is not None:
+        variant.mask.check(batch, heads, nq, nk)
+    block_q, block_k, span_k = block_sizes(batch, heads, nq, nk)
+    scale = variant.scale
+    if isinstance(scale, Tensor) and scale.dim() == 1:
+        scale = scale.view(1, -1, 1, 1)
     return TileSpec(
-        pair=p.similarity.pairwise, scale=scale, score_mod=p.score_mod, mask=p.mask,
-        batch=p.batch, heads=p.heads, nq=p.nq, nk=p.nk, dropout_p=p.dropout_p, seed=seed,
+        pair=variant.pair, scale=scale, score_mod=variant.score_mod, mask=variant.mask,
+        batch=batch, heads=heads, nq=nq, nk=nk, dropout_p=dropout_p, seed=seed,
         block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
     )
 
 
-def _tile_loops(p: Problem, fq: Tensor):
+def tile_loops(pair, fq: Tensor):
     """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
     definition (a user's term, ``term_c``); None for matrix-product terms and without a C
     compiler."""
-    pair = p.similarity.pairwise
     if pair.matrix is not None:
         return native.tile_loops(pair, fq.dtype)
     return term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
@@ -360,7 +350,7 @@ def features(p: Problem):
     q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
     metric = None if p.metric is None else p.metric.to(acc)
     fq, fk = p.similarity.features(q, k, metric)
-    scale = p.scale_tensor()
+    scale = p.scale
     if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
         fq, scale = fq * scale, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
@@ -368,25 +358,61 @@ def features(p: Problem):
     return fq, fk, v, scale
 
 
-def extra_tensors(p: Problem, loops=None) -> list[Tensor]:
-    """The tensors besides q, k, v that gradients must reach inside the engine, once each.
-    The metric acts through the features (ordinary autograd). Compiled loops read the tensors
-    their trace captured, which stand in for the term's own."""
-    traced = loops is not None and loops.tensors
-    term_tensors = p.similarity.tensors() if traced else ()
-    extras = [*(loops.tensors if traced else ()),
-              *(t for t in p.grad_tensors()
-                if t is not p.metric and not any(t is u for u in term_tensors))]
-    return [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
+def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:
+    """The tensors besides q, k, v that the tile loops give gradients to, once each: the
+    wanted ones, except that compiled loops read the tensors their trace captured, which
+    stand in for the term's own."""
+    traced = spec.loops is not None and spec.loops.tensors
+    term = {id(t) for t in spec.pair.tensors()} if traced else set()
+    extras = [*(spec.loops.tensors if traced else ()),
+              *(t for t in wanted if id(t) not in term)]
+    unique = {id(t): t for t in extras if t.is_floating_point() and t.requires_grad}
+    return list(unique.values())
+
+
+def grads_of_wanted(wanted, extras, dextras) -> list[Tensor | None]:
+    """Gradients of ``wanted`` from those of ``extras``: the same tensor, or one the tracer
+    derived from it (a contiguous copy), through autograd."""
+    direct = {id(t): None if g is None else g.to(t.dtype)  # sums may be float64
+              for t, g in zip(extras, dextras, strict=True)}
+    grads = [direct.pop(id(t), None) for t in wanted]
+    derived = [(e, direct[id(e)]) for e in extras if direct.get(id(e)) is not None]
+    if derived and wanted:
+        more = torch.autograd.grad([e for e, _ in derived], wanted, [g for _, g in derived],
+                                   allow_unused=True)
+        grads = [a if b is None else b if a is None else a + b
+                 for a, b in zip(grads, more, strict=True)]
+    return grads
+
+
+def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
+    seed = draw_seed(dropout_p)
+    spec = tile_spec(fq, fk, variant, dropout_p, seed, tile_loops(variant.pair, fq))
+    out, lse = _forward(spec, tile_plan(spec, fq.device), fq, fk, v)
+    weights = weights_from_lse(spec, fq, fk, lse) if want_weights else None
+    return out, lse, weights, seed
+
+
+def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, wanted):
+    with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
+        spec = tile_spec(fq, fk, variant, dropout_p, seed, tile_loops(variant.pair, fq))
+    extras = extra_tensors(spec, wanted)
+    dfq, dfk, dv, dextras = _backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
+                                      dout, dlse, extras)
+    return dfq, dfk, dv, grads_of_wanted(wanted, extras, dextras)
+
+
+KERNELS = ops.EngineKernels(
+    _kernel_forward, _kernel_backward,
+    lse_like=lambda fq: fq.new_empty(*fq.shape[:3], 1),
+)
+ops.define("fused_cpu", KERNELS)
 
 
 def run(p: Problem) -> Result:
     fq, fk, v, scale = features(p)
-    loops = _tile_loops(p, fq)
-    spec = tile_spec(p, scale, loops)
-    extras = extra_tensors(p, loops)
-    out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
-    weights = None
-    if p.return_weights:
-        weights = weights_from_lse(spec, fq.detach(), fk.detach(), lse.detach()).to(p.q.dtype)
-    return Result(out.to(p.q.dtype), lse.squeeze(-1), weights)
+    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    out, lse, weights = ops.run("fused_cpu", KERNELS, fq, fk, v, variant, p.dropout_p,
+                                p.return_weights)
+    return Result(out.to(p.q.dtype), lse.squeeze(-1),
+                  None if weights is None else weights.to(p.q.dtype))

@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
 from ..result import Result
 from ..scores import modified_scores
 from ..similarity import DOT
-from . import fused_cpu, native, term_c
+from . import fused_cpu, native, ops, term_c
 from .tiles import (
     TileSpec,
     add_grads,
     dropout_keep,
     elementwise_needs_grad,
     grad_sums,
-    grads_for_extras,
     run_split,
     sum_worker_grads,
 )
@@ -203,51 +201,78 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     _add_term_grads(spec, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums, wanted)
 
 
-class _GraphAttention(torch.autograd.Function):
-    """Forward chunk by chunk without a graph; the backward pass recomputes each chunk and
-    scatters its gradients into one buffer per input and worker."""
+def _forward(spec, graph, fq_rows, fk_rows, v_rows) -> tuple[Tensor, Tensor]:
+    """out (B, Nq, H, Dv) and lse (B, Nq, H, 1), chunk by chunk without a graph."""
+    chunks = graph[2]
+    shape = (fq_rows.shape[0], spec.nq, spec.heads)
+    out = fq_rows.new_zeros(*shape, v_rows.shape[-1])
+    lse = fq_rows.new_full((*shape, 1), float("-inf"))
 
-    @staticmethod
-    def forward(ctx, spec, graph, fq_rows, fk_rows, v_rows, *extras):
-        chunks = graph[2]
-        shape = (fq_rows.shape[0], spec.nq, spec.heads)
-        out = fq_rows.new_zeros(*shape, v_rows.shape[-1])
-        lse = fq_rows.new_full((*shape, 1), float("-inf"))
-
-        def work(indices):
-            with torch.no_grad():  # grad mode is per thread: workers start with it on
-                for c in indices:
-                    _forward_chunk(spec, c, chunks[c], graph, (fq_rows, fk_rows, v_rows),
-                                   out, lse)
-
-        run_split(work, chunks)
-        ctx.spec, ctx.graph, ctx.extras = spec, graph, extras
-        ctx.save_for_backward(fq_rows, fk_rows, v_rows, out, lse)
-        return out, lse
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dlse):
-        spec, chunks = ctx.spec, ctx.graph[2]
-        fq_rows, fk_rows, v_rows, out, lse = ctx.saved_tensors
-        wanted = [e for e in ctx.extras if e.requires_grad]
-        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        delta = (dout * out).sum(-1, keepdim=True)
-        if dlse is not None:  # d lse / d score = p: it joins the softmax's gradient
-            delta = delta - dlse
-        # Targets with no allowed edge: +inf makes exp(score - lse) exactly 0.
-        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-        saved = (fq_rows, fk_rows, v_rows, lse, dout, delta)
-
-        @torch.no_grad()
-        def work(indices):
-            sums = grad_sums((fq_rows, fk_rows, v_rows), len(wanted))
+    def work(indices):
+        with torch.no_grad():  # grad mode is per thread: workers start with it on
             for c in indices:
-                _backward_chunk(spec, c, chunks[c], ctx.graph, saved, wanted, sums)
-            return sums
+                _forward_chunk(spec, c, chunks[c], graph, (fq_rows, fk_rows, v_rows), out, lse)
 
-        total = sum_worker_grads(run_split(work, chunks))
-        return (None, None, *total[:3], *grads_for_extras(ctx.extras, total[3:]))
+    run_split(work, chunks)
+    return out, lse
+
+
+def _backward(spec, graph, fq_rows, fk_rows, v_rows, out, lse, dout, dlse, wanted):
+    """Recompute each chunk and scatter its gradients into one buffer per input and worker:
+    [dq, dk, dv] (row layout) and the gradients of ``wanted``."""
+    delta = (dout * out).sum(-1, keepdim=True)
+    if dlse is not None:  # d lse / d score = p: it joins the softmax's gradient
+        delta = delta - dlse
+    # Targets with no allowed edge: +inf makes exp(score - lse) exactly 0.
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    saved = (fq_rows, fk_rows, v_rows, lse, dout, delta)
+
+    @torch.no_grad()
+    def work(indices):
+        sums = grad_sums((fq_rows, fk_rows, v_rows), len(wanted))
+        for c in indices:
+            _backward_chunk(spec, c, graph[2][c], graph, saved, wanted, sums)
+        return sums
+
+    return sum_worker_grads(run_split(work, graph[2]))
+
+
+def _rows_of(t: Tensor) -> Tensor:
+    return t.transpose(1, 2).contiguous()
+
+
+def _prepare(fq, fk, variant, dropout_p, seed):
+    pair = variant.pair
+    # A user's term runs in C loops generated from it (``term_c``) when it traces.
+    loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
+    spec = fused_cpu.tile_spec(fq, fk, variant, dropout_p, seed, loops)
+    target, source = variant.mask.target.to(fq.device), variant.mask.source.to(fq.device)
+    return spec, (target, source, _chunks(target, spec.nq))
+
+
+def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
+    seed = fused_cpu.draw_seed(dropout_p)
+    spec, graph = _prepare(fq, fk, variant, dropout_p, seed)
+    out, lse = _forward(spec, graph, *(_rows_of(t) for t in (fq, fk, v)))
+    return out.transpose(1, 2), lse.transpose(1, 2), None, seed
+
+
+def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, wanted):
+    with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
+        spec, graph = _prepare(fq, fk, variant, dropout_p, seed)
+    extras = fused_cpu.extra_tensors(spec, wanted)
+    rows = [_rows_of(t) for t in (fq, fk, v, out, lse, dout)]
+    dlse = None if dlse is None else _rows_of(dlse)
+    dq, dk, dv, *dextras = _backward(spec, graph, *rows, dlse, extras)
+    grads = fused_cpu.grads_of_wanted(wanted, extras, dextras)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), grads
+
+
+KERNELS = ops.EngineKernels(
+    _kernel_forward, _kernel_backward,
+    lse_like=lambda fq: fq.new_empty(*fq.shape[:3], 1),
+)
+ops.define("graph", KERNELS)
 
 
 def plan(p):
@@ -268,20 +293,8 @@ def why_not(p) -> str | None:
     return None
 
 
-def run(p):
+def run(p) -> Result:
     fq, fk, v, scale = fused_cpu.features(p)
-    pair = p.similarity.pairwise
-    # A user's term runs in C loops generated from it (``term_c``) when it traces.
-    loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
-    spec = fused_cpu.tile_spec(p, scale, loops)
-    out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p, loops))
+    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    out, lse, _ = ops.run("graph", KERNELS, fq, fk, v, variant, p.dropout_p, False)
     return Result(out.to(p.q.dtype), lse.squeeze(-1))
-
-
-def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:
-    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1) along the graph's edges."""
-    fq_rows, fk_rows, v_rows = (t.transpose(1, 2).contiguous() for t in (fq, fk, v))
-    target, source = mask.target.to(fq.device), mask.source.to(fq.device)
-    graph = (target, source, _chunks(target, spec.nq))
-    out, lse = _GraphAttention.apply(spec, graph, fq_rows, fk_rows, v_rows, *extras)
-    return out.transpose(1, 2), lse.transpose(1, 2)

@@ -262,11 +262,3 @@ def add_grads(sums: list[Tensor | None], start: int, grads) -> None:
     for e, g in enumerate(grads, start=start):
         if g is not None:
             sums[e] = g if sums[e] is None else sums[e] + g
-
-
-def grads_for_extras(extras, wanted_grads) -> list[Tensor | None]:
-    """One gradient per extra tensor, in its dtype: the computed ones, in order, for those
-    requiring grad."""
-    found = iter(wanted_grads)
-    grads = [next(found) if e.requires_grad else None for e in extras]
-    return [g if g is None else g.to(e.dtype) for g, e in zip(grads, extras, strict=True)]

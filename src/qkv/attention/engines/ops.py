@@ -1,0 +1,184 @@
+"""The fused engines as ``torch.library`` custom ops, so that ``torch.compile`` and
+``torch.export`` keep them instead of falling back to the O(N²) reference.
+
+An engine's kernels read the variant (mask, score modifier, pairwise term, scale) as Python
+objects, and a custom op takes only tensors and plain values. So the variant crosses the op
+as a key plus the tensors it reads (``structure``): the key names its structure in a
+registry, written when the call is traced, and the op rebuilds the variant from it and the
+tensors it receives at run time. Gradients reach every one of those tensors, because they
+are the op's inputs.
+
+Each engine gives an ``EngineKernels``: forward and backward over features q (B, H, Nq, D),
+k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``run`` calls them:
+- in eager mode, through an autograd Function that holds the variant itself (no registry
+  entry per call: a model that builds a fresh lambda each step would otherwise grow it);
+- under torch.compile or torch.export, through the ops ``qkv::<engine>_forward`` and
+  ``qkv::<engine>_backward``, behind a ``nonstrict_trace`` boundary so that the registry is
+  written for real while Dynamo traces, and the ops' arguments are plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from ..structure import Node
+
+
+class Variant(Node):
+    """What the kernels read besides q, k and v: the pairwise term, the score modifier, the
+    mask and the scale (None when folded into q, a float, or a tensor)."""
+
+    def __init__(self, pair, score_mod, mask, scale):
+        self.pair, self.score_mod, self.mask, self.scale = pair, score_mod, mask, scale
+
+
+@dataclass(frozen=True)
+class EngineKernels:
+    """forward(q, k, v, variant, dropout_p, want_weights) -> (out, lse, weights or None, seed);
+    backward(dout, dlse or None, q, k, v, out, lse, seed, variant, dropout_p, wanted) ->
+    (dq, dk, dv, [gradient of each tensor in ``wanted``]), where ``wanted`` are the variant's
+    tensors that need one (the variant reads exactly those objects);
+    lse_like(q) -> the lse an op returns, empty, for shapes only."""
+
+    forward: Callable
+    backward: Callable
+    lse_like: Callable[[Tensor], Tensor]
+
+
+_SPECS: dict = {}  # variant structure (a pytree spec) -> key
+_BY_KEY: dict[str, object] = {}
+_OPS: dict[str, object] = {}
+
+
+def _key(spec) -> str:
+    key = _SPECS.get(spec)
+    if key is None:
+        key = _SPECS[spec] = f"v{len(_SPECS)}"
+        _BY_KEY[key] = spec
+    return key
+
+
+def _rebuild(leaves, key: str) -> Variant:
+    if key not in _BY_KEY:
+        raise RuntimeError(
+            f"qkv: variant {key!r} is not known in this process: a program exported with qkv's "
+            "ops runs in the process that traced it")
+    return pytree.tree_unflatten(list(leaves), _BY_KEY[key])
+
+
+def _empty_weights(q: Tensor) -> Tensor:
+    return q.new_empty(0)
+
+
+def define(name: str, kernels: EngineKernels) -> None:
+    """Register ``qkv::<name>_forward`` and ``qkv::<name>_backward`` with their shapes and
+    autograd."""
+
+    @torch.library.custom_op(f"qkv::{name}_forward", mutates_args=())
+    def forward(q: Tensor, k: Tensor, v: Tensor, leaves: list[Tensor], key: str,
+                dropout_p: float, want_weights: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        variant = _rebuild(leaves, key)
+        out, lse, weights, seed = kernels.forward(q, k, v, variant, dropout_p, want_weights)
+        weights = _empty_weights(q) if weights is None else weights
+        return out.contiguous(), lse.contiguous(), weights, torch.tensor(seed)
+
+    @forward.register_fake
+    def _(q, k, v, leaves, key, dropout_p, want_weights):
+        b, h, nq, _ = q.shape
+        out = q.new_empty(b, h, nq, v.shape[-1])
+        weights = q.new_empty(b, h, nq, k.shape[2]) if want_weights else _empty_weights(q)
+        return out, kernels.lse_like(q), weights, torch.empty((), dtype=torch.int64)
+
+    @torch.library.custom_op(f"qkv::{name}_backward", mutates_args=())
+    def backward(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                 out: Tensor, lse: Tensor, seed: Tensor, leaves: list[Tensor], key: str,
+                 dropout_p: float, leaf_grads: list[bool]
+                 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        fresh = [t.detach().requires_grad_() if need else t
+                 for t, need in zip(leaves, leaf_grads, strict=True)]
+        variant = _rebuild(fresh, key)
+        wanted = [t for t, need in zip(fresh, leaf_grads, strict=True) if need]
+        dq, dk, dv, grads = kernels.backward(dout, dlse, q, k, v, out, lse, int(seed), variant,
+                                             dropout_p, wanted)
+        found = iter(grads)
+        dleaves = []
+        for t, need in zip(leaves, leaf_grads, strict=True):
+            grad = next(found) if need else None
+            dleaves.append(torch.zeros_like(t) if grad is None else grad.to(t.dtype))
+        return dq, dk, dv, dleaves
+
+    @backward.register_fake
+    def _(dout, dlse, q, k, v, out, lse, seed, leaves, key, dropout_p, leaf_grads):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(t) for t in leaves])
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, leaves, key, dropout_p, _ = inputs
+        out, lse, _, seed = output
+        ctx.save_for_backward(q, k, v, out, lse, seed, *leaves)
+        ctx.key, ctx.dropout_p = key, dropout_p
+        ctx.leaf_grads = [t.requires_grad and t.is_floating_point() for t in leaves]
+
+    def differentiate(ctx, dout, dlse, _dweights, _dseed):
+        q, k, v, out, lse, seed, *leaves = ctx.saved_tensors
+        dq, dk, dv, dleaves = backward(dout, dlse, q, k, v, out, lse, seed, leaves, ctx.key,
+                                       ctx.dropout_p, ctx.leaf_grads)
+        dleaves = [g if need else None for g, need in zip(dleaves, ctx.leaf_grads, strict=True)]
+        return dq, dk, dv, dleaves, None, None, None
+
+    forward.register_autograd(differentiate, setup_context=setup_context)
+    _OPS[name] = forward
+
+
+class _Eager(torch.autograd.Function):
+    """The same kernels in eager mode, with the variant's own tensors as its inputs."""
+
+    @staticmethod
+    def forward(ctx, kernels, variant, dropout_p, want_weights, q, k, v, *leaves):
+        with torch.no_grad():
+            out, lse, weights, seed = kernels.forward(q, k, v, variant, dropout_p, want_weights)
+        ctx.kernels, ctx.variant, ctx.dropout_p, ctx.seed = kernels, variant, dropout_p, seed
+        ctx.leaves = leaves
+        ctx.save_for_backward(q, k, v, out, lse)
+        if weights is not None:
+            ctx.mark_non_differentiable(weights)
+        return out, lse, weights
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse, _dweights):
+        q, k, v, out, lse = ctx.saved_tensors
+        # A tensor the variant reads twice is one input with one gradient.
+        wanted = list({id(t): t for t in ctx.leaves
+                       if t.requires_grad and t.is_floating_point()}.values())
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, grads = ctx.kernels.backward(dout, dlse, q, k, v, out, lse, ctx.seed,
+                                                 ctx.variant, ctx.dropout_p, wanted)
+        by_id = {id(t): g for t, g in zip(wanted, grads, strict=True)}
+        return (None, None, None, None, dq, dk, dv,
+                *(by_id.pop(id(t), None) for t in ctx.leaves))
+
+
+@torch._dynamo.nonstrict_trace
+def _traced(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Variant, dropout_p: float,
+            want_weights: bool):
+    """Runs for real (on fake tensors) while torch.compile or torch.export traces: the
+    variant's structure enters the registry, and the graph holds the op with its key."""
+    leaves, spec = pytree.tree_flatten(variant)
+    out, lse, weights, _ = _OPS[name](q, k, v, leaves, _key(spec), dropout_p, want_weights)
+    return out, lse, weights
+
+
+def run(name: str, kernels: EngineKernels, q: Tensor, k: Tensor, v: Tensor, variant: Variant,
+        dropout_p: float, want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """out, lse and (when asked) weights of engine ``name`` on features q, k, v."""
+    if torch.compiler.is_compiling():
+        out, lse, weights = _traced(name, q, k, v, variant, dropout_p, want_weights)
+        return out, lse, weights if want_weights else None
+    leaves = pytree.tree_leaves(variant)
+    return _Eager.apply(kernels, variant, dropout_p, want_weights, q, k, v, *leaves)
