@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, model_commands
+from . import __version__, chat, model_commands
 
 USAGE_ERROR = 2
 
@@ -166,7 +166,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     task, cfg, data, model = run.load(args.run_dir, task="lm",
                                       overrides=eval_overrides(args, GENERATE_FLAGS))
-    print(args.prompt + task.generate(model, data, cfg, args.prompt, seed=args.seed))
+    write = model_commands.write
+    write(args.prompt)
+    try:  # the text streams; after Ctrl-C, what was printed stays, ended by a newline
+        task.generate(model, data, cfg, args.prompt, seed=args.seed, write=write)
+    finally:
+        write("\n")
     return 0
 
 
@@ -268,7 +273,7 @@ COMMANDS: dict[str, Command] = {
         "  qkv chat --model smollm2\n"
         '  qkv chat --model smollm2 --message "What is attention?" --max-new-tokens 100\n'
         '  qkv chat --model smollm2 --system "Answer in one line." --temperature 0.7',
-        model_commands.add_chat_arguments, model_commands.run_chat,
+        chat.add_arguments, chat.run,
     ),
     "embed": Command(
         "sentence embeddings of a pretrained encoder: cosine similarities, or the vectors",
@@ -328,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"qkv: error: {message}", file=sys.stderr)
         return USAGE_ERROR
-    except KeyboardInterrupt:
-        print("qkv: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # Training says what it saved and how to resume (qkv.train.interrupt.Interrupted).
+        print(f"qkv: {e or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 if __name__ == "__main__":
