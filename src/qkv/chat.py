@@ -98,12 +98,12 @@ def run(args: argparse.Namespace) -> int:
     for turn in terminal_turns(state) if interactive else piped_turns(args):
         state["stopped"] = False
         messages.append({"role": "user", "content": turn})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
         shown: list[str] = []
-        write("model> ")
         start = time.perf_counter()
         try:
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            write("model> ")
             reply = _generate(model, tokenizer, ids, args, functools.partial(show, shown))
             text, cut = tokenizer.decode(reply), len(reply) == args.max_new_tokens
         except KeyboardInterrupt:

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     except KeyboardInterrupt as e:
         # Training says what it saved and how to resume (qkv.train.interrupt.Interrupted).
-        print(f"qkv: {e or 'interrupted'}", file=sys.stderr)
+        print(f"qkv: {str(e) or 'interrupted'}", file=sys.stderr)
         return getattr(e, "exit_code", 130)
 
 
