@@ -150,12 +150,16 @@ def run_eval(args: argparse.Namespace) -> int:
     from .data.text import read_text_file, split_text
     from .models.scoring import perplexity, token_nll
 
+    if args.window is not None and args.window < 2:  # before the slow load
+        raise ValueError(f"--window must be at least 2 tokens; got {args.window}")
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 0 (0: all); got {args.max_tokens}")
     model, tokenizer = load(args.model, "decoder", "qkv eval")
     if args.text:
         text, source = read_text_file(args.text), args.text
     else:
         text, source = split_text(stdlib_docstrings(), 0.1)[1], "held-out stdlib docstrings"
-    window = args.window or min(model.config.block_size, 1024)
+    window = min(model.config.block_size, 1024) if args.window is None else args.window
     if not 2 <= window <= model.config.block_size:
         raise ValueError(f"--window must be in [2, {model.config.block_size}]; got {window}")
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)

@@ -277,6 +277,8 @@ def flatten(tree: dict, where: str) -> dict[str, Any]:
 def read_config_file(path: str | Path) -> dict:
     """A TOML (.toml) or JSON (anything else) configuration file as a dict."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {str(path)!r} is a directory; expected a TOML or JSON file")
     if not path.is_file():
         raise DataError(f"config file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")

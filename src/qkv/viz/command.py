@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threshold must be in (0, 1); got {args.threshold}")
     if args.max_per_row is not None and args.max_per_row < 1:
         raise ValueError(f"--max-per-row must be at least 1; got {args.max_per_row}")
+    if Path(args.output).is_dir():
+        raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
+                         f"such as {str(Path(args.output) / 'attention.html')!r}")
     scene, title = _scene(args)
     path = write_page(args.output, scene.views, mode=scene.mode, image=scene.image,
                       threshold=args.threshold, max_per_row=args.max_per_row, title=title)
