@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="a pretrained checkpoint instead of a run: minilm, smollm2, or a "
                    "GPT-2 / LLaMA-family / BERT directory or .gguf file")
-    p.add_argument("--text", help="the text to look at (lm and translate runs, --model)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", help="the text to look at (lm and translate runs, --model)")
+    text.add_argument("--text-file", metavar="PATH",
+                      help="read the text from a UTF-8 file instead (for long texts)")
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="--model GPT: also generate N tokens (greedy) and show their rows")
     p.add_argument("--chat", action="store_true",
@@ -190,6 +193,10 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.output).is_dir():
         raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
                          f"such as {str(Path(args.output) / 'attention.html')!r}")
+    if args.text_file is not None:
+        from ..data.text import read_nonempty_text
+
+        args.text = read_nonempty_text(args.text_file, "--text-file")
     scene, title = _scene(args)
     path = write_page(args.output, scene.views, mode=scene.mode, image=scene.image,
                       threshold=args.threshold, max_per_row=args.max_per_row, title=title)

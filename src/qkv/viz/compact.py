@@ -131,9 +131,15 @@ class RowsBuilder:
         """Every call's rows joined, one HeadRows per head."""
         if not self.parts:
             raise ValueError("no attention rows were recorded")
-        return [HeadRows(*(np.concatenate([getattr(p[h], name) for p in self.parts])
-                           for name in ("counts", "cols", "values", "dropped")))
-                for h in range(self.heads)]
+        return join_rows(self.parts)
+
+
+def join_rows(parts: list[list[HeadRows]]) -> list[HeadRows]:
+    """Consecutive parts (each one HeadRows per head, for consecutive query rows) as one
+    HeadRows per head."""
+    return [HeadRows(*(np.concatenate([getattr(p[h], name) for p in parts])
+                       for name in ("counts", "cols", "values", "dropped")))
+            for h in range(len(parts[0]))]
 
 
 def compress_dense(weights: Tensor, threshold: float,
