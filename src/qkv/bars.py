@@ -6,9 +6,10 @@ from __future__ import annotations
 import sys
 
 
-def bar(iterable=None, **kwargs):
-    """``tqdm(iterable, **kwargs)`` on stderr, disabled off a terminal, erased when done."""
+def bar(iterable=None, enabled: bool = True, **kwargs):
+    """``tqdm(iterable, **kwargs)`` on stderr, disabled off a terminal (or when not
+    ``enabled``), erased when done."""
     from tqdm import tqdm
 
-    return tqdm(iterable, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False,
-                dynamic_ncols=True, **kwargs)
+    return tqdm(iterable, file=sys.stderr, disable=not (enabled and sys.stderr.isatty()),
+                leave=False, dynamic_ncols=True, **kwargs)

@@ -167,7 +167,7 @@ def run_eval(args: argparse.Namespace) -> int:
         ids = ids[:args.max_tokens + 1]
     if len(ids) < 2:
         raise ValueError(f"{source}: fewer than 2 tokens to score")
-    total, count = token_nll(model, ids, window)
+    total, count = token_nll(model, ids, window, progress=True)
     print(f"{source}: {count} tokens in windows of {window}; mean NLL {total / count:.4f} "
           f"nats/token; perplexity {perplexity(total, count):.3f}")
     return 0

@@ -3,6 +3,7 @@ steps every source shares: encoding the text within the context, and recording t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,22 @@ def _neuron_layers(args, model, count: int, tokens: int) -> list[int]:
     kv_heads = min(heads, getattr(cfg, "n_kv_head", None) or cfg.n_head)
     return neuron_layers_within(NEURON_BUDGET, captured, heads, kv_heads, tokens,
                                 cfg.d_model // cfg.n_head)
+
+
+@contextlib.contextmanager
+def without_head(model):
+    """The model's LM head (if it has one) replaced by the identity for the block: a forward
+    pass whose logits nobody reads skips the (N, vocab) matrix, 1.6 GB for SmolLM2 at 8k
+    tokens."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        yield model
+        return
+    model.lm_head = torch.nn.Identity()
+    try:
+        yield model
+    finally:
+        model.lm_head = head
 
 
 def record_maps(model, args, forward, *, layer_count: int, tokens: int,
