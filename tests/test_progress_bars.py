@@ -1,10 +1,13 @@
 """Long commands show tqdm progress bars on a terminal and nothing extra when their output is
 piped (the commands run as subprocesses, on a pseudo-terminal and on pipes)."""
 
+import fcntl
 import os
 import pty
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 
@@ -14,6 +17,8 @@ from qkv.cli import main
 def on_terminal(*argv: str) -> tuple[int, str]:
     """Run ``qkv ARGV`` with stderr on a pseudo-terminal; (exit code, what stderr showed)."""
     leader, follower = pty.openpty()
+    # A terminal has a size (tqdm draws nothing in zero columns).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen([sys.executable, "-m", "qkv.cli", *argv], stdout=subprocess.PIPE,
                             stderr=follower, env=dict(os.environ, OMP_NUM_THREADS="1"))
     os.close(follower)

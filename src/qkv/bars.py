@@ -12,4 +12,4 @@ def bar(iterable=None, enabled: bool = True, **kwargs):
     from tqdm import tqdm
 
     return tqdm(iterable, file=sys.stderr, disable=not (enabled and sys.stderr.isatty()),
-                leave=False, dynamic_ncols=True, **kwargs)
+                leave=False, **kwargs)
