@@ -255,10 +255,11 @@ class Trainer:
                                  self.step), file=sys.stderr, flush=True)
         progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
         self.started = time.perf_counter()
+        # Where an interrupted step rolls back to: its data position, its RNG.
+        at_start = (self.step, self.micro_step, rng_state())
         with StopOnSignal(enabled=not env.distributed) as stop:
             try:
                 while self.step < t.steps:
-                    # Where an interrupted step rolls back to: its data position, its RNG.
                     at_start = (self.step, self.micro_step, rng_state())
                     lr = learning_rate(t, self.step, d_model)
                     for group in self.optimizer.param_groups:
