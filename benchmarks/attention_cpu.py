@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from qkv.bars import bar
 
 B, H, D = 1, 8, 64
 WINDOW = 256
@@ -465,7 +466,7 @@ def main(argv=None) -> None:
     if not args.no_table:
         print_row(HEADER)
         print_row(["---"] * len(HEADER))
-    for n in [] if args.no_table else args.n:
+    for n in bar([] if args.no_table else args.n, desc="sequence lengths", unit="N"):
         for name in args.variants:
             print_row(measure(name, n, args.repeat, "auto", not args.no_flex))
             if name in ("dot", "causal"):  # the fused engine on what auto sends to SDPA

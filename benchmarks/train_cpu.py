@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkv.bars import bar
 from qkv.data.docstrings import stdlib_docstrings
 from qkv.data.tokenizers import CharTokenizer
 from qkv.models import GPT, GPTConfig
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {k: [] for k in models}
     for name, model in models.items():  # warm-up round, not timed
         train_steps(model, optimizers[name], batches(ids, args.batch_size, 3, seed=0))
-    for r in range(args.rounds):
+    for r in bar(range(args.rounds), desc="rounds", unit="round"):
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for name in order:
             data = list(batches(ids, args.batch_size, args.steps, seed=r + 1))

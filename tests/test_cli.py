@@ -86,6 +86,37 @@ def test_translate_reads_stdin(translate_run, capsys, monkeypatch):
                    "eval.beam_size: expected a value in [1, inf), got 0")
 
 
+def qkv_command(*argv, stdin=None) -> subprocess.CompletedProcess:
+    """``qkv ARGV`` in a subprocess, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "qkv.cli", *argv], input=stdin,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_translate_refuses_or_flags_empty_and_unknown_input(translate_run):
+    run_dir = str(translate_run)
+    empty = qkv_command("translate", run_dir, "")
+    assert empty.returncode == 2 and empty.stdout == ""
+    assert empty.stderr == "qkv: error: text 1 is empty; nothing to translate\n"
+    emoji = qkv_command("translate", run_dir, "elf", "\U0001f600")
+    assert emoji.returncode == 2 and emoji.stderr == (
+        "qkv: error: text 2 has no character the model knows ('\U0001f600'); nothing to "
+        "translate\n")
+    mixed = qkv_command("translate", run_dir, "elf\U0001f600", "--beam-size", "1")
+    assert mixed.returncode == 0 and mixed.stdout.count("\n") == 1
+    assert mixed.stderr.startswith("qkv: warning: text 1 has characters the model never saw "
+                                   "('\U0001f600')")
+    # Standard input keeps one output line per input line: skipped lines are left empty.
+    lines = qkv_command("translate", run_dir, "-", "--beam-size", "1",
+                        stdin="elf\n\n\U0001f600\U0001f600\n")
+    assert lines.returncode == 0 and lines.stdout.endswith("\n\n\n")
+    assert lines.stdout.count("\n") == 3
+    assert lines.stderr.splitlines() == [
+        "qkv: line 2 is empty; its output line is left empty",
+        "qkv: line 3 has no character the model knows ('\U0001f600'); its output line is left "
+        "empty"]
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--version"])

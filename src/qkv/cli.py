@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, model_commands
+from . import __version__, chat, model_commands
 
 USAGE_ERROR = 2
 
@@ -166,7 +166,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     task, cfg, data, model = run.load(args.run_dir, task="lm",
                                       overrides=eval_overrides(args, GENERATE_FLAGS))
-    print(args.prompt + task.generate(model, data, cfg, args.prompt, seed=args.seed))
+    write = model_commands.write
+    write(args.prompt)
+    try:  # the text streams; after Ctrl-C, what was printed stays, ended by a newline
+        task.generate(model, data, cfg, args.prompt, seed=args.seed, write=write)
+    finally:
+        write("\n")
     return 0
 
 
@@ -179,22 +184,51 @@ def add_translate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heatmap", help="also write the first sentence's cross-attention PNG here")
 
 
+def screen_sources(texts: list[str], tok, from_stdin: bool) -> list[bool]:
+    """Which texts to translate. An empty text, or one made only of characters the model never
+    saw (that the tokenizer reads as <unk>), is refused (an argument: one error line) or
+    skipped with a line on stderr (a line of standard input: its output line is left empty);
+    unknown characters in a text that has known ones are named on stderr."""
+    keep = []
+    for i, text in enumerate(texts, 1):
+        where = f"line {i}" if from_stdin else f"text {i}"
+        chars = list(dict.fromkeys(ch for ch in text if not ch.isspace()))
+        unknown = [ch for ch in chars if tok.unk_id in tok.encode(ch)]
+        shown = ", ".join(repr(ch) for ch in unknown[:5])
+        if len(unknown) == len(chars):
+            why = f"has no character the model knows ({shown})" if chars else "is empty"
+            if not from_stdin:
+                raise ValueError(f"{where} {why}; nothing to translate")
+            print(f"qkv: {where} {why}; its output line is left empty", file=sys.stderr)
+            keep.append(False)
+            continue
+        if unknown:
+            print(f"qkv: warning: {where} has characters the model never saw ({shown}); they "
+                  "are read as <unk> and the translation may be wrong", file=sys.stderr)
+        keep.append(True)
+    return keep
+
+
 def run_translate(args: argparse.Namespace) -> int:
     from .train import run
     from .train.tasks.heatmap import cross_attention_png
 
     texts = args.text
-    if texts == ["-"]:
+    from_stdin = texts == ["-"]
+    if from_stdin:
         texts = sys.stdin.read().splitlines()
         if not texts:
             raise ValueError("`qkv translate RUN -` found no lines on standard input")
     task, cfg, data, model = run.load(args.run_dir, task="translate",
                                       overrides=eval_overrides(args, ("beam_size",)))
-    outputs = task.translate(model, data, cfg, texts, cfg.eval.beam_size)
+    keep = screen_sources(texts, data.src_tok, from_stdin)
+    kept = [t for t, k in zip(texts, keep, strict=True) if k]
+    translated = iter(task.translate(model, data, cfg, kept, cfg.eval.beam_size) if kept else [])
+    outputs = [next(translated) if k else "" for k in keep]
     for text in outputs:
         print(text)
-    if args.heatmap:
-        cross_attention_png(model, data.src_tok, data.tgt_tok, texts[0], outputs[0],
+    if args.heatmap and kept:
+        cross_attention_png(model, data.src_tok, data.tgt_tok, kept[0], outputs[keep.index(True)],
                             args.heatmap)
         print(f"cross-attention heatmap: {args.heatmap}", file=sys.stderr)
     return 0
@@ -268,7 +302,7 @@ COMMANDS: dict[str, Command] = {
         "  qkv chat --model smollm2\n"
         '  qkv chat --model smollm2 --message "What is attention?" --max-new-tokens 100\n'
         '  qkv chat --model smollm2 --system "Answer in one line." --temperature 0.7',
-        model_commands.add_chat_arguments, model_commands.run_chat,
+        chat.add_arguments, chat.run,
     ),
     "embed": Command(
         "sentence embeddings of a pretrained encoder: cosine similarities, or the vectors",
@@ -328,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"qkv: error: {message}", file=sys.stderr)
         return USAGE_ERROR
-    except KeyboardInterrupt:
-        print("qkv: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        # Training says what it saved and how to resume (qkv.train.interrupt.Interrupted).
+        print(f"qkv: {str(e) or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 if __name__ == "__main__":

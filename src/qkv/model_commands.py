@@ -1,4 +1,5 @@
-"""``qkv generate | chat | embed | eval --model NAME_OR_PATH``: pretrained checkpoints.
+"""``qkv generate | embed | eval --model NAME_OR_PATH``: pretrained checkpoints (``qkv chat``
+is ``qkv.chat``).
 
 NAME_OR_PATH is a short name (``smollm2``, ``minilm``), a GPT-2 / LLaMA / BERT directory, or a
 ``.gguf`` file (see ``qkv.models.load_pretrained``).
@@ -78,7 +79,7 @@ def _generate(model, tokenizer, ids: list[int], args, write=None) -> list[int]:
     return out
 
 
-def _write(text: str) -> None:
+def write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
 
@@ -90,19 +91,12 @@ def run_generate(args: argparse.Namespace) -> int:
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt is empty after tokenization")
-    _write(args.prompt)
-    _generate(model, tokenizer, ids, args, _write)
-    _write("\n")
+    write(args.prompt)
+    try:  # after Ctrl-C, what was printed stays, ended by a newline
+        _generate(model, tokenizer, ids, args, write)
+    finally:
+        write("\n")
     return 0
-
-
-def add_chat_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_option(p, required=True)
-    p.add_argument("--system", help="a system message (default: the template's own)")
-    p.add_argument("--message", action="append", default=[],
-                   help="a user message to answer, then exit (repeatable: one turn each); "
-                        "without it, turns are read from standard input")
-    add_sampling_arguments(p, max_new_tokens=256, temperature=0.0)
 
 
 def add_sampling_arguments(p, max_new_tokens: int, temperature: float) -> None:
@@ -115,39 +109,6 @@ def add_sampling_arguments(p, max_new_tokens: int, temperature: float) -> None:
     p.add_argument("--beam-size", type=int, default=1, help="> 1: beam search (no streaming)")
     p.add_argument("--seed", type=int, default=0)
     add_weights_option(p)
-
-
-def _turns(args: argparse.Namespace):
-    if args.message:
-        yield from args.message
-        return
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            _write("you> ")
-        line = sys.stdin.readline()
-        if not line or (interactive and not line.strip()):
-            return
-        if line.strip():
-            yield line.rstrip("\n")
-
-
-def run_chat(args: argparse.Namespace) -> int:
-    """A conversation with a chat model: the chat template, replies streamed as they come."""
-    check_sampling_flags(args)
-    model, tokenizer = load(args.model, "decoder", "qkv chat", args.weights)
-    if not tokenizer.chat_template:
-        raise ValueError(f"{args.model!r} has no chat template; use `qkv generate`")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    for turn in _turns(args):
-        messages.append({"role": "user", "content": turn})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        _write("model> ")
-        reply = _generate(model, tokenizer, ids, args, _write)
-        _write("\n")
-        messages.append({"role": "assistant", "content": tokenizer.decode(reply).strip()})
-    return 0
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
@@ -189,12 +150,16 @@ def run_eval(args: argparse.Namespace) -> int:
     from .data.text import read_text_file, split_text
     from .models.scoring import perplexity, token_nll
 
+    if args.window is not None and args.window < 2:  # before the slow load
+        raise ValueError(f"--window must be at least 2 tokens; got {args.window}")
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 0 (0: all); got {args.max_tokens}")
     model, tokenizer = load(args.model, "decoder", "qkv eval")
     if args.text:
         text, source = read_text_file(args.text), args.text
     else:
         text, source = split_text(stdlib_docstrings(), 0.1)[1], "held-out stdlib docstrings"
-    window = args.window or min(model.config.block_size, 1024)
+    window = min(model.config.block_size, 1024) if args.window is None else args.window
     if not 2 <= window <= model.config.block_size:
         raise ValueError(f"--window must be in [2, {model.config.block_size}]; got {window}")
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
@@ -202,7 +167,7 @@ def run_eval(args: argparse.Namespace) -> int:
         ids = ids[:args.max_tokens + 1]
     if len(ids) < 2:
         raise ValueError(f"{source}: fewer than 2 tokens to score")
-    total, count = token_nll(model, ids, window)
+    total, count = token_nll(model, ids, window, progress=True)
     print(f"{source}: {count} tokens in windows of {window}; mean NLL {total / count:.4f} "
           f"nats/token; perplexity {perplexity(total, count):.3f}")
     return 0

@@ -2,7 +2,11 @@
 directory with its own tokenizer.json, so the tests stay fast)."""
 
 import json
+import os
+import re
 import string
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,7 +58,7 @@ def test_init_run_starts_from_the_checkpoint_and_keeps_its_tokenizer(
                               "--set", "model.block_size=32")) == 0
     stored = json.loads((run_dir / "config.json").read_text())
     assert stored["train"]["init"] == str(llama_dir)
-    assert stored["train"]["lr"] == pytest.approx(3e-5)  # the fine-tuning default
+    assert stored["train"]["lr"] == pytest.approx(1e-4)  # the fine-tuning default
     model_cfg = stored["model"]
     assert (model_cfg["positions"], model_cfg["norm"], model_cfg["ffn"]) == (
         "rope", "rmsnorm", "swiglu")
@@ -93,3 +97,27 @@ def test_init_is_for_lm_runs(llama_dir, tmp_path, capsys):
     code = cli.main(["train", "translate", "--init", str(llama_dir), "--run-dir",
                      str(tmp_path / "t")])
     assert code == 2 and "the 'translate' task cannot" in capsys.readouterr().err
+
+
+def test_fine_tune_defaults_are_sized_to_the_checkpoint_and_data(llama_dir, tmp_path):
+    """The command as a user runs it: no train.* settings. The steps come from the data (one
+    pass of 1,024-token steps, at least 10), the warm-up is a tenth of them, every core, the
+    plan before the first step, a progress line from step 1."""
+    text = tmp_path / "notes.txt"
+    text.write_text("attention is a weighted average of values.\n" * 600)  # 26k tokens
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qkv.cli", "train", "lm", "--init", str(llama_dir), "--run-dir",
+         str(run_dir), "--set", f"data.path={text}", "--set", "model.block_size=64"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    train = json.loads((run_dir / "config.json").read_text())["train"]
+    assert (train["steps"], train["batch_size"], train["warmup_fraction"]) == (23, 16, 0.1)
+    assert (train["threads"], train["checkpointing"], train["log_every"]) == (0, True, 1)
+    lines = proc.stderr.splitlines()
+    assert re.fullmatch(
+        r"plan: [\d,]+ parameters \| 1,024 tokens/step x 23 steps \(one pass over the "
+        r"23,\d+ training tokens\) \| warm-up 2 steps \| \d+ threads? \| about \d+s \| "
+        r"peak about \d\.\d GB \(activation checkpointing\)", lines[0]), lines[0]
+    assert lines[1].startswith("step 1/23 | loss ") and " tok/s | ETA " in lines[1]
+    assert re.search(r"peak memory \d+\.\d\d GB", proc.stdout)

@@ -130,3 +130,42 @@ def test_neuron_view_data_follows_the_captured_layers(lm_run, tmp_path):
                  str(out)]) == 0
     view = read_page(out).meta["views"][0]
     assert [view["layers"][n["layer"]] for n in view["neurons"]] == [1]
+
+
+def test_text_file_and_a_page_budget(lm_run, tmp_path, capsys, monkeypatch):
+    """--text-file reads the text; a page over the size budget keeps each row's K largest
+    weights (K the largest that fits) and says so; what it keeps is the stored weights' top K."""
+    run_dir, _, _ = lm_run
+    text = tmp_path / "long.txt"
+    text.write_text(TEXT)
+    whole, capped = tmp_path / "whole.html", tmp_path / "capped.html"
+    assert main(["viz", str(run_dir), "--text-file", str(text), "-o", str(whole),
+                 "--threshold", "0.001"]) == 0
+    assert main(["viz", str(run_dir), "--text", TEXT, "-o", str(tmp_path / "same.html"),
+                 "--threshold", "0.001"]) == 0
+    assert whole.read_text() == (tmp_path / "same.html").read_text()
+    assert main(["viz", str(run_dir), "--text", TEXT, "-o", str(tmp_path / "one.html"),
+                 "--threshold", "0.001", "--max-per-row", "1"]) == 0
+    capsys.readouterr()
+    # Half way between one weight a row and all of them (the page's script is most of it).
+    budget = ((tmp_path / "one.html").stat().st_size + whole.stat().st_size) // 2
+    monkeypatch.setattr("qkv.viz.command.PAGE_BUDGET", budget)
+    assert main(["viz", str(run_dir), "--text-file", str(text), "-o", str(capped),
+                 "--threshold", "0.001"]) == 0
+    err = capsys.readouterr().err
+    k = int(re.search(r"keeps each row's (\d+) largest weights", err).group(1))
+    assert capped.stat().st_size <= budget
+    full, kept = read_page(whole), read_page(capped)
+    assert kept.meta["max_per_row"] == k
+    for layer in range(2):
+        for head in range(len(full.meta["views"][0]["heads"])):
+            a, b = full.weights(0, layer, head), kept.weights(0, layer, head)
+            assert ((b > 0).sum(-1) <= k).all() and ((b == 0) | (b == a)).all()
+            # each kept row's smallest weight is at least every weight it left out
+            left = np.where(b == 0, a, 0).max(-1)
+            assert (np.where(b > 0, b, 1).min(-1) >= left - 1e-6).all()
+    view = kept.meta["views"][0]
+    for neuron in view["neurons"]:  # the neuron view's per-entry scores follow the cut
+        for head, ref in enumerate(neuron["scores"]):
+            rows = kept.rows(view["maps"][neuron["layer"]][head])
+            assert len(kept.array(ref)) == rows.counts.sum()

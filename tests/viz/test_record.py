@@ -152,3 +152,25 @@ def test_neuron_budget_picks_whole_layers():
     assert neuron_layers_within(8 << 20, list(range(30)), 9, 3, 2048, 64) == [0]
     assert neuron_layers_within(8 << 20, [0, 1], 4, 2, 16, 8) == [0, 1]
     assert neuron_layers_within(8 << 20, [5, 7], 9, 3, 2048, 64) == [5]
+
+
+@pytest.mark.parametrize("positions", ["alibi", "rope"])
+def test_row_blocks_record_what_whole_calls_record(positions):
+    """A long call handed over a few query rows at a time (bounded memory) gives the same
+    rows, summaries and neuron data as the whole call (ALiBi and the causal mask see the
+    rows' own positions)."""
+    model, ids = _gpt(positions=positions), torch.tensor([[3, 5, 7, 1, 2, 9, 4, 8, 6]])
+    views = []
+    for row_bytes in (None, 3 * 4 * 4 * 9):  # whole calls; blocks of 3 rows (4 heads, 9 keys)
+        recorder = Recorder(0.01, None, neuron_layers=[1])
+        with capture(model, on_weights=recorder, row_bytes=row_bytes) as maps, torch.no_grad():
+            model(ids)
+        views.append(recorder.view(maps.select(), "gpt", ["t"] * 9, ["t"] * 9))
+    whole, blocks = views
+    for li in range(2):
+        for a, b in zip(whole.rows[li], blocks.rows[li], strict=True):
+            np.testing.assert_array_equal(a.dense(9), b.dense(9))
+            np.testing.assert_allclose(a.dropped, b.dropped, atol=1e-6)
+    np.testing.assert_allclose(whole.summary, blocks.summary, atol=1e-5)
+    for a, b in zip(whole.neurons[0].scores, blocks.neurons[0].scores, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -17,6 +17,8 @@ from pathlib import Path
 def write_atomic(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(temp_path)`` and move the finished file onto ``path`` atomically."""
     path = Path(path)
+    if path.is_dir():  # the rename would fail only after the work, naming the temp file
+        raise IsADirectoryError(f"{path} is a directory; expected a file name")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

@@ -48,13 +48,26 @@ def token_positions(offset: int, n: int, left_pad: Tensor | None, device) -> Ten
     return (positions.unsqueeze(0) - left_pad.to(device).unsqueeze(1)).clamp(min=0)
 
 
-def check_ids(name: str, ids) -> None:
-    """Token ids must be an integer tensor (B, N)."""
+def check_ids(name: str, ids, vocab_size: int | None = None) -> None:
+    """Token ids must be an integer tensor (B, N); with ``vocab_size``, of at least one token,
+    each in [0, vocab_size) (an embedding lookup would fail with a bare "index out of range").
+    The values are not read while torch.compile or torch.export traces."""
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point or (
         ids.dtype == torch.bool
     ):
         got = f"shape {tuple(ids.shape)}, {ids.dtype}" if isinstance(ids, Tensor) else type(ids)
         raise ValueError(f"{name} must be an integer tensor of token ids (B, N); got {got}")
+    if vocab_size is None:
+        return
+    if ids.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one token per row; got shape "
+                         f"{tuple(ids.shape)}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name}: token ids must lie in [0, {vocab_size}) (the "
+                             f"vocabulary); got {bad}")
 
 
 def check_lengths(name: str, lengths: Tensor | None, batch: int, n: int) -> Tensor | None:

@@ -103,7 +103,7 @@ class Encoder(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """ids (B, N) -> hidden states (B, N', d_model) and keep (B, N') (N' = N + 1 with the
         [CLS] vector first). token_types (B, N): segment ids (default all 0)."""
-        check_ids("ids", ids)
+        check_ids("ids", ids, self.config.vocab_size)
         b, n = ids.shape
         lengths = check_lengths("lengths", lengths, b, n)
         if lengths is not None:

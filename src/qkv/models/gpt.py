@@ -97,7 +97,7 @@ class GPT(nn.Module):
         left_pad (B,): rows start with that many padding tokens, which no query attends to;
         positions count from each row's first real token. cache: continue after the
         ``cache.length`` positions it holds (incremental decoding)."""
-        check_ids("idx", idx)
+        check_ids("idx", idx, self.config.vocab_size)
         offset = 0 if cache is None else cache.length
         self.positions.check_length(offset + idx.shape[1])
         positions = token_positions(offset, idx.shape[1], left_pad, idx.device)
@@ -134,7 +134,9 @@ class GPT(nn.Module):
         stops when all rows have. ``on_token(token (B,))`` is called with each step's tokens
         as they are chosen (streaming; not with beam search). The model runs in eval mode for
         the call."""
-        check_ids("idx", idx)
+        check_ids("idx", idx, self.config.vocab_size)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
         b, n = idx.shape
         lengths = check_lengths("lengths", lengths, b, n)
         full = lengths is None

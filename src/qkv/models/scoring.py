@@ -9,10 +9,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def token_nll(model, ids: Tensor, window: int, batch_size: int = 8) -> tuple[float, int]:
+def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
+              progress: bool = False) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) of a token stream ids (N,) under a GPT, and the
     number of tokens scored. The stream is cut into non-overlapping windows of ``window``
-    tokens; each window's first token is context only."""
+    tokens; each window's first token is context only. ``progress``: a bar on a terminal."""
+    from ..bars import bar
+
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens; got {window}")
     pieces = [ids[s:s + window + 1] for s in range(0, len(ids) - 1, window)]
@@ -21,7 +24,7 @@ def token_nll(model, ids: Tensor, window: int, batch_size: int = 8) -> tuple[flo
     groups += [[p] for p in pieces if 1 < len(p) < window + 1]  # the stream's short tail
     total, count = 0.0, 0
     with torch.no_grad():
-        for group in groups:
+        for group in bar(groups, enabled=progress, desc="scoring", unit="batch"):
             x = torch.stack(group)
             logits = model(x[:, :-1])
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(),

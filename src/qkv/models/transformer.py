@@ -130,7 +130,7 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor, src_lengths: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """src (B, S) -> memory (B, S, d_model) and keep (B, S), True for real tokens."""
-        check_ids("src", src)
+        check_ids("src", src, self.config.src_vocab_size)
         self.src_positions.check_length(src.shape[1])
         keep = self.source_keep(src, src_lengths)
         pos = torch.arange(src.shape[1], device=src.device)
@@ -149,7 +149,7 @@ class Transformer(nn.Module):
 
         Target padding comes after the real tokens, so the causal mask already hides it from
         every real query; tgt_lengths additionally hides it from padded queries."""
-        check_ids("tgt", tgt)
+        check_ids("tgt", tgt, self.config.tgt_vocab_size)
         offset = 0 if cache is None else cache.length
         self.tgt_positions.check_length(offset + tgt.shape[1])
         pos = token_positions(offset, tgt.shape[1], None, tgt.device)
@@ -196,6 +196,8 @@ class Transformer(nn.Module):
         bos_id = c.bos_id if bos_id is None else bos_id
         eos_id = c.eos_id if eos_id is None else eos_id
         max_new_tokens = src.shape[1] + 50 if max_new_tokens is None else max_new_tokens
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0; got {max_new_tokens}")
         self.tgt_positions.check_length(max_new_tokens)
         with eval_mode(self):
             memory, keep = self.encode(src, src_lengths)

@@ -121,6 +121,12 @@ class MultiHeadAttention(nn.Module):
         self.last_weights: Tensor | None = None
         self.weights_observer = None
 
+    @staticmethod
+    def _check_width(name: str, x: Tensor | None, width: int) -> None:
+        """x (B, N, width): a wrong feature size is named here, not as a matmul's shapes."""
+        if x is not None and (x.dim() != 3 or x.shape[-1] != width):
+            raise ValueError(f"{name} must have shape (B, N, {width}); got {tuple(x.shape)}")
+
     def new_cache(self, batch: int, max_len: int, *, device=None, dtype=None) -> KVCache:
         """An empty cache for ``batch`` rows and up to ``max_len`` key positions."""
         weight = self.k_proj.weight
@@ -142,6 +148,9 @@ class MultiHeadAttention(nn.Module):
         the first call, so later calls may pass key=None.
 
         Returns out (B, Nq, d_model), or (out, weights (B, H, Nq, Nk))."""
+        self._check_width("query", query, self.d_model)
+        self._check_width("key", key, self.kdim)
+        self._check_width("value", value, self.vdim)
         q = _split_heads(self.q_proj(query), self.n_head)
         if self.is_cross and cache is not None and cache.length > 0:
             k, v = cache.cached()

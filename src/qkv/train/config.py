@@ -72,6 +72,8 @@ class TrainConfig:
     # "cosine" (warmup + cosine) | "noam" (the paper's) | "constant"
     schedule: str = limited("cosine", choices=("cosine", "noam", "constant"))
     warmup: int = limited(100, "[0, inf)")
+    # > 0: the warm-up is this fraction of train.steps instead of train.warmup steps.
+    warmup_fraction: float = limited(0.0, "[0, 1)")
     min_lr_ratio: float = limited(0.1, "[0, 1]")  # cosine ends at lr * min_lr_ratio
     weight_decay: float = limited(0.01, "[0, inf)")
     beta1: float = limited(0.9, "[0, 1)")
@@ -87,6 +89,8 @@ class TrainConfig:
     log_every: int = limited(20, "[1, inf)")
     device: str = limited("auto", choices=("auto", "cpu", "cuda"))
     threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0 keeps torch's default
+    # Recompute each block's activations in the backward pass instead of holding them.
+    checkpointing: bool = False
     # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
     # whose weights and tokenizer the run starts from; empty: train from scratch.
     init: str = ""
@@ -121,6 +125,9 @@ class RunConfig:
     model: dict = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: Any = None
+    # train.* keys to size from the data once it is read (a fine-tune's steps, ...); not
+    # stored: config.json holds the values they got.
+    auto: frozenset = frozenset()
 
     def to_dict(self) -> dict:
         return {
@@ -270,6 +277,8 @@ def flatten(tree: dict, where: str) -> dict[str, Any]:
 def read_config_file(path: str | Path) -> dict:
     """A TOML (.toml) or JSON (anything else) configuration file as a dict."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--config {str(path)!r} is a directory; expected a TOML or JSON file")
     if not path.is_file():
         raise DataError(f"config file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")

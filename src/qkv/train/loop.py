@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 from ..data.atomic import write_json_atomic
-from . import checkpoint, distributed
+from ..nn.blocks import checkpoint_blocks
+from . import checkpoint, distributed, plan
 from .config import RunConfig
+from .interrupt import Interrupted, StopOnSignal
 from .progress import MetricsLog, Progress
 from .schedule import learning_rate
 
@@ -83,6 +85,15 @@ def autocast(cfg, device: torch.device):
     return contextlib.nullcontext()
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The GPU's peak allocation, or on the CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+
+
 class Trainer:
     """Runs ``task`` with ``cfg`` in ``run_dir``; only rank 0 writes files or prints.
 
@@ -109,6 +120,14 @@ class Trainer:
         if t.init and not resume:
             task.initialize(self.model, t.init)
         self.model.to(env.device)
+        self.sizing = "train.steps as set"
+        if cfg.auto:
+            cfg, self.sizing = plan.fine_tune_sizes(
+                cfg, self.data.train_tokens(), plan.n_parameters(self.model),
+                self.tokens_per_step())
+            self.cfg, t = cfg, cfg.train
+        if t.checkpointing:
+            checkpoint_blocks(self.model)
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
@@ -122,6 +141,11 @@ class Trainer:
         torch.manual_seed(t.seed + env.rank)
         if found is not None:
             self.resume(found)
+
+    def tokens_per_step(self) -> int:
+        """Training tokens (lm) per optimizer step: every micro-batch of every rank."""
+        t = self.cfg.train
+        return t.batch_size * t.accumulate * self.data.block
 
     def resume(self, found: checkpoint.Checkpoint) -> None:
         found.load_weights(self.model)
@@ -185,7 +209,8 @@ class Trainer:
         return model
 
     def train_step(self, model: torch.nn.Module) -> tuple[float, int]:
-        """One optimizer step over ``accumulate`` micro-batches; returns (loss, local units)."""
+        """The gradients of one optimizer step over ``accumulate`` micro-batches; returns
+        (loss, local units). The weights are not touched (``run`` updates them)."""
         t, env = self.cfg.train, self.env
         batches = [self.stream.indices(self.micro_step + m) for m in range(t.accumulate)]
         self.micro_step += t.accumulate
@@ -209,8 +234,6 @@ class Trainer:
                                                     t.clip_grad or math.inf))
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.stop_diverged(loss, norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return loss, units
 
     def stop_diverged(self, loss: float, norm: float) -> None:
@@ -227,24 +250,62 @@ class Trainer:
         model = self.wrapped_model()
         model.train()
         d_model = getattr(self.model.config, "d_model", 512)
+        if self.verbose and self.task.name == "lm":
+            print(plan.plan_line(self.cfg, self.model, self.tokens_per_step(), self.sizing,
+                                 self.step), file=sys.stderr, flush=True)
         progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
         self.started = time.perf_counter()
-        while self.step < t.steps:
-            lr = learning_rate(t, self.step, d_model)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            loss, units = self.train_step(model)
-            self.step += 1
-            rate = progress.update(self.step, loss, lr, units * env.world_size)
-            self.metrics.write({"step": self.step, "loss": loss, "lr": lr, "rate": rate})
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
-                result = self.evaluate(final=False)
-                if self.verbose:
-                    progress.message(f"step {self.step}: {self.task.summary(result)}")
-            if self.step % t.checkpoint_every == 0 or self.step == t.steps:
-                self.save()
+        # Where an interrupted step rolls back to: its data position, its RNG.
+        at_start = (self.step, self.micro_step, rng_state())
+        with StopOnSignal(enabled=not env.distributed) as stop:
+            try:
+                while self.step < t.steps:
+                    at_start = (self.step, self.micro_step, rng_state())
+                    lr = learning_rate(t, self.step, d_model)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
+                    loss, units = self.train_step(model)
+                    # A signal here waits: the update, the step count and its record agree.
+                    with stop.critical():
+                        self.optimizer.step()
+                        self.optimizer.zero_grad(set_to_none=True)
+                        self.step += 1
+                        rate = progress.update(self.step, loss, lr, units * env.world_size)
+                        self.metrics.write({"step": self.step, "loss": loss, "lr": lr,
+                                            "rate": rate})
+                    if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                        result = self.evaluate(final=False)
+                        if self.verbose:
+                            progress.message(f"step {self.step}: {self.task.summary(result)}")
+                    if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                        self.save()
+            except KeyboardInterrupt:
+                if not stop.enabled:
+                    raise
+                progress.message("")
+                self.save_interrupted(at_start, stop.exit_code)
         self.seconds = time.perf_counter() - self.started
         return self.evaluate(final=True)
+
+    def save_interrupted(self, at_start: tuple[int, int, dict], exit_code: int) -> None:
+        """Save the last finished step (rolling back one that was under way) and raise
+        Interrupted saying how to resume."""
+        step, micro_step, rngs = at_start
+        self.model.train()  # an evaluation may have been cut short
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.step == step:  # the step under way never reached the weights
+            self.micro_step = micro_step
+            set_rng_state(rngs)
+        if self.step == 0:
+            raise Interrupted("interrupted before the first step finished; nothing to save",
+                              exit_code)
+        path = checkpoint.checkpoint_root(self.run_dir) / f"step-{self.step:06d}"
+        if checkpoint.problem_with(path) is not None:
+            self.save()
+        raise Interrupted(
+            f"interrupted at step {self.step}/{self.cfg.train.steps}; checkpoint {path}; "
+            f"continue with: qkv train {self.cfg.task} --run-dir {self.run_dir} --resume",
+            exit_code)
 
     def time_report(self) -> str:
         """The training time over every session, and this session's share when resumed."""
@@ -252,4 +313,4 @@ class Trainer:
         if 0 < self.first_step < self.step:
             line += (f" in all (this session: steps {self.first_step + 1}-{self.step} in "
                      f"{self.seconds:.1f}s)")
-        return line
+        return line + f"; peak memory {peak_memory_bytes(self.env.device) / 1e9:.2f} GB"

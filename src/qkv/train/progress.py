@@ -20,26 +20,34 @@ def format_rate(rate: float) -> str:
     return f"{rate / 1000:.1f}k" if rate >= 1000 else f"{rate:.0f}"
 
 
+MEAN_OF = 10  # "avg": the mean loss of the last 10 steps
+
+
 class Progress:
-    """Redraws one line on a terminal; prints a line every ``every`` steps otherwise."""
+    """Redraws one line on a terminal; otherwise prints a line at the first step, then every
+    ``every`` steps."""
 
     def __init__(self, total: int, unit: str, every: int, enabled: bool, start_step: int = 0):
         self.total, self.unit, self.every, self.enabled = total, unit, max(1, every), enabled
         self.live = enabled and sys.stderr.isatty()
         self.start_step, self.start = start_step, time.perf_counter()
         self.window_start, self.window_units = self.start, 0
+        self.recent: list[float] = []  # the last losses: one batch's loss is noisy
 
     def update(self, step: int, loss: float, lr: float, units: int) -> float:
         """Record step ``step`` (1-based); returns the throughput over the recent window."""
         self.window_units += units
+        self.recent = [*self.recent[-(MEAN_OF - 1):], loss]
         now = time.perf_counter()
         rate = self.window_units / max(now - self.window_start, 1e-9)
-        if not self.enabled or not (self.live or step % self.every == 0 or step == self.total):
+        shown = step % self.every == 0 or step in (self.start_step + 1, self.total)
+        if not self.enabled or not (self.live or shown):
             return rate
         per_step = (now - self.start) / max(1, step - self.start_step)
         eta = format_seconds(per_step * (self.total - step))
         line = (
-            f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
+            f"step {step}/{self.total} | loss {loss:.4f} (avg "
+            f"{sum(self.recent) / len(self.recent):.4f}) | lr {lr:.2e} | "
             f"{format_rate(rate)} {self.unit}/s | ETA {eta}"
         )
         if self.live:

@@ -106,6 +106,9 @@ def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False
     checkpoint. A fresh start over a run killed before its first checkpoint starts that run
     afresh (its metrics, tokenizers and configuration are replaced) and says so."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--run-dir {str(run_dir)!r} is a file; expected a directory (a new one, "
+                       "or a run's)")
     env = distributed.setup(cfg.train.device)
     afresh = not resume and unfinished_run(run_dir, cfg.task)
     trainer = Trainer(get_task(cfg.task), cfg, run_dir, env, quiet, resume=resume)

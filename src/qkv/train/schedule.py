@@ -7,6 +7,13 @@ import math
 from .config import ConfigError, TrainConfig
 
 
+def warmup_steps(cfg: TrainConfig) -> int:
+    """``warmup_fraction`` of the steps when it is set, else ``warmup``."""
+    if cfg.warmup_fraction:
+        return max(1, round(cfg.warmup_fraction * cfg.steps))
+    return cfg.warmup
+
+
 def learning_rate(cfg: TrainConfig, step: int, d_model: int) -> float:
     """The learning rate for optimizer step ``step`` (0-based).
 
@@ -15,15 +22,16 @@ def learning_rate(cfg: TrainConfig, step: int, d_model: int) -> float:
     constant: linear warmup to ``lr``, then flat.
     """
     s = step + 1
-    warm = max(cfg.warmup, 1)
+    warmup = warmup_steps(cfg)
+    warm = max(warmup, 1)
     if cfg.schedule == "noam":
         return cfg.lr * d_model**-0.5 * min(s**-0.5, s * warm**-1.5)
-    if s <= cfg.warmup:
+    if s <= warmup:
         return cfg.lr * s / warm
     if cfg.schedule == "constant":
         return cfg.lr
     if cfg.schedule == "cosine":
-        progress = min(1.0, (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        progress = min(1.0, (s - warmup) / max(1, cfg.steps - warmup))
         floor = cfg.lr * cfg.min_lr_ratio
         return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     raise ConfigError(f"train.schedule: expected cosine, noam or constant, got {cfg.schedule!r}")

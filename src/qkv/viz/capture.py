@@ -168,37 +168,47 @@ def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, Captured
 @dataclass
 class ObservedCall:
     """What a layer handed its observer on one forward call: q (B, H, Nq, D) and k
-    (B, Hkv, Nk, D) as the engine saw them (after RoPE and the KV cache), mask, score_mod."""
+    (B, Hkv, Nk, D) as the engine saw them (after RoPE and the KV cache), mask, score_mod;
+    ``first_row``: where the weights handed with it start among q's Nq rows (a long call's
+    weights come a block of rows at a time, see ``capture``'s ``row_bytes``)."""
 
     module: nn.Module
     q: Tensor
     k: Tensor
     mask: object
     score_mod: object
+    first_row: int = 0
 
 
 OnWeights = Callable[[CapturedMap, Tensor, ObservedCall], None]
 
 
-def _observer(site: CapturedMap, previous, on_weights: OnWeights | None):
+def _observer(site: CapturedMap, previous, on_weights: OnWeights | None,
+              row_bytes: int | None):
     # ``lse``: a layer that can hand over its engine's saved log-sum-exp passes it, and the
     # chosen heads' weights are then exp(score - lse), with no row reduction.
     def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None, lse=None) -> None:
         if previous is not None:  # an enclosing capture of the same layer
             extra = {} if lse is None else {"lse": lse}
             previous(module, q, k, mask=mask, score_mod=score_mod, **extra)
+        q, k = q.detach(), k.detach()
+        nq, nk = q.shape[2], k.shape[2]
+        # Streaming: at most row_bytes of float32 weights at once (per batch row).
+        block = nq if on_weights is None or row_bytes is None else \
+            max(1, row_bytes // (4 * len(site.heads) * nk))
         with torch.no_grad():
             metric = None if module.metric is None else module.metric.detach()
-            weights = head_weights(
-                q.detach(), k.detach(), site.heads, mask=mask, score_mod=score_mod,
-                similarity=module.similarity, scale=module.scale, metric=metric,
-                lse=None if lse is None else lse.detach(),
-            )
-            if on_weights is None:
-                site.calls.append(weights)
-            else:
-                on_weights(site, weights, ObservedCall(module, q.detach(), k.detach(), mask,
-                                                       score_mod))
+            for start in range(0, nq, block):
+                weights = head_weights(
+                    q, k, site.heads, mask=mask, score_mod=score_mod,
+                    similarity=module.similarity, scale=module.scale, metric=metric,
+                    lse=None if lse is None else lse.detach(),
+                    rows=(start, min(nq, start + block)),
+                )
+                if on_weights is None:
+                    site.calls.append(weights)
+                else:
+                    on_weights(site, weights, ObservedCall(module, q, k, mask, score_mod, start))
     return observe
 
 
@@ -207,6 +217,7 @@ def capture(
     model: nn.Module, *, layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None, stacks: str | Sequence[str] | None = None,
     cross: bool | None = None, on_weights: OnWeights | None = None,
+    row_bytes: int | None = None,
 ) -> Iterator[AttentionMaps]:
     """Record the post-softmax weights of chosen layers and heads during forward passes.
 
@@ -221,6 +232,9 @@ def capture(
             ``on_weights(site, weights, call)`` (``call``: the layer's q, k, mask and score
             modifier) instead of into ``site.calls``, so nothing accumulates; the callback
             keeps what it needs (e.g. ``qkv.viz.compact.RowsBuilder``) and drops the rest.
+        row_bytes: with on_weights, hand a long call's weights over a block of query rows at
+            a time, each at most this many bytes of float32 (``call.first_row`` says where the
+            block starts), so a long sequence never holds its whole (len(heads), Nq, Nk) maps.
 
     Yields:
         AttentionMaps, filled as the model runs.
@@ -229,7 +243,7 @@ def capture(
     previous = [module.weights_observer for module, _ in plan]
     try:
         for (module, site), before in zip(plan, previous, strict=True):
-            module.weights_observer = _observer(site, before, on_weights)
+            module.weights_observer = _observer(site, before, on_weights, row_bytes)
         yield AttentionMaps([site for _, site in plan])
     finally:
         for (module, _), before in zip(plan, previous, strict=True):

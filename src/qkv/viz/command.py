@@ -17,18 +17,25 @@ compact rows (``qkv.viz.record``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..data.atomic import write_text_atomic
+from .compact import cap_rows
 from .labels import token_labels
-from .page import PageImage, write_page
+from .page import PageImage, render_page
 from .record import NEURON_BUDGET
 from .rollout import patch_relevance
 from .runs import LoadedRun, load_run
-from .scene import Scene, encode_text, record_maps
+from .scene import Scene, encode_text, record_maps, without_head
+
+# The largest page written unless --max-per-row is given: a browser opens it in seconds.
+PAGE_BUDGET = 24 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="a pretrained checkpoint instead of a run: minilm, smollm2, or a "
                    "GPT-2 / LLaMA-family / BERT directory or .gguf file")
-    p.add_argument("--text", help="the text to look at (lm and translate runs, --model)")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", help="the text to look at (lm and translate runs, --model)")
+    text.add_argument("--text-file", metavar="PATH",
+                      help="read the text from a UTF-8 file instead (for long texts)")
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="--model GPT: also generate N tokens (greedy) and show their rows")
     p.add_argument("--chat", action="store_true",
@@ -69,8 +79,12 @@ def _indices(text: str) -> list[int]:
 def _lm_scene(run: LoadedRun, args) -> Scene:
     tok, model = run.tokenizers["tokenizer"], run.model
     ids = encode_text(tok, args.text, model.config.block_size, "an lm run")
-    maps, recorder = record_maps(model, args, lambda: model(torch.tensor([ids])),
-                                 layer_count=model.config.n_layer, tokens=len(ids))
+    def forward():
+        with without_head(model):
+            model(torch.tensor([ids]))
+
+    maps, recorder = record_maps(model, args, forward, layer_count=model.config.n_layer,
+                                 tokens=len(ids))
     labels = token_labels(tok, ids)
     return Scene("gpt", [recorder.view(maps.select(), "GPT self-attention", labels, labels)])
 
@@ -166,6 +180,52 @@ def write_pictures(scene: Scene, folder, suffix: str) -> list[Path]:
     return written
 
 
+def utf8_size(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def cap_view(view, k: int):
+    """``view`` with each row's ``k`` largest weights, and its neuron data's per-entry scores
+    cut to match."""
+    if view.rows is None:
+        return view
+    capped = [[cap_rows(r, k) for r in layer] for layer in view.rows]
+    neurons = []
+    for n in view.neurons:
+        keep = [mask for _, mask in capped[view.layers.index(n.layer)]]
+        cut = [s[m] for s, m in zip(n.scores, keep, strict=True)]
+        sims = None if n.similarity_scores is None else \
+            [s[m] for s, m in zip(n.similarity_scores, keep, strict=True)]
+        neurons.append(dataclasses.replace(n, scores=cut, similarity_scores=sims))
+    return dataclasses.replace(view, rows=[[r for r, _ in layer] for layer in capped],
+                               neurons=neurons)
+
+
+def fit_budget(views, text: str, page: dict) -> str:
+    """A page of at most PAGE_BUDGET bytes: each row keeps its K largest weights, K the
+    largest that fits (estimated from the stored entries, then halved until it fits); a line
+    on stderr says what was left out."""
+    rows = [r for v in views if v.rows is not None for layer in v.rows for r in layer]
+    counts = np.concatenate([r.counts for r in rows])
+    entries = int(counts.sum())
+    target = entries * PAGE_BUDGET / utf8_size(text) * 0.9  # page bytes grow with the entries
+    k = max(1, int(counts.max()))
+    low, high = 1, k
+    while low < high:  # the largest k with sum(min(counts, k)) <= target
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if np.minimum(counts, mid).sum() <= target else (low, mid - 1)
+    k = low
+    while True:
+        text = render_page([cap_view(v, k) for v in views], **{**page, "max_per_row": k})
+        if utf8_size(text) <= PAGE_BUDGET or k == 1:
+            break
+        k //= 2
+    print(f"qkv: the page keeps each row's {k} largest weights to stay within "
+          f"{PAGE_BUDGET >> 20} MB (--max-per-row or a higher --threshold choose otherwise)",
+          file=sys.stderr)
+    return text
+
+
 def _scene(args) -> tuple[Scene, str]:
     """The scene to show and the page's title."""
     if args.model is not None:
@@ -187,10 +247,21 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threshold must be in (0, 1); got {args.threshold}")
     if args.max_per_row is not None and args.max_per_row < 1:
         raise ValueError(f"--max-per-row must be at least 1; got {args.max_per_row}")
+    if Path(args.output).is_dir():
+        raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
+                         f"such as {str(Path(args.output) / 'attention.html')!r}")
+    if args.text_file is not None:
+        from ..data.text import read_nonempty_text
+
+        args.text = read_nonempty_text(args.text_file, "--text-file")
     scene, title = _scene(args)
-    path = write_page(args.output, scene.views, mode=scene.mode, image=scene.image,
-                      threshold=args.threshold, max_per_row=args.max_per_row, title=title)
-    print(f"attention page: {path}")
+    page = dict(mode=scene.mode, image=scene.image, threshold=args.threshold,
+                max_per_row=args.max_per_row, title=title)
+    text = render_page(scene.views, **page)
+    if utf8_size(text) > PAGE_BUDGET and args.max_per_row is None:
+        text = fit_budget(scene.views, text, page)
+    path = write_text_atomic(args.output, text)
+    print(f"attention page: {path} ({utf8_size(text) / 1e6:.1f} MB)")
     if args.png:
         for picture in write_pictures(scene, args.png, ".svg" if args.svg else ".png"):
             print(f"picture: {picture}")

@@ -131,9 +131,30 @@ class RowsBuilder:
         """Every call's rows joined, one HeadRows per head."""
         if not self.parts:
             raise ValueError("no attention rows were recorded")
-        return [HeadRows(*(np.concatenate([getattr(p[h], name) for p in self.parts])
-                           for name in ("counts", "cols", "values", "dropped")))
-                for h in range(self.heads)]
+        return join_rows(self.parts)
+
+
+def cap_rows(rows: HeadRows, k: int) -> tuple[HeadRows, np.ndarray]:
+    """``rows`` keeping at most the ``k`` largest stored weights per row (ties: the earlier
+    key), and which entries were kept (nnz,) bool; what is removed joins each row's dropped
+    mass."""
+    row_of = np.repeat(np.arange(len(rows.counts)), rows.counts)
+    order = np.lexsort((rows.cols, -rows.values.astype(np.int32), row_of))  # by row, largest
+    starts = np.concatenate([[0], np.cumsum(rows.counts)[:-1]])
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order)) - np.repeat(starts, rows.counts)
+    keep = rank < k
+    removed = np.bincount(row_of[~keep], rows.values[~keep] / LEVELS, len(rows.counts))
+    return HeadRows(np.minimum(rows.counts, k).astype(np.int32), rows.cols[keep],
+                    rows.values[keep], (rows.dropped + removed).astype(np.float32)), keep
+
+
+def join_rows(parts: list[list[HeadRows]]) -> list[HeadRows]:
+    """Consecutive parts (each one HeadRows per head, for consecutive query rows) as one
+    HeadRows per head."""
+    return [HeadRows(*(np.concatenate([getattr(p[h], name) for p in parts])
+                       for name in ("counts", "cols", "values", "dropped")))
+            for h in range(len(parts[0]))]
 
 
 def compress_dense(weights: Tensor, threshold: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .labels import token_labels
-from .scene import Scene, encode_text, record_maps
+from .scene import Scene, encode_text, record_maps, without_head
 
 
 def greedy_with_rows(model, ids: list[int], count: int, eos_id: int | None) -> list[int]:
@@ -63,7 +63,8 @@ def pretrained_scene(args) -> Scene:
             everything[:] = greedy_with_rows(model, ids, args.generate,
                                              getattr(tokenizer, "eos_id", None))
         else:
-            model(torch.tensor([ids]))
+            with without_head(model):
+                model(torch.tensor([ids]))
 
     maps, recorder = record_maps(model, args, forward, layer_count=model.config.n_layer,
                                  tokens=len(ids) + args.generate,

@@ -15,7 +15,7 @@ import numpy as np
 from torch import Tensor
 
 from .capture import CapturedMap, ObservedCall
-from .compact import RowsBuilder
+from .compact import RowsBuilder, join_rows
 from .neuron import NeuronLayer, finish, record
 from .page import PageView
 from .rollout import rollout_step
@@ -34,6 +34,7 @@ def neuron_layers_within(budget: int, layers: list[int], heads: int, kv_heads: i
 class _Site:
     builder: RowsBuilder
     neuron: NeuronLayer | None = None
+    blocks: int = 0  # row blocks of the current call added so far
 
 
 class Recorder:
@@ -59,12 +60,18 @@ class Recorder:
                                                               self.max_per_row))
         done = sum(len(part[0].counts) for part in entry.builder.parts)
         # Self-attention rows are bottom-right aligned on the keys (the KV cache); a
-        # cross-attention query's position is its row number.
-        first = done if site.is_cross else w.shape[2] - w.shape[1]
+        # cross-attention query's position is its row number. w may be a block of the call's
+        # rows, starting at call.first_row.
+        nq = call.q.shape[2]
+        first = done if site.is_cross else w.shape[2] - nq + call.first_row
         entry.builder.add(w, first)
+        entry.blocks += 1
+        if call.first_row + w.shape[1] < nq:
+            return  # more blocks of this call to come
+        blocks, entry.blocks = entry.builder.parts[-entry.blocks:], 0
         if site.layer in self.neuron_layers:
             entry.neuron = record(entry.neuron, site.layer, site.heads, call,
-                                  entry.builder.parts[-1])
+                                  join_rows(blocks))
         if site.stack in self.rollout_stacks and not site.is_cross:
             self.rollouts[site.stack] = rollout_step(self.rollouts.get(site.stack), w[None])
 

@@ -3,6 +3,7 @@ steps every source shares: encoding the text within the context, and recording t
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,10 @@ import torch
 from .capture import AttentionMaps, capture
 from .page import PageImage, PageView
 from .record import NEURON_BUDGET, Recorder, neuron_layers_within
+
+# float32 weights computed at once per captured layer: SmolLM2's 9 heads at 8k keys take 227
+# query rows a block.
+ROW_BYTES = 64 << 20
 
 
 @dataclass
@@ -57,15 +62,42 @@ def _neuron_layers(args, model, count: int, tokens: int) -> list[int]:
                                 cfg.d_model // cfg.n_head)
 
 
+@contextlib.contextmanager
+def without_head(model):
+    """The model's LM head (if it has one) replaced by the identity for the block: a forward
+    pass whose logits nobody reads skips the (N, vocab) matrix, 1.6 GB for SmolLM2 at 8k
+    tokens."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        yield model
+        return
+    model.lm_head = torch.nn.Identity()
+    try:
+        yield model
+    finally:
+        model.lm_head = head
+
+
 def record_maps(model, args, forward, *, layer_count: int, tokens: int,
                 rollout_stacks=()) -> tuple[AttentionMaps, Recorder]:
-    """Run ``forward`` under capture, streaming every call into a Recorder."""
+    """Run ``forward`` under capture, streaming every call into a Recorder, with a progress bar
+    over the rows of every captured layer. Without a rollout (which needs whole maps), a
+    long call's weights come ``ROW_BYTES`` at a time: memory stays bounded at any length."""
+    from ..bars import bar
+
     recorder = Recorder(args.threshold, args.max_per_row,
                         _neuron_layers(args, model, layer_count, tokens),
                         rollout_stacks if args.layers is None else ())
-    with capture(model, layers=args.layers, heads=args.heads, on_weights=recorder) as maps, \
-            torch.no_grad():
-        forward()
+    row_bytes = None if recorder.rollout_stacks else ROW_BYTES
+    with bar(desc="attention maps", unit="row") as progress:
+        def on_weights(site, weights, call):
+            recorder(site, weights, call)
+            progress.update(weights.shape[2])
+
+        with capture(model, layers=args.layers, heads=args.heads, on_weights=on_weights,
+                     row_bytes=row_bytes) as maps, torch.no_grad():
+            progress.total = len(maps) * tokens
+            forward()
     return maps, recorder
 
 

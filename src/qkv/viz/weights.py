@@ -38,6 +38,7 @@ def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> l
 def head_weights(
     q: Tensor, k: Tensor, heads: Sequence[int], *, mask=None, score_mod=None,
     similarity: str = "dot", scale=None, metric: Tensor | None = None, lse: Tensor | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> Tensor:
     """Post-softmax weights of ``heads`` only.
 
@@ -48,10 +49,12 @@ def head_weights(
         lse: optional (B, H, Nq) or (B, H, Nq, 1) log-sum-exp an engine saved for this call
             (the fused engine keeps one); when given, the weights are exp(score - lse) and no
             row reduction is done.
+        rows: (start, stop): only these query rows, so a long sequence's weights can be
+            computed a block of rows at a time; masks and modifiers see the rows' own indices.
 
     Returns:
-        (B, len(heads), Nq, Nk) in q's dtype, heads in ascending order; rows with no allowed
-        key are 0.
+        (B, len(heads), Nq, Nk) in q's dtype (Nq: stop - start with ``rows``), heads in
+        ascending order; rows with no allowed key are 0.
     """
     # Validation and normalization are the dispatcher's own; k stands in for v (never read).
     p = build_problem(q, k, k, mask=mask, score_mod=score_mod, similarity=similarity,
@@ -59,7 +62,8 @@ def head_weights(
     chosen = check_heads(list(heads), p.heads, "this attention call")
     index = torch.tensor(chosen, device=q.device)
     acc = accumulation_dtype(q.dtype)
-    q_sel = q.index_select(1, index).to(acc)
+    start, stop = (0, p.nq) if rows is None else rows
+    q_sel = q.index_select(1, index)[:, :, start:stop].to(acc)
     k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
     scale_sel = p.scale
     if isinstance(scale_sel, Tensor):
@@ -72,7 +76,8 @@ def head_weights(
         if metric_sel.dim() == 3:
             metric_sel = metric_sel.index_select(0, index)
     raw = p.similarity.raw_scores(q_sel, k_sel, metric_sel)
-    b, _, qi, ki = index_grid(p.batch, 1, p.nq, p.nk, q.device)
+    b, _, _, ki = index_grid(p.batch, 1, 1, p.nk, q.device)
+    qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
     # The chosen heads keep their own indices: per-head modifiers and masks stay right.
     scores = modified_scores(raw, (b, index.view(1, -1, 1, 1), qi, ki), p.offset,
                              scale=scale_sel, score_mod=p.score_mod, mask=p.mask)
@@ -84,7 +89,7 @@ def head_weights(
         if tuple(lse.shape) != (p.batch, p.heads, p.nq, 1):
             raise ValueError(f"lse must be (B, H, Nq) = {(p.batch, p.heads, p.nq)}; got "
                              f"{tuple(lse.shape)}")
-        row_lse = lse.index_select(1, index).to(acc)
+        row_lse = lse.index_select(1, index)[:, :, start:stop].to(acc)
         finite = torch.isfinite(row_lse)
         weights = torch.where(finite, torch.exp(scores - torch.where(finite, row_lse, 0.0)), 0.0)
     return weights.to(q.dtype)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -56,19 +57,66 @@ def _package_file(name: str) -> Path:
     )
 
 
+MANIFEST = ".qkv-manifest.json"  # in an unpacked folder: each file's size and SHA-256
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under ``folder`` but the manifest."""
+    return {str(p.relative_to(folder)): [p.stat().st_size, _sha256(p)]
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def _damage(folder: Path) -> str | None:
+    """What is wrong with an unpacked folder (a file changed, missing or cut short since it
+    was unpacked), or None. Sizes first: a truncated file is found without hashing."""
+    try:
+        expected = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{MANIFEST} is missing or unreadable"
+    for name, (size, _) in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size}"
+    for name, (_, digest) in expected.items():
+        if _sha256(folder / name) != digest:
+            return f"{name} does not match its SHA-256"
+    return None
+
+
 def _extract_once(archive: Path) -> Path:
     """Unpack ``archive`` into the cache, once per archive content; a half-written extraction
-    is never visible (it is unpacked beside its final name, then renamed)."""
+    is never visible (it is unpacked beside its final name, then renamed). Each use checks
+    the files against the sizes and hashes written at unpack; a damaged folder is unpacked
+    again (and a line says so)."""
     stat = archive.stat()
     key = hashlib.sha256(f"{archive.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     target = cache_dir() / "checkpoints" / f"{archive.stem}-{key.hexdigest()[:16]}"
     if target.is_dir():
-        return target
+        problem = _damage(target)
+        if problem is None:
+            return target
+        # Renamed aside first: a process still reading the old folder keeps its files.
+        aside = target.with_name(f".damaged-{target.name}-{os.getpid()}")
+        os.replace(target, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        print(f"qkv: the cached checkpoint {target} was damaged ({problem}); unpacking "
+              f"{archive.name} again", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
     try:
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(staging)
+        (staging / MANIFEST).write_text(json.dumps(_manifest(staging)))
         os.replace(staging, target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
@@ -112,11 +160,20 @@ def read_config(directory: Path) -> dict:
 
 def read_safetensors(directory: Path) -> dict[str, Tensor]:
     """Every tensor of ``model.safetensors``, or of the shards its index names."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    def load(path: Path) -> dict[str, Tensor]:
+        try:
+            return load_file(str(path))
+        except SafetensorError as e:  # a truncated or damaged file
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{path} is damaged or truncated ({detail}); restore or "
+                                  "re-download that file") from None
 
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return load(single)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         tensors: dict[str, Tensor] = {}
@@ -124,7 +181,7 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
             if not (directory / shard).is_file():
                 raise CheckpointError(
                     f"{directory}: shard {shard} named in {index.name} is missing")
-            tensors.update(load_file(str(directory / shard)))
+            tensors.update(load(directory / shard))
         return tensors
     pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:

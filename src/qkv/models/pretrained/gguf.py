@@ -120,4 +120,8 @@ class GGUFFile:
         return dequantize(t.data, t.tensor_type.name, shape)
 
     def tensors(self) -> dict[str, Tensor]:
-        return {name: self.tensor(name) for name in self._tensors}
+        """Every tensor, dequantized (seconds for SmolLM2: a progress bar on a terminal)."""
+        from ...bars import bar
+
+        return {name: self.tensor(name)
+                for name in bar(self._tensors, desc=f"loading {self.path.name}", unit="tensor")}

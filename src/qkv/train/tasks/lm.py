@@ -18,6 +18,7 @@ from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
 from ...models.scoring import token_nll
 from ..config import ConfigError, Schema, limited
+from ..plan import FINE_TUNE_TOKENS_PER_STEP
 from .common import build, run_tokenizer
 
 
@@ -84,6 +85,9 @@ class TextData:
     def units(self, batch: dict) -> int:
         return batch["y"].numel()
 
+    def train_tokens(self) -> int:
+        return len(self.train_ids)
+
 
 def corpus(data: LMData) -> tuple[str, str]:
     text = read_text_file(data.path) if data.path else stdlib_docstrings(data.max_chars)
@@ -94,8 +98,17 @@ def corpus(data: LMData) -> tuple[str, str]:
 # block_size is the training window (at most the checkpoint's context).
 CHANGEABLE_ON_CHECKPOINT = ("window", "dropout", "similarity", "block_size")
 DEFAULT_INIT_BLOCK = 256
-# Fine-tuning steps are small: a pretrained model forgets at the from-scratch preset's 1e-3.
-DEFAULT_INIT_LR = 3e-5
+# A fine-tune's train settings unless the user sets them: a pretrained model forgets at the
+# from-scratch preset's 1e-3; every core (its matrices are large enough to share); a line per
+# step (a step takes seconds); activations recomputed (SmolLM2: 3.7 GB peak instead of 9);
+# the held-out score on a few windows at a time (the logits of a 49k vocabulary are large).
+FINE_TUNE_TRAIN = {
+    "lr": 1e-4, "threads": 0, "log_every": 1, "eval_every": 0, "warmup_fraction": 0.1,
+    "checkpointing": True,
+}
+FINE_TUNE_EVAL = {"max_tokens": 4096, "batch_size": 4}
+# Sized from the data once it is read (qkv.train.plan.fine_tune_sizes).
+FINE_TUNE_AUTO = ("steps", "checkpoint_every")
 
 
 class LMTask:
@@ -105,7 +118,8 @@ class LMTask:
     def adopt_checkpoint(self, cfg, explicit: set[str]):
         """``cfg`` whose model section is the ``train.init`` checkpoint's, with the
         changeable options the user set (``explicit``: section.name keys); any other model key
-        is refused. train.lr defaults to a fine-tuning rate."""
+        is refused. The train and eval settings the user did not set get a fine-tune's
+        (``FINE_TUNE_TRAIN``, ``FINE_TUNE_EVAL``; the steps once the data is read)."""
         import dataclasses
 
         from ...models.pretrained import load_gpt_config
@@ -126,9 +140,15 @@ class LMTask:
         if model["similarity"] == "mahalanobis":
             raise ConfigError("model.similarity='mahalanobis' adds parameters a pretrained "
                               "checkpoint does not have")
-        train = cfg.train if "train.lr" in explicit else dataclasses.replace(
-            cfg.train, lr=DEFAULT_INIT_LR)
-        return dataclasses.replace(cfg, model=model, train=train)
+        block = model["block_size"]
+        train = {k: v for k, v in FINE_TUNE_TRAIN.items() if f"train.{k}" not in explicit}
+        if "train.batch_size" not in explicit:
+            train["batch_size"] = max(1, FINE_TUNE_TOKENS_PER_STEP // block)
+        evals = {k: v for k, v in FINE_TUNE_EVAL.items() if f"eval.{k}" not in explicit}
+        auto = frozenset(k for k in FINE_TUNE_AUTO if f"train.{k}" not in explicit)
+        return dataclasses.replace(cfg, model=model, auto=auto,
+                                   train=dataclasses.replace(cfg.train, **train),
+                                   eval=dataclasses.replace(cfg.eval, **evals))
 
     def initialize(self, model, init: str) -> None:
         """Copy the weights of checkpoint ``init`` into ``model`` (built from its config)."""
@@ -196,27 +216,33 @@ class LMTask:
                 f"bits/char {result['bits_per_char']:.3f} ({result['tokens']} tokens)")
 
     def generate(self, model, data: TextData, cfg, prompt: str,
-                 max_new_tokens: int | None = None,
-                 seed: int = 0) -> str:
+                 max_new_tokens: int | None = None, seed: int = 0, write=None) -> str:
         """Continue ``prompt`` by ``max_new_tokens`` (default eval.max_new_tokens) tokens, with
         the run's eval sampling settings; past the context length, the model sees the most
-        recent half of its context window while it writes the next half."""
+        recent half of its context window while it writes the next half. ``write(text)``
+        receives the text as it is sampled (with beam search: once, at the end)."""
+        from ...models.pretrained.usage import TextStream
+
         e = cfg.eval
         max_new_tokens = e.max_new_tokens if max_new_tokens is None else max_new_tokens
         ids = data.tokenizer.encode(prompt)[-data.block :] or [data.tokenizer.unk_id]
         start = len(ids)
         device = next(model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(seed)
+        stream = TextStream(data.tokenizer, write) if write and e.beam_size == 1 else None
         while len(ids) - start < max_new_tokens:
             context = ids[-(data.block // 2) :] if len(ids) > data.block // 2 else ids
             n_new = min(max_new_tokens - (len(ids) - start), data.block - len(context))
             out = model.generate(
                 torch.tensor([context], device=device), max_new_tokens=n_new,
                 temperature=e.temperature, top_k=e.top_k or None, top_p=e.top_p,
-                beam_size=e.beam_size, generator=generator,
+                beam_size=e.beam_size, generator=generator, on_token=stream,
             )
             ids += out[0, len(context) :].tolist()
-        return data.tokenizer.decode(ids[start:])
+        text = data.tokenizer.decode(ids[start:])
+        if write and stream is None:
+            write(text)
+        return text
 
     def report(self, model, data: TextData, cfg, run_dir: Path, out) -> None:
         sample = self.generate(model, data, cfg, "Return the", 120)

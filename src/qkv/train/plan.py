@@ -1,0 +1,104 @@
+"""What a run will do, said before its first step; a fine-tune's sizes from its data.
+
+A real checkpoint trains slowly on a CPU (SmolLM2-135M: about 125 tokens/s on 2 cores), so a
+fine-tune is sized to finish: one pass over the training text, capped at a compute budget
+(parameters x tokens), with a warm-up that is a fraction of the steps. The plan line then
+gives the parameters, tokens per step, the estimated time and peak memory, so a user knows
+what to expect before waiting for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+from .config import RunConfig
+from .progress import format_seconds
+from .schedule import warmup_steps
+
+# A fine-tune's step: about 1k tokens, enough to average out a noisy gradient.
+FINE_TUNE_TOKENS_PER_STEP = 1024
+# parameters x tokens: 5e12 is 37k tokens of SmolLM2-135M, about 6 minutes on the 2-core
+# development machine (measured: 9.6 s per 1,024-token step); a larger checkpoint gets fewer.
+FINE_TUNE_BUDGET = 5e12
+FINE_TUNE_MIN_STEPS = 10
+# Bytes per fp32 parameter in training: the weight, its gradient and AdamW's two moments.
+TRAIN_BYTES_PER_PARAM = 16
+# What the process holds besides the model: torch, the loaded checkpoint's file, buffers.
+BASE_BYTES = 0.6e9
+# Training runs at about this fraction of the probe matmul's FLOP rate (measured: 0.88).
+MATMUL_EFFICIENCY = 0.8
+
+
+def n_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def fine_tune_sizes(cfg: RunConfig, train_tokens: int, params: int, tokens_per_step: int
+                    ) -> tuple[RunConfig, str]:
+    """``cfg`` with its ``cfg.auto`` train keys sized from the data, and a note saying how."""
+    one_pass = max(1, math.ceil(train_tokens / tokens_per_step))
+    cap = max(FINE_TUNE_MIN_STEPS, int(FINE_TUNE_BUDGET / params / tokens_per_step))
+    steps = max(FINE_TUNE_MIN_STEPS, min(one_pass, cap))
+    sizes = {"steps": steps, "checkpoint_every": max(1, steps // 4)}
+    sizes = {k: v for k, v in sizes.items() if k in cfg.auto}
+    train = dataclasses.replace(cfg.train, **sizes)
+    if "steps" not in cfg.auto:
+        note = "train.steps as set"
+    elif one_pass > cap:
+        note = (f"one pass over the {train_tokens:,} training tokens would be {one_pass} steps; "
+                f"capped at {steps} (set train.steps={one_pass} for the whole pass)")
+    elif one_pass < steps:
+        note = f"{FINE_TUNE_MIN_STEPS} steps at least: {one_pass} step(s) is one pass"
+    else:
+        note = f"one pass over the {train_tokens:,} training tokens"
+    return dataclasses.replace(cfg, train=train, auto=frozenset()), note
+
+
+def matmul_flops_per_second(d_model: int, seconds: float = 0.3) -> float:
+    """The FLOP rate of a (1024, d) x (d, 4d) matmul on this machine now, with the threads
+    training will use. Constant operands: drawing random ones would move the training RNG."""
+    a, b = torch.full((1024, d_model), 0.5), torch.full((d_model, 4 * d_model), 0.5)
+    a @ b
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * 1024 * d_model * 4 * d_model * count / (time.perf_counter() - start)
+
+
+def peak_memory(params: int, config, tokens: int, checkpointing: bool) -> float:
+    """Estimated peak bytes of a training step over ``tokens`` tokens of a GPT ``config``:
+    weights, gradients and AdamW moments; the logits (three copies: values, log-softmax,
+    gradient); the blocks' activations (only their inputs when checkpointing)."""
+    d, ff = config.d_model, config.d_ff or 4 * config.d_model
+    per_block = tokens * (10 * d + 4 * ff) * 4  # one block's saved tensors, fp32
+    blocks = config.n_layer * tokens * d * 4 + per_block if checkpointing \
+        else config.n_layer * per_block
+    logits = 3 * tokens * config.vocab_size * 4
+    return BASE_BYTES + TRAIN_BYTES_PER_PARAM * params + logits + blocks
+
+
+def plan_line(cfg: RunConfig, model: torch.nn.Module, tokens_per_step: int, note: str,
+              first_step: int = 0) -> str:
+    """``plan: 134.5M parameters | 1,024 tokens/step x 47 steps (...) | about 6m30s | peak
+    about 3.7 GB``: the estimated time from the model's FLOPs and a measured matmul rate."""
+    t = cfg.train
+    params = n_parameters(model)
+    flops = (8 if t.checkpointing else 6) * params * tokens_per_step  # forward 2, backward 4
+    rate = matmul_flops_per_second(model.config.d_model) * MATMUL_EFFICIENCY
+    seconds = flops * (t.steps - first_step) / rate
+    micro = tokens_per_step // t.accumulate
+    memory = peak_memory(params, model.config, micro, t.checkpointing)
+    threads = torch.get_num_threads()
+    count = f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params:,}"
+    return (f"plan: {count} parameters | {tokens_per_step:,} tokens/step x "
+            f"{t.steps} steps ({note}) | warm-up {warmup_steps(t)} steps | "
+            f"{threads} thread{'s' if threads > 1 else ''} | about {format_seconds(seconds)} | "
+            f"peak about {memory / 1e9:.1f} GB"
+            f"{' (activation checkpointing)' if t.checkpointing else ''}")
+
