@@ -1,0 +1,11 @@
+"""Context parallelism: one long sequence split across processes, for every attention variant.
+
+``context_parallel_attention`` runs ring attention over torch.distributed; ``shard``,
+``unshard`` and ``positions`` say which positions each rank holds in either layout.
+This package builds on ``qkv.attention`` only (never on ``qkv.train``).
+"""
+
+from .api import context_parallel_attention
+from .layout import LAYOUTS, positions, shard, unshard
+
+__all__ = ["LAYOUTS", "context_parallel_attention", "positions", "shard", "unshard"]
