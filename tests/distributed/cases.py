@@ -73,3 +73,24 @@ def compare(rank: int, world: int, layout: str, n: int, names: list[str]) -> dic
             max(relative(a, b) for a, b in zip(grads, ref_local, strict=True)),
         )
     return errors
+
+
+def disagree(rank: int, world: int, cases: list[str]) -> dict:
+    """case -> the error this rank gets when the ranks ask for different things ("" if none)."""
+    return {case: _error(rank, case) for case in cases}
+
+
+def _error(rank: int, case: str) -> str:
+    n, kwargs = 6, {"mask": qkv.causal()}
+    if case == "shapes" and rank == 1:
+        n = 8  # what an uneven split of the sequence leaves
+    if case == "variant" and rank == 1:
+        kwargs["similarity"] = "l1"
+    if case == "invalid" and rank == 1:
+        kwargs["mask"] = qkv.segments(torch.zeros(5, dtype=torch.long))
+    q, k, v = (torch.randn(1, 2, n, 4) for _ in range(3))
+    try:
+        context_parallel_attention(q, k, v, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return ""
