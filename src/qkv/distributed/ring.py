@@ -91,7 +91,8 @@ class _Exchange:
     def __init__(self, plan: Plan, tensors: tuple[Tensor, ...]):
         nxt = plan.ranks[(plan.rank + 1) % plan.world]
         prev = plan.ranks[(plan.rank - 1) % plan.world]
-        self.received = tuple(torch.empty_like(t) for t in tensors)
+        self.received = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                              for t in tensors)
         ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, plan.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, t, prev, plan.group) for t in self.received]
         self.requests = dist.batch_isend_irecv(ops)

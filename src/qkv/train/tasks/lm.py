@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
+from ...distributed import shard
 from ...models.scoring import token_nll
 from ..config import ConfigError, Schema, limited
 from .common import build, run_tokenizer
@@ -83,6 +84,10 @@ class TextData:
 
     def units(self, batch: dict) -> int:
         return batch["y"].numel()
+
+    def shard(self, batch: dict, rank: int, world: int, layout: str) -> dict:
+        """This rank's part of every sequence in ``batch`` (context parallelism)."""
+        return {name: shard(t, rank, world, layout, dim=1) for name, t in batch.items()}
 
 
 def corpus(data: LMData) -> tuple[str, str]:
