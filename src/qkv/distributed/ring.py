@@ -30,6 +30,9 @@ from qkv.attention.scores import ScoreMod
 from .layout import chunks
 from .shift import ShiftedScoreMod, shift_mask
 
+# Query rows per engine call (a multiple of the engines' query blocks, so masks stay aligned).
+QUERY_ROWS = 2048
+
 
 @dataclass
 class Plan:
@@ -84,11 +87,19 @@ def _pair_kwargs(plan: Plan, q_chunk, kv_chunk, batch: int, heads: int) -> dict 
     return dict(plan.engine_kwargs, mask=mask, score_mod=score_mod)
 
 
+def _query_pieces(plan: Plan, nq: int):
+    """This rank's query chunks cut into runs of at most QUERY_ROWS: a partial output is
+    that big, not the shard's size, and the mask can skip more."""
+    for local, start, n in chunks(plan.layout, plan.rank, plan.world, nq):
+        for i in range(0, n, QUERY_ROWS):
+            yield local + i, start + i, min(QUERY_ROWS, n - i)
+
+
 def _pairs(plan: Plan, owner: int, q: Tensor, k: Tensor):
     """(query slice, key slice, engine kwargs) of every non-empty pair of this rank's queries
     with the keys of rank ``owner``."""
     batch, heads = q.shape[0], q.shape[1]
-    for qc in chunks(plan.layout, plan.rank, plan.world, q.shape[2]):
+    for qc in _query_pieces(plan, q.shape[2]):
         for kc in chunks(plan.layout, owner, plan.world, k.shape[2]):
             kwargs = _pair_kwargs(plan, qc, kc, batch, heads)
             if kwargs is not None:
