@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 
 import qkv
-from qkv.attention.problem import build_problem
-from qkv.attention.reference import reference_attention
 from qkv.attention.scores import alibi_slopes
 from qkv.distributed import context_parallel_attention, shard
 
@@ -37,16 +35,6 @@ def variants(n: int) -> dict:
     }
 
 
-def single_process(q, k, v, kwargs: dict):
-    """The whole sequence in one process; sinks as one more softmax entry of logit s[h]."""
-    kwargs = dict(kwargs)
-    sinks = kwargs.pop("sinks", None)
-    if sinks is None:
-        return qkv.attention(q, k, v, **kwargs)
-    out, _, lse = reference_attention(build_problem(q, k, v, **kwargs))
-    return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1)
-
-
 def relative(x, ref) -> float:
     return float((x - ref).norm() / ref.norm().clamp(min=1e-30))
 
@@ -61,7 +49,7 @@ def compare(rank: int, world: int, layout: str, n: int, names: list[str]) -> dic
         q, grad_out = (torch.randn(B, H, n, D, generator=g) for _ in range(2))
         k, v = (torch.randn(B, HKV, n, D, generator=g) for _ in range(2))
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = single_process(*whole, kwargs)
+        ref = qkv.attention(*whole, **kwargs)
         ref_grads = torch.autograd.grad((ref * grad_out).sum(), whole + extras)
         local = [shard(t, rank, world, layout).requires_grad_() for t in (q, k, v)]
         out = context_parallel_attention(*local, layout=layout, **kwargs)

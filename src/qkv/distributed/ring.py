@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from qkv.attention.api import attention_with_lse
+from qkv.attention.api import attention
 from qkv.attention.masks import EMPTY, FULL, Mask
-from qkv.attention.problem import build_problem
-from qkv.attention.reference import accumulation_dtype, reference_attention
+from qkv.attention.reference import accumulation_dtype
 from qkv.attention.scores import ScoreMod
 
 from .layout import chunks
@@ -55,19 +54,9 @@ class Plan:
 
 
 def _partial(q: Tensor, k: Tensor, v: Tensor, kwargs: dict) -> tuple[Tensor, Tensor]:
-    """out (B, H, nq, Dv) and lse (B, H, nq) of one chunk pair; differentiable under grad mode.
-
-    Until ``qkv.attention(..., return_lse=True)`` gives a differentiable lse, the forward
-    (no grad) runs the fused engine, which saves its lse, and the backward's recomputation
-    runs the reference (O(nq·nk) memory per pair)."""
-    kwargs = dict(kwargs)
-    backend = kwargs.pop("backend", "auto")
-    if not torch.is_grad_enabled():
-        out, lse = attention_with_lse(q, k, v, backend="fused" if backend == "auto" else backend,
-                                      **kwargs)
-        return out, lse.squeeze(-1)
-    out, _, lse = reference_attention(build_problem(q, k, v, **kwargs))
-    return out, lse
+    """out (B, H, nq, Dv) and lse (B, H, nq) of one chunk pair, from the engine the
+    dispatcher picks; both differentiable under grad mode."""
+    return attention(q, k, v, return_lse=True, **kwargs)
 
 
 def _pair_kwargs(plan: Plan, q_chunk, kv_chunk, batch: int, heads: int) -> dict | None:

@@ -173,7 +173,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("context parallel attention has no attention dropout (it "
                                  "would need whole rows); set the model's dropout to 0")
             kwargs.pop("return_weights")
-            result = split.attention(q, k, v, **kwargs)
+            out, weights = split.attention(q, k, v, **kwargs), None
         elif self.weights_observer is None:
             result = attention(q, k, v, **kwargs)
             out, weights = result if want_weights else (result, None)
