@@ -8,7 +8,6 @@ so a model written for one process runs one sequence split across the group unch
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -18,8 +17,9 @@ from .api import context_parallel_attention
 from .layout import pieces_per_rank
 from .layout import positions as layout_positions
 
-_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar(
-    "qkv_context_parallel", default=None)
+# The open blocks, innermost last: a plain list, which torch.compile reads (a ContextVar it
+# cannot trace).
+_ACTIVE: list[ContextParallel] = []
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,13 @@ class ContextParallel:
 def context_parallel(group=None, layout: str = "contiguous", *, sum_extra_grads: bool = True):
     """Run models on sequence shards of ``layout`` over ``group`` inside this block."""
     pieces_per_rank(layout)  # an unknown layout fails here, not in the first attention call
-    token = _ACTIVE.set(ContextParallel(group, layout, sum_extra_grads))
+    _ACTIVE.append(ContextParallel(group, layout, sum_extra_grads))
     try:
-        yield _ACTIVE.get()
+        yield _ACTIVE[-1]
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()
 
 
 def active() -> ContextParallel | None:
     """The ``context_parallel`` block this code runs in, or None."""
-    return _ACTIVE.get()
+    return _ACTIVE[-1] if _ACTIVE else None
