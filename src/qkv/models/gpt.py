@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import causal, padding, sliding_window
+from ..distributed.context import active as active_context_parallel
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions
@@ -99,8 +100,17 @@ class GPT(nn.Module):
         ``cache.length`` positions it holds (incremental decoding)."""
         check_ids("idx", idx, self.config.vocab_size)
         offset = 0 if cache is None else cache.length
-        self.positions.check_length(offset + idx.shape[1])
-        positions = token_positions(offset, idx.shape[1], left_pad, idx.device)
+        split = active_context_parallel()
+        if split is not None:
+            # idx is this rank's shard of each sequence (qkv.distributed.context_parallel).
+            if cache is not None or left_pad is not None:
+                raise ValueError("GPT under context parallelism takes whole shards: no cache "
+                                 "and no left_pad")
+            self.positions.check_length(idx.shape[1] * split.world)
+            positions = split.positions(idx.shape[1], idx.device)
+        else:
+            self.positions.check_length(offset + idx.shape[1])
+            positions = token_positions(offset, idx.shape[1], left_pad, idx.device)
         x = self.tok_emb(idx)
         pe = self.positions.embed(positions)
         if pe is not None:

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ..attention.api import attention, attention_result
 from ..attention.similarity import Similarity, get_similarity
+from ..distributed.context import active as active_context_parallel
 from .positions import RotaryEmbedding
 
 
@@ -174,7 +175,15 @@ class MultiHeadAttention(nn.Module):
             metric=self.metric, return_weights=want_weights,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        if self.weights_observer is None:
+        split = active_context_parallel()
+        if split is not None and not self.is_cross and cache is None and not want_weights:
+            # One sequence split across ranks (qkv.distributed.context_parallel).
+            if kwargs.pop("dropout_p"):
+                raise ValueError("context parallel attention has no attention dropout (it "
+                                 "would need whole rows); set the model's dropout to 0")
+            kwargs.pop("return_weights")
+            out, weights = split.attention(q, k, v, **kwargs), None
+        elif self.weights_observer is None:
             result = attention(q, k, v, **kwargs)
             out, weights = result if want_weights else (result, None)
         else:

@@ -91,6 +91,10 @@ class TrainConfig:
     threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0 keeps torch's default
     # Recompute each block's activations in the backward pass instead of holding them.
     checkpointing: bool = False
+    # lm only: split each sequence over this many ranks (ring attention); the processes form
+    # a (P / context_parallel) x context_parallel mesh, data parallel across its rows.
+    context_parallel: int = limited(1, "[1, inf)")
+    context_layout: str = limited("zigzag", choices=("zigzag", "contiguous"))
     # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
     # whose weights and tokenizer the run starts from; empty: train from scratch.
     init: str = ""

@@ -1,4 +1,5 @@
-"""DDP under torchrun: gloo on CPU, NCCL on GPU; a single process needs no setup at all."""
+"""DDP under torchrun: gloo on CPU, NCCL on GPU; a single process needs no setup at all.
+With context parallelism the processes form a (data, context) device mesh."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 
 @dataclass
@@ -45,6 +47,30 @@ def setup(device_preference: str = "auto") -> Env:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return Env(dist.get_rank(), world_size, device)
+
+
+@dataclass
+class Mesh:
+    """This rank's place on the (data, context) mesh: its data-parallel row and the group of
+    ranks that share its sequences (None without context parallelism)."""
+
+    data_rank: int
+    data_size: int
+    context_group: dist.ProcessGroup | None
+
+
+def mesh(env: Env, context_parallel: int) -> Mesh:
+    """Rows of ``context_parallel`` consecutive ranks split one batch slice's sequences."""
+    if env.world_size % context_parallel:
+        raise ValueError(f"train.context_parallel={context_parallel} must divide the number of "
+                         f"processes ({env.world_size})")
+    if context_parallel == 1:
+        return Mesh(env.rank, env.world_size, None)
+    grid = init_device_mesh(env.device.type, (env.world_size // context_parallel,
+                                              context_parallel),
+                            mesh_dim_names=("data", "context"))
+    return Mesh(env.rank // context_parallel, env.world_size // context_parallel,
+                grid.get_group("context"))
 
 
 def teardown(env: Env) -> None:

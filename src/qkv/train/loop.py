@@ -8,6 +8,12 @@ Distributed: every rank draws the same global batch and takes its own contiguous
 each rank's summed loss is divided by the global weight (tokens or images of the whole
 step) and multiplied by the world size, so DDP's gradient average equals the gradient of the
 one-process run with the same global batch.
+
+Context parallelism (``train.context_parallel`` = C): the slice is per row of the
+(data, context) mesh, and each of the row's C ranks takes its shard of every sequence and
+runs the model inside ``qkv.distributed.context_parallel``. DDP still averages over every
+rank: each rank's loss covers its own tokens, so the same scaling holds, and the attention
+leaves the gradients of the tensors it reads to DDP (``sum_extra_grads=False``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..data.atomic import write_json_atomic
+from ..distributed import context_parallel
 from ..nn.blocks import checkpoint_blocks
 from . import checkpoint, distributed, plan
 from .config import RunConfig
@@ -128,6 +135,9 @@ class Trainer:
             self.cfg, t = cfg, cfg.train
         if t.checkpointing:
             checkpoint_blocks(self.model)
+        if t.context_parallel > 1 and not hasattr(self.data, "shard"):
+            raise ValueError("train.context_parallel applies to the lm task only")
+        self.mesh = distributed.mesh(env, t.context_parallel)
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
@@ -217,12 +227,19 @@ class Trainer:
         weight = sum(self.data.weight(ix) for ix in batches)
         total = torch.zeros((), device=env.device)
         units = 0
+        mesh = self.mesh
+        split = contextlib.nullcontext()
+        if mesh.context_group is not None:
+            split = context_parallel(mesh.context_group, t.context_layout, sum_extra_grads=False)
         for m, ix in enumerate(batches):
-            local = self.data.batch(ix.tensor_split(env.world_size)[env.rank], env.device)
+            local = self.data.batch(ix.tensor_split(mesh.data_size)[mesh.data_rank], env.device)
+            if mesh.context_group is not None:
+                local = self.data.shard(local, env.rank % t.context_parallel,
+                                        t.context_parallel, t.context_layout)
             last = m == len(batches) - 1
             sync = contextlib.nullcontext() if last or not env.distributed else model.no_sync()
             with sync:
-                with autocast(t, env.device):
+                with autocast(t, env.device), split:
                     loss_sum = self.task.loss_sum(model, local, t)
                 (loss_sum.float() * env.world_size / weight).backward()
             total += loss_sum.detach().float()

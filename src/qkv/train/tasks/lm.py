@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
+from ...distributed import shard
 from ...models.scoring import token_nll
 from ..config import ConfigError, Schema, limited
 from ..plan import FINE_TUNE_TOKENS_PER_STEP
@@ -87,6 +88,10 @@ class TextData:
 
     def train_tokens(self) -> int:
         return len(self.train_ids)
+
+    def shard(self, batch: dict, rank: int, world: int, layout: str) -> dict:
+        """This rank's part of every sequence in ``batch`` (context parallelism)."""
+        return {name: shard(t, rank, world, layout, dim=1) for name, t in batch.items()}
 
 
 def corpus(data: LMData) -> tuple[str, str]:

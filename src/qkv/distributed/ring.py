@@ -1,0 +1,205 @@
+"""Ring attention: key/value shards travel around the ranks; each rank attends its queries to
+every shard as it passes and merges the partial results by their log-sum-exp.
+
+Forward: P steps. At step s rank r holds the keys and values of rank (r - s) mod P; it sends
+them on to r + 1 while it computes, so the transfer overlaps the work. Every (query chunk, key
+chunk) pair the mask leaves empty is skipped; a pair it leaves full runs without the mask.
+
+Backward: the ring again, as in FlashAttention's backward: the shards go round once more,
+together with the dK, dV accumulated for them so far; after P steps each rank holds the
+gradient of its own keys and values. A pair's gradient is the engine's own backward, run
+with autograd on a recomputed (out_j, lse_j) and weighted by w_j = exp(lse_j - lse), so any
+variant the engine differentiates is differentiated here. Extra memory per rank stays
+O(N/P): one shard in flight and one pair's autograd graph at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from qkv.attention.api import attention
+from qkv.attention.masks import EMPTY, FULL, Mask
+from qkv.attention.reference import accumulation_dtype
+from qkv.attention.scores import ScoreMod
+
+from .layout import chunks
+from .shift import ShiftedScoreMod, shift_mask
+
+# Query rows per engine call (a multiple of the engines' query blocks, so masks stay aligned).
+QUERY_ROWS = 2048
+
+
+@dataclass
+class Plan:
+    """One context-parallel call: the group, the layout, the global sizes and the variant."""
+
+    group: dist.ProcessGroup | None
+    ranks: list[int]  # global ranks of the group, in group order
+    rank: int  # this rank's index in the group
+    layout: str
+    nq_global: int
+    nk_global: int
+    mask: Mask | None
+    score_mod: ScoreMod | None
+    engine_kwargs: dict  # similarity, scale, metric, backend
+    sum_extra_grads: bool
+
+    @property
+    def world(self) -> int:
+        return len(self.ranks)
+
+
+def _partial(q: Tensor, k: Tensor, v: Tensor, kwargs: dict) -> tuple[Tensor, Tensor]:
+    """out (B, H, nq, Dv) and lse (B, H, nq) of one chunk pair, from the engine the
+    dispatcher picks; both differentiable under grad mode."""
+    return attention(q, k, v, return_lse=True, **kwargs)
+
+
+def _pair_kwargs(plan: Plan, q_chunk, kv_chunk, batch: int, heads: int) -> dict | None:
+    """The engine's arguments for one (query chunk, key chunk) pair; None when the mask
+    leaves it empty."""
+    (_, q0, nq), (_, k0, nk) = q_chunk, kv_chunk
+    mask = shift_mask(plan.mask, q0, k0, plan.nq_global, plan.nk_global)
+    if mask is not None:
+        states = mask.tile_states(batch, heads, nq, nk, nq, nk, None)
+        if bool((states == EMPTY).all()):
+            return None
+        if bool((states == FULL).all()):
+            mask = None
+    score_mod = None
+    if plan.score_mod is not None:
+        score_mod = ShiftedScoreMod(plan.score_mod, q0, k0, plan.nk_global - plan.nq_global)
+    return dict(plan.engine_kwargs, mask=mask, score_mod=score_mod)
+
+
+def _query_pieces(plan: Plan, nq: int):
+    """This rank's query chunks cut into runs of at most QUERY_ROWS: a partial output is
+    that big, not the shard's size, and the mask can skip more."""
+    for local, start, n in chunks(plan.layout, plan.rank, plan.world, nq):
+        for i in range(0, n, QUERY_ROWS):
+            yield local + i, start + i, min(QUERY_ROWS, n - i)
+
+
+def _pairs(plan: Plan, owner: int, q: Tensor, k: Tensor):
+    """(query slice, key slice, engine kwargs) of every non-empty pair of this rank's queries
+    with the keys of rank ``owner``."""
+    batch, heads = q.shape[0], q.shape[1]
+    for qc in _query_pieces(plan, q.shape[2]):
+        for kc in chunks(plan.layout, owner, plan.world, k.shape[2]):
+            kwargs = _pair_kwargs(plan, qc, kc, batch, heads)
+            if kwargs is not None:
+                yield slice(qc[0], qc[0] + qc[2]), slice(kc[0], kc[0] + kc[2]), kwargs
+
+
+class _Exchange:
+    """Send tensors to the next rank of the ring and receive the previous rank's, async."""
+
+    def __init__(self, plan: Plan, tensors: tuple[Tensor, ...]):
+        nxt = plan.ranks[(plan.rank + 1) % plan.world]
+        prev = plan.ranks[(plan.rank - 1) % plan.world]
+        self.received = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                              for t in tensors)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, plan.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, prev, plan.group) for t in self.received]
+        self.requests = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> tuple[Tensor, ...]:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
+    """Fold one partial (o, lse_o) into the running (out, lse), in place, in out's dtype:
+    lse = logaddexp(lse, lse_o), out = Σ exp(lse_i - lse) o_i. Rows with no key stay 0, -inf."""
+    new = torch.logaddexp(lse, lse_o)
+    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    out.add_(o.to(out.dtype) * torch.exp(lse_o - safe).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _weights(lse_j: Tensor, lse: Tensor) -> Tensor:
+    """exp(lse_j - lse): the share of the final softmax a partial holds (0 for empty rows)."""
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.where(torch.isfinite(lse_j), torch.exp(lse_j - safe), torch.zeros_like(lse))
+
+
+class RingAttention(torch.autograd.Function):
+    """out = ring attention of this rank's q (B, H, nq, D) against every rank's k, v
+    (B, Hkv, nk, D|Dv); ``sinks`` (H,) or None; ``extras`` are the tensors the variant reads
+    (ALiBi slopes, a metric, a user similarity's weights), listed so gradients reach them."""
+
+    @staticmethod
+    def forward(ctx, plan: Plan, q, k, v, sinks, *extras):
+        acc = accumulation_dtype(q.dtype)
+        b, h, nq, dv = *q.shape[:3], v.shape[3]
+        out = torch.zeros(b, h, nq, dv, dtype=acc, device=q.device)
+        lse = torch.full((b, h, nq), float("-inf"), dtype=acc, device=q.device)
+        kv = (k, v)
+        for step in range(plan.world):
+            pending = _Exchange(plan, kv) if step < plan.world - 1 else None
+            owner = (plan.rank - step) % plan.world
+            for qs, ks, kwargs in _pairs(plan, owner, q, kv[0]):
+                o, lse_o = _partial(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs)
+                _merge(out[:, :, qs], lse[:, :, qs], o, lse_o)
+            if pending is not None:
+                kv = pending.wait()
+        if sinks is not None:
+            # The sink is one more partial: lse = s[h], output 0.
+            _merge(out, lse, torch.zeros_like(out), sinks.to(acc).view(1, -1, 1).expand_as(lse))
+        # The extras themselves, not saved copies: the variant's closures read these objects,
+        # and the backward asks autograd for gradients with respect to them.
+        ctx.plan, ctx.extras = plan, extras
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan = ctx.plan
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        acc = out.dtype
+        dout = dout.to(acc)
+        dq = torch.zeros_like(q, dtype=acc)
+        dkv = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+        wanted = [t for t, need in zip(ctx.extras, ctx.needs_input_grad[5:], strict=True) if need]
+        d_extras = [torch.zeros_like(t) for t in wanted]
+        kv = (k, v)
+        for step in range(plan.world):
+            pending = _Exchange(plan, kv) if step < plan.world - 1 else None
+            owner = (plan.rank - step) % plan.world
+            for qs, ks, kwargs in _pairs(plan, owner, q, kv[0]):
+                with torch.enable_grad():
+                    inputs = [t[:, :, s].detach().requires_grad_()
+                              for t, s in ((q, qs), (kv[0], ks), (kv[1], ks))]
+                    o, lse_o = _partial(*inputs, kwargs)
+                    w = _weights(lse_o.detach().to(acc), lse[:, :, qs])
+                    g = dout[:, :, qs]
+                    g_lse = w * (g * (o.detach().to(acc) - out[:, :, qs])).sum(-1)
+                    grads = torch.autograd.grad(
+                        (o, lse_o), inputs + wanted,
+                        ((w.unsqueeze(-1) * g).to(o.dtype), g_lse.to(lse_o.dtype)),
+                        allow_unused=True)
+                for total, grad in zip([dq[:, :, qs], dkv[0][:, :, ks], dkv[1][:, :, ks]]
+                                       + d_extras, grads, strict=True):
+                    if grad is not None:
+                        total.add_(grad.to(total.dtype))
+            # dK, dV of the shard held now travel with it; after P hops they are home.
+            dkv = _Exchange(plan, dkv).wait()
+            if pending is not None:
+                kv = pending.wait()
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            # d lse_sink = w_sink · <dout, 0 - out>, summed over batch and rows.
+            w = _weights(sinks.to(acc).view(1, -1, 1).expand_as(lse), lse)
+            d_sinks = -(w * (dout * out).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        if plan.sum_extra_grads:
+            for grad in d_extras + ([] if d_sinks is None else [d_sinks]):
+                dist.all_reduce(grad, group=plan.group)
+        by_id = dict(zip(map(id, wanted), d_extras, strict=True))
+        return (None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks,
+                *(by_id.get(id(t)) for t in ctx.extras))
