@@ -46,7 +46,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """
     if head_mask is not None:
         raise ValueError("qkv attention: head_mask is not supported; expected None")
-    unknown = sorted(set(kwargs) - _INERT)
+    # An argument passed as None asks for nothing (BERT's self-attention passes
+    # encoder_hidden_states=None).
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _INERT)
     if unknown:
         raise TypeError(f"qkv attention: unsupported argument {unknown[0]!r}")
     variant = dict(variant or {})
