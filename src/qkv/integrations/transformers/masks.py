@@ -260,6 +260,9 @@ _HANDLERS = {
 }
 
 
+# Host-side bookkeeping on the composition's closures (dicts keyed by code objects, per-row
+# padding runs): torch.compile runs it eagerly and gets back the mask, whose tensors it traces.
+@torch.compiler.disable
 def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                   kv_offset: int = 0, mask_function=hf.causal_mask_function,
                   attention_mask: Tensor | None = None, **kwargs) -> qm.Mask:
