@@ -266,13 +266,13 @@ def _qkv(kwargs, backend="auto"):
 
 
 def _engine(kwargs, n: int, backend: str) -> str:
-    from qkv.attention.engines import select
+    from qkv.attention.engines import plan
     from qkv.attention.problem import build_problem
 
     q, k, v = _inputs(n)
     args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,
             "dropout_p": 0.0, "return_weights": False, **kwargs}
-    return select(build_problem(q, k, v, **args), backend).name
+    return plan(build_problem(q, k, v, **args), backend).engine
 
 
 def _ratio(base: float | None, ours: float) -> str:

@@ -102,7 +102,7 @@ def make_case(kind: str, n: int, args):
 
         problem = build_problem(q, k, v, mask=mask, score_mod=None, similarity="dot",
                                 scale=None, metric=None, dropout_p=0.0, return_weights=False)
-        engine = engines.select(problem, backend).name
+        engine = engines.plan(problem, backend).engine
         if engine == "fused":  # the engine that skips tiles
             bq, bk, _ = block_sizes(args.batch, args.heads, n, n)
             states = mask.tile_states(args.batch, args.heads, n, n, bq, bk)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import graph_gather, select, tiles
+from qkv.attention.engines import graph_gather, plan, tiles
 from qkv.attention.problem import build_problem
 from qkv.attention.similarity import SIMILARITIES as REGISTRY
 
@@ -171,7 +171,7 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
     qkv.attention(q, k, v, mask=mask)
     assert calls
     problem = build_problem(q, k, v, mask=mask)
-    assert select(problem).name == "graph"
+    assert plan(problem).engine == "graph"
     assert "too many edges" in graph_gather.why_not(build_problem(q, k, v, mask=qkv.graph(
         torch.ones(n, n, dtype=torch.bool))))
 

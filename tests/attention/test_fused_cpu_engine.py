@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv.attention import EMPTY, FULL
-from qkv.attention.engines import select, tiles
+from qkv.attention.engines import plan, tiles
 from qkv.attention.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.attention.problem import build_problem
 from qkv.attention.similarity import DOT
@@ -124,7 +124,7 @@ def _engine(**kwargs):
     q, k, v = rand_qkv(1, 2, 2, 8, 8, 4, 4)
     args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,
             "dropout_p": 0.0, "return_weights": False, **kwargs}
-    return select(build_problem(q, k, v, **args)).name
+    return plan(build_problem(q, k, v, **args)).engine
 
 
 def test_dispatch_sends_plain_and_causal_dot_to_sdpa_and_the_rest_to_fused():

@@ -25,6 +25,7 @@ from qkv.attention.engines import triton as triton_engine
 from qkv.attention.engines.triton.blocks import block_tables, classify, coarsen
 from qkv.attention.masks import EMPTY, FULL, PARTIAL
 from qkv.attention.problem import build_problem
+from qkv.attention.reference import reference_attention
 from qkv.attention.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, registered_similarities
@@ -179,10 +180,21 @@ def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def run_triton(problem):
+    """The Triton engine's plan for ``problem`` run in the interpreter: out, or (out, weights)."""
+    runner = triton_engine.plan(problem, on_cpu=True)
+    assert not isinstance(runner, str), runner
+    result = runner()
+    return (result.out, result.weights) if problem.return_weights else result.out
+
+
+def run_reference(problem):
+    out, weights, _ = reference_attention(problem)
+    return (out, weights) if problem.return_weights else out
+
+
 def run_case(name: str) -> dict:
     """Runs in the interpreter subprocess: errors of output and every gradient vs float64."""
-    from qkv.attention.engines.triton.function import run as run_triton
-    from qkv.attention.reference import run as run_reference
 
     problem, inputs, grad_out = build_case(name, torch.float32)
     reason = triton_engine.unsupported(problem)
@@ -208,8 +220,6 @@ def run_case(name: str) -> dict:
 
 def run_weights_case(name: str) -> dict:
     """Runs in the interpreter subprocess: errors of output and weights vs float64."""
-    from qkv.attention.engines.triton.function import run as run_triton
-    from qkv.attention.reference import run as run_reference
 
     with torch.no_grad():
         problem, _, _ = build_case(name, torch.float32, return_weights=True)
@@ -225,7 +235,6 @@ def run_dropout_case() -> dict:
     """Runs in the interpreter subprocess. Dropout draws its own random numbers, so the
     reference reuses the kernels' keep mask, read from the weights of a run with the same seed:
     out, weights and gradients must then match float64."""
-    from qkv.attention.engines.triton.function import run as run_triton
     from qkv.attention.reference import expand_kv_heads, masked_softmax, scores_of
 
     dropout_p = 0.3
@@ -254,6 +263,43 @@ def run_dropout_case() -> dict:
         "kept": (weights != 0)[probabilities > 0].double().mean().item(),
         "out": _relative_error(out, ref),
         "weights": _relative_error(weights, ref_weights),
+        "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
+    }
+
+
+def run_lse_sinks_case() -> dict:
+    """Runs in the interpreter subprocess: the kernels' lse (natural units, -inf on rows with
+    no key) and sinks applied on it, with gradients through both, against float64."""
+    from qkv.attention.api import with_sinks
+
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(2, h, n, 40, generator=g) for h, n in ((4, 30), (2, 24), (2, 24))]
+    sinks = torch.randn(4, generator=g)
+    weight = torch.randn(2, 4, 30, generator=g)
+
+    def loss(tensors, sink, runner):
+        problem = build_problem(*tensors, mask=qkv.causal(), score_mod=qkv.alibi(4),
+                                similarity="l1", needs_lse=True)
+        result = runner(problem)
+        out, lse, _ = with_sinks(result.out, result.lse, None, sink)
+        return out, lse, out.square().sum() + (lse * weight).sum()
+
+    def triton_runner(problem):
+        return triton_engine.plan(problem, on_cpu=True)()
+
+    def reference_runner(problem):
+        out, _, lse = reference_attention(problem)
+        return type("R", (), {"out": out, "lse": lse})
+
+    inputs = [t.clone().requires_grad_() for t in (*base, sinks)]
+    out, lse, total = loss(inputs[:3], inputs[3], triton_runner)
+    grads = torch.autograd.grad(total, inputs)
+    ref_inputs = [t.double().requires_grad_() for t in (*base, sinks)]
+    ref_out, ref_lse, ref_total = loss(ref_inputs[:3], ref_inputs[3], reference_runner)
+    ref_grads = torch.autograd.grad(ref_total, ref_inputs)
+    return {
+        "out": _relative_error(out, ref_out),
+        "lse": _relative_error(lse, ref_lse),
         "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
     }
 
@@ -305,6 +351,13 @@ def test_dropout_matches_float64_with_the_kernels_keep_mask(interpreter_results)
     assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_lse_and_sinks_match_float64_with_gradients(interpreter_results):
+    result = interpreter_results["lse_sinks"]
+    assert "error" not in result, result["error"]
+    assert max(result["out"], result["lse"], *result["grads"]) < TOLERANCE, result
+
+
 def test_weights_with_gradients_needed_are_refused_with_a_reason():
     problem, _, _ = build_case("weights_l1_causal_gqa", torch.float32, return_weights=True)
     assert "log-sum-exp without a gradient" in triton_engine.unsupported(problem)
@@ -319,7 +372,7 @@ def test_dispatch_order_and_cpu_reason():
     names = engine_names()
     assert names.index("sdpa") < names.index("triton") < names.index("fused")
     problem, _, _ = build_case("dot", torch.float32)
-    assert "CUDA" in triton_engine.why_not(problem)
+    assert "CUDA" in triton_engine.plan(problem)
     assert qkv.attention(problem.q, problem.k, problem.v).shape == (1, 2, 40, 24)
 
 
@@ -405,6 +458,7 @@ if __name__ == "__main__":  # the interpreter subprocess
     runs = [(case, run_case) for case in CASES]
     runs += [(case, run_weights_case) for case in WEIGHT_CASES]
     runs.append(("dropout", lambda _: run_dropout_case()))
+    runs.append(("lse_sinks", lambda _: run_lse_sinks_case()))
     for case, runner in runs:
         try:
             outcome = runner(case)

@@ -5,7 +5,7 @@ import importlib
 import torch
 
 import qkv
-from qkv.attention.api import attention_with_lse
+from qkv.attention.api import attention_result
 from qkv.attention.problem import build_problem
 from qkv.attention.reference import reference_attention
 from qkv.nn import MultiHeadAttention
@@ -14,20 +14,27 @@ from qkv.viz import capture
 capture_module = importlib.import_module("qkv.viz.capture")  # the module, not the function
 
 
-def test_attention_with_lse_hands_over_the_fused_engines_lse():
+def test_return_lse_hands_over_the_fused_engines_lse():
     q, k, v = (torch.randn(2, 4, 37, 8, dtype=torch.float64) for _ in range(3))
     kw = dict(similarity="l2", mask=qkv.causal() & qkv.padding([37, 0]))
-    out, lse = attention_with_lse(q, k, v, **kw)
-    assert lse is not None and lse.shape == (2, 4, 37, 1)
+    out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+    assert lse.shape == (2, 4, 37)
     ref_out, _, ref_lse = reference_attention(build_problem(q, k, v, **kw))
     torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(lse.squeeze(-1), ref_lse)  # -inf on the empty rows, too
+    torch.testing.assert_close(lse, ref_lse)  # -inf on the empty rows, too
 
 
-def test_sdpa_route_saves_no_lse():
+def test_attention_result_keeps_the_sdpa_route_which_has_no_lse():
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
-    out, lse = attention_with_lse(q, k, v, mask=qkv.causal())
-    assert lse is None
+    result = attention_result(q, k, v, mask=qkv.causal())
+    assert result.lse is None
+    torch.testing.assert_close(result.out, qkv.attention(q, k, v, mask=qkv.causal()))
+
+
+def test_return_lse_moves_plain_attention_off_sdpa_and_keeps_its_output():
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    out, lse = qkv.attention(q, k, v, mask=qkv.causal(), return_lse=True)
+    assert lse.shape == (1, 2, 5) and torch.isfinite(lse).all()
     torch.testing.assert_close(out, qkv.attention(q, k, v, mask=qkv.causal()))
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import engines
 from .problem import build_problem
+from .result import Result
 from .similarity import Similarity
 
 
@@ -20,6 +22,8 @@ def attention(
     scale=None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    return_lse: bool = False,
+    sinks: Tensor | None = None,
     metric: Tensor | None = None,
     backend: str = "auto",
 ):
@@ -39,11 +43,19 @@ def attention(
             1/√D, except cosine: √D.
         dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in eval).
         return_weights: also return the weights (B, H, Nq, Nk) that multiplied v.
+        return_lse: also return the log-sum-exp (B, H, Nq) of each softmax row (natural log,
+            float32, float64 for float64 inputs; -inf on a row with no allowed key), as
+            FlexAttention does. It is differentiable: merging partial results (context
+            parallelism) or sinks written in torch get exact gradients.
+        sinks: (H,) one learned logit per head, added to every softmax row's denominator
+            (attention sinks: GPT-OSS, StreamingLLM); the weights then sum to less than 1.
+            Gradients reach it.
         metric: L of shape (D, D) or (H, D, D), for similarity="mahalanobis" (-‖L(q-k)‖²).
         backend: "auto" (fastest engine that can run the request), or force one by name.
 
     Returns:
-        out (B, H, Nq, Dv), or (out, weights). Rows with no allowed key give zeros.
+        out (B, H, Nq, Dv); with return_weights and/or return_lse, the tuple (out, weights,
+        lse) without the ones not asked for. Rows with no allowed key give zeros.
 
     NaN or inf in q or k is not checked (that would cost a pass over the inputs). The output
     rows whose scores read one come out wrong, silently: a bad key makes NaN every row that
@@ -62,16 +74,43 @@ def attention(
         metric=metric,
         dropout_p=dropout_p,
         return_weights=return_weights,
+        needs_lse=return_lse or sinks is not None,
     )
-    return engines.select(problem, backend).run(problem)
+    if sinks is not None:
+        check_sinks(sinks, problem.heads)
+    result = engines.plan(problem, backend).run()
+    out, lse, weights = result.out, result.lse, result.weights
+    if sinks is not None:
+        out, lse, weights = with_sinks(out, lse, weights, sinks)
+    extra = ([weights] if return_weights else []) + ([lse] if return_lse else [])
+    return (out, *extra) if extra else out
 
 
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, **kwargs):
-    """``attention(q, k, v, **kwargs)`` and the log-sum-exp (B, H, Nq, 1) of its softmax rows
-    when the engine that ran it saved one (the fused engines do), else None. Capture tools use
-    it to rebuild chosen heads' weights as exp(score - lse) without another pass over keys."""
-    backend = kwargs.pop("backend", "auto")
-    problem = build_problem(q, k, v, **kwargs)
-    problem.lse_sink = []
-    result = engines.select(problem, backend).run(problem)
-    return result, (problem.lse_sink[0] if problem.lse_sink else None)
+def attention_result(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
+                     **kwargs) -> Result:
+    """The whole ``Result`` of the engine the dispatcher picks for ``attention(q, k, v,
+    **kwargs)``, unchanged: lse is there when that engine has one (the fused engines), None
+    from SDPA. Capture tools use it to rebuild chosen heads' weights without moving the call
+    off its engine (``return_lse=True`` would)."""
+    return engines.plan(build_problem(q, k, v, **kwargs), backend).run()
+
+
+def check_sinks(sinks, heads: int) -> None:
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor of shape (H,); got "
+                        f"{type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (H,)=({heads},); got {tuple(sinks.shape)}")
+
+
+def with_sinks(out: Tensor, lse: Tensor, weights: Tensor | None, sinks: Tensor):
+    """Add exp(sinks[h]) to each row's denominator: out and weights shrink by
+    σ(lse - sink) = exp(lse - lse'), with lse' = logaddexp(lse, sink). A row with no allowed
+    key keeps out 0 and gets lse' = sink. Plain torch, so gradients reach the sinks."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    new_lse = torch.logaddexp(lse, sink)
+    keep = torch.sigmoid(lse - sink)
+    out = (out * keep.unsqueeze(-1).to(out.dtype))
+    if weights is not None:
+        weights = weights * keep.unsqueeze(-1).to(weights.dtype)
+    return out, new_lse, weights

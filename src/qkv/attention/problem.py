@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -15,11 +15,14 @@ from .similarity import Similarity, get_similarity
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Problem:
-    """q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), plus the variant.
+    """q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), plus the variant: the request
+    every engine plans from. Frozen: engines read it and never write into it.
 
-    ``scale`` is a float, or a tensor of shape () or (H,) (a learnable temperature)."""
+    ``scale`` is a float, or a tensor of shape () or (H,) (a learnable temperature).
+    ``needs_lse``: the caller reads the log-sum-exp (``return_lse``, sinks), so an engine
+    that cannot return a differentiable one must decline."""
 
     q: Tensor
     k: Tensor
@@ -31,12 +34,7 @@ class Problem:
     metric: Tensor | None
     dropout_p: float
     return_weights: bool
-    # An engine that saves the log-sum-exp (B, H, Nq, 1) appends it here when this is a list,
-    # so attention maps can be rebuilt from it (``attention_with_lse``).
-    lse_sink: list | None = None
-    # What an engine worked out while answering ``why_not`` (the Triton engine's traced
-    # variant), kept for its ``run`` so that nothing is traced twice in one call.
-    prepared: dict = field(default_factory=dict)
+    needs_lse: bool = False
 
     @property
     def batch(self) -> int:
@@ -170,7 +168,7 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
 
 def build_problem(
     q, k, v, *, mask=None, score_mod=None, similarity="dot", scale=None, metric=None,
-    dropout_p=0.0, return_weights=False,
+    dropout_p=0.0, return_weights=False, needs_lse=False,
 ) -> Problem:
     _check_qkv(q, k, v)
     sim = get_similarity(similarity)
@@ -193,4 +191,5 @@ def build_problem(
         metric=_check_metric(metric, sim, q),
         dropout_p=float(dropout_p),
         return_weights=bool(return_weights),
+        needs_lse=bool(needs_lse),
     )

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .masks import index_grid
 from .problem import Problem
+from .result import Result
 from .scores import modified_scores
 
 
@@ -23,15 +24,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def masked_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax over the last dim where -inf marks a forbidden key.
 
-    Returns (weights, lse). A row with no allowed key gets weights 0 (and zero gradients,
-    never NaN) and lse -inf."""
+    Returns (weights, lse). A row with no allowed key gets weights 0 and lse -inf, with zero
+    gradients through both, never NaN."""
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     exp = torch.exp(scores - row_max)
     denom = exp.sum(dim=-1, keepdim=True)
     empty = denom == 0
-    weights = exp / torch.where(empty, torch.ones_like(denom), denom)
-    lse = (row_max + torch.log(denom)).squeeze(-1)
+    safe = torch.where(empty, torch.ones_like(denom), denom)
+    weights = exp / safe
+    lse = torch.where(empty, float("-inf"), row_max + torch.log(safe)).squeeze(-1)
     return weights, lse
 
 
@@ -64,6 +66,11 @@ def reference_attention(p: Problem) -> tuple[Tensor, Tensor, Tensor]:
     return out.to(p.q.dtype), weights.to(p.q.dtype), lse
 
 
-def run(p: Problem):
-    out, weights, _ = reference_attention(p)
-    return (out, weights) if p.return_weights else out
+def plan(p: Problem):
+    """The reference runs every request."""
+
+    def run() -> Result:
+        out, weights, lse = reference_attention(p)
+        return Result(out, lse, weights if p.return_weights else None)
+
+    return run

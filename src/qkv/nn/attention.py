@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention.api import attention, attention_with_lse
+from ..attention.api import attention, attention_result
 from ..attention.similarity import Similarity, get_similarity
 from .positions import RotaryEmbedding
 
@@ -167,12 +167,13 @@ class MultiHeadAttention(nn.Module):
         )
         if self.weights_observer is None:
             result = attention(q, k, v, **kwargs)
+            out, weights = result if want_weights else (result, None)
         else:
             # The call keeps its engine; a saved log-sum-exp lets the observer rebuild the
             # chosen heads' weights without another pass over the keys.
-            result, lse = attention_with_lse(q, k, v, **kwargs)
-            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod, lse=lse)
-        out, weights = result if want_weights else (result, None)
+            result = attention_result(q, k, v, **kwargs)
+            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod, lse=result.lse)
+            out, weights = result.out, result.weights
         if self.capture_weights:
             self.last_weights = weights.detach()
         out = self.out_proj(out.transpose(1, 2).flatten(2))

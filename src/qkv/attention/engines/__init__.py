@@ -1,8 +1,10 @@
 """Engines and the dispatcher that picks one.
 
-An engine says whether it can run a problem (``why_not`` returns None, or the reason it
-cannot) and runs it. ``backend="auto"`` takes the first engine in ``ENGINES`` that can;
-naming a backend forces it, with a clear error when it cannot run the request.
+The protocol has no side channels. An engine answers ``plan(problem)`` with a ``Plan`` (what
+it worked out, ready to run) or with the reason it cannot run the request. ``Plan.run()``
+returns a ``Result``: the output, the log-sum-exp and, when asked, the weights.
+``backend="auto"`` takes the first engine in ``ENGINES`` that plans the request; naming a
+backend forces it, with a clear error when it cannot.
 """
 
 from __future__ import annotations
@@ -12,25 +14,38 @@ from dataclasses import dataclass
 
 from .. import reference
 from ..problem import Problem
+from ..result import Result
 from . import fused_cpu, graph_gather, sdpa, triton
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One engine's plan for one request; ``run()`` computes it."""
+
+    engine: str
+    run: Callable[[], Result]
 
 
 @dataclass(frozen=True)
 class Engine:
     name: str
-    why_not: Callable[[Problem], str | None]
-    run: Callable[[Problem], object]
+    # The request -> a zero-argument runner, or the reason the engine cannot run it.
+    planner: Callable[[Problem], Callable[[], Result] | str]
+
+    def plan(self, problem: Problem) -> Plan | str:
+        runner = self.planner(problem)
+        return runner if isinstance(runner, str) else Plan(self.name, runner)
 
 
 # The dispatch order, the one place it is written: ``backend="auto"`` takes the first engine
 # that can run the request. SDPA only ever takes plain or causal dot products; the reference
 # can run everything and comes last.
 ENGINES: list[Engine] = [
-    Engine("sdpa", sdpa.why_not, sdpa.run),
-    Engine("triton", triton.why_not, triton.run),
-    Engine("graph", graph_gather.why_not, graph_gather.run),
-    Engine("fused", fused_cpu.why_not, fused_cpu.run),
-    Engine("reference", lambda p: None, reference.run),
+    Engine("sdpa", sdpa.plan),
+    Engine("triton", triton.plan),
+    Engine("graph", graph_gather.plan),
+    Engine("fused", fused_cpu.plan),
+    Engine("reference", reference.plan),
 ]
 
 
@@ -38,16 +53,21 @@ def engine_names() -> list[str]:
     return [e.name for e in ENGINES]
 
 
-def select(problem: Problem, backend: str = "auto") -> Engine:
+def plan(problem: Problem, backend: str = "auto") -> Plan:
+    """The plan of the engine that runs ``problem``: the first that can, or the one named."""
     if backend == "auto":
         for engine in ENGINES:
-            if engine.why_not(problem) is None:
-                return engine
+            planned = engine.plan(problem)
+            if isinstance(planned, Plan):
+                return planned
         raise RuntimeError("no attention engine can run this request")  # reference always can
     for engine in ENGINES:
         if engine.name == backend:
-            reason = engine.why_not(problem)
-            if reason is not None:
-                raise ValueError(f"backend={backend!r} cannot run this request: {reason}")
-            return engine
+            planned = engine.plan(problem)
+            if isinstance(planned, str):
+                raise ValueError(f"backend={backend!r} cannot run this request: {planned}")
+            return planned
     raise ValueError(f"backend must be 'auto' or one of {engine_names()}; got {backend!r}")
+
+
+__all__ = ["ENGINES", "Engine", "Plan", "Result", "engine_names", "plan"]

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 
 from ..problem import Problem
 from ..reference import accumulation_dtype
+from ..result import Result
 from ..similarity import DOT
 from . import native, term_c
 from .tiles import (
@@ -67,6 +68,11 @@ def cpu_why_not(p: Problem) -> str | None:
         # Their plans are read from mask values: data-dependent control flow no graph can hold.
         return "the fused CPU engines cannot be traced by torch.compile or torch.export"
     return None
+
+
+def plan(p: Problem):
+    reason = why_not(p)
+    return reason if reason is not None else (lambda: run(p))
 
 
 def why_not(p: Problem) -> str | None:
@@ -264,9 +270,13 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
 
 
-def _backward(spec, plan, fq, fk, v, out, lse, dout, extras):
-    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad)."""
+def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
+    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad), from
+    those of out and of lse (None when nothing read lse). d lse / d score = p, so a gradient
+    on lse joins the softmax's: d(loss)/d(score) = p (dp - (delta - dlse))."""
     delta = (dout * out).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse
     # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
     saved = (fq, fk, v, lse.masked_fill(lse == float("-inf"), float("inf")))
     dfq = torch.zeros_like(fq)
@@ -290,15 +300,16 @@ class _FusedAttention(torch.autograd.Function):
         out, lse = _forward(spec, plan, fq, fk, v)
         ctx.spec, ctx.plan, ctx.extras = spec, plan, extras
         ctx.save_for_backward(fq, fk, v, out, lse)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         fq, fk, v, out, lse = ctx.saved_tensors
         wanted = [e for e in ctx.extras if e.requires_grad]
-        dfq, dfk, dv, dwanted = _backward(ctx.spec, ctx.plan, fq, fk, v, out, lse, dout, wanted)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dfq, dfk, dv, dwanted = _backward(ctx.spec, ctx.plan, fq, fk, v, out, lse, dout, dlse,
+                                          wanted)
         return (None, None, dfq, dfk, dv, *grads_for_extras(ctx.extras, dwanted))
 
 
@@ -369,15 +380,13 @@ def extra_tensors(p: Problem, loops=None) -> list[Tensor]:
     return [t for t in {id(t): t for t in extras}.values() if t.is_floating_point()]
 
 
-def run(p: Problem):
+def run(p: Problem) -> Result:
     fq, fk, v, scale = features(p)
     loops = _tile_loops(p, fq)
     spec = tile_spec(p, scale, loops)
     extras = extra_tensors(p, loops)
     out, lse = _FusedAttention.apply(spec, tile_plan(spec, fq.device), fq, fk, v, *extras)
-    if p.lse_sink is not None:
-        p.lse_sink.append(lse.detach())
-    out = out.to(p.q.dtype)
-    if not p.return_weights:
-        return out
-    return out, weights_from_lse(spec, fq.detach(), fk.detach(), lse).to(p.q.dtype)
+    weights = None
+    if p.return_weights:
+        weights = weights_from_lse(spec, fq.detach(), fk.detach(), lse.detach()).to(p.q.dtype)
+    return Result(out.to(p.q.dtype), lse.squeeze(-1), weights)

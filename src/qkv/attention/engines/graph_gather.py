@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..masks import GraphMask
+from ..result import Result
 from ..scores import modified_scores
 from ..similarity import DOT
 from . import fused_cpu, native, term_c
@@ -222,17 +223,18 @@ class _GraphAttention(torch.autograd.Function):
         run_split(work, chunks)
         ctx.spec, ctx.graph, ctx.extras = spec, graph, extras
         ctx.save_for_backward(fq_rows, fk_rows, v_rows, out, lse)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         spec, chunks = ctx.spec, ctx.graph[2]
         fq_rows, fk_rows, v_rows, out, lse = ctx.saved_tensors
         wanted = [e for e in ctx.extras if e.requires_grad]
-        dout = dout.contiguous()
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
+        if dlse is not None:  # d lse / d score = p: it joins the softmax's gradient
+            delta = delta - dlse
         # Targets with no allowed edge: +inf makes exp(score - lse) exactly 0.
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         saved = (fq_rows, fk_rows, v_rows, lse, dout, delta)
@@ -246,6 +248,11 @@ class _GraphAttention(torch.autograd.Function):
 
         total = sum_worker_grads(run_split(work, chunks))
         return (None, None, *total[:3], *grads_for_extras(ctx.extras, total[3:]))
+
+
+def plan(p):
+    reason = why_not(p)
+    return reason if reason is not None else (lambda: run(p))
 
 
 def why_not(p) -> str | None:
@@ -268,9 +275,7 @@ def run(p):
     loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
     spec = fused_cpu.tile_spec(p, scale, loops)
     out, lse = attention(spec, p.mask, fq, fk, v, fused_cpu.extra_tensors(p, loops))
-    if p.lse_sink is not None:
-        p.lse_sink.append(lse.detach())
-    return out.to(p.q.dtype)
+    return Result(out.to(p.q.dtype), lse.squeeze(-1))
 
 
 def attention(spec: TileSpec, mask: GraphMask, fq, fk, v, extras) -> tuple[Tensor, Tensor]:

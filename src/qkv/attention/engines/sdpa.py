@@ -7,13 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from ..problem import Problem
+from ..result import Result
 from ..similarity import BUILTIN
 
 # enable_gqa arrived in torch 2.5; older versions get the heads repeated.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def why_not(p: Problem) -> str | None:
+def plan(p: Problem):
+    reason = _why_not(p)
+    return reason if reason is not None else (lambda: Result(_run(p)))
+
+
+def _why_not(p: Problem) -> str | None:
+    if p.needs_lse:
+        return "SDPA does not return the log-sum-exp (return_lse, sinks)"
     if p.similarity is not BUILTIN["dot"]:
         return f"SDPA computes only the dot product, not similarity={p.similarity.name!r}"
     if p.score_mod is not None:
@@ -29,7 +37,7 @@ def why_not(p: Problem) -> str | None:
     return None
 
 
-def run(p: Problem):
+def _run(p: Problem):
     q, k, v = p.q, p.k, p.v
     kwargs = {}
     if p.kv_heads != p.heads:

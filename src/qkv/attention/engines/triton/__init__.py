@@ -21,6 +21,12 @@ TRACED = 3
 
 def unsupported(p: Problem) -> str | None:
     """Why the kernels cannot run this problem on any device (None if they can)."""
+    traced = _traced_or_reason(p)
+    return traced if isinstance(traced, str) else None
+
+
+def _traced_or_reason(p: Problem):
+    """The traced variant the kernels run ``p`` with, or why they cannot."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if p.q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -39,13 +45,12 @@ def unsupported(p: Problem) -> str | None:
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
     from ..trace import CompileError
-    from .variant import traced_once
+    from .variant import trace_variant
 
     try:
-        traced_once(p)
+        return trace_variant(p)
     except CompileError as e:
         return str(e)
-    return None
 
 
 def _needs_grad(p: Problem) -> bool:
@@ -54,16 +59,14 @@ def _needs_grad(p: Problem) -> bool:
     )
 
 
-def why_not(p: Problem) -> str | None:
-    """The dispatcher's question. CPU tensors always get a reason: on CPU Triton only runs in
-    its (slow) interpreter, which tests call through ``run`` directly."""
-    if not p.q.is_cuda:
+def plan(p: Problem, *, on_cpu: bool = False):
+    """A runner for ``p``, or the reason the kernels cannot run it. CPU tensors always get a
+    reason unless ``on_cpu`` (Triton's slow interpreter, which tests ask for)."""
+    if not (p.q.is_cuda or on_cpu):
         return "the Triton engine runs on CUDA tensors"
-    return unsupported(p)
+    traced = _traced_or_reason(p)
+    if isinstance(traced, str):
+        return traced
+    from .function import run
 
-
-def run(p: Problem):
-    from .function import run as run_triton
-
-    return run_triton(p)
-
+    return lambda: run(p, traced)

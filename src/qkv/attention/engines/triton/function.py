@@ -17,11 +17,15 @@ from torch import Tensor
 
 from ...problem import Problem
 from ...reference import expand_kv_heads
+from ...result import Result
 from ..trace import MAX_SLOTS, SLOT_INFO
 from . import KERNEL_IDS, TRACED, kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .variant import traced_once
+from .variant import TracedVariant
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,9 @@ class Variant:
     grad_slots: set[int]
 
 
-def compile_variant(p: Problem) -> Variant:
+def compile_variant(traced: TracedVariant) -> Variant:
     """Load the generated Triton functions of the call's traced mask, score modifier and
-    pairwise term (traced once per call, ``traced_once``)."""
-    traced = traced_once(p)
+    pairwise term."""
     module = load_module(traced.source)
     return Variant(
         mask_fn=module.mask_fn if traced.has_mask else kernels.noop_mask,
@@ -95,7 +98,7 @@ def compile_variant(p: Problem) -> Variant:
 
 
 @dataclass
-class Plan:
+class KernelPlan:
     variant: Variant
     kernel: int
     tiling: Tiling
@@ -108,7 +111,7 @@ class Plan:
     seed: int  # dropout's Philox seed, drawn from torch's generator once per call
 
 
-def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
+def make_plan(p: Problem, variant: Variant, head_dim: int) -> KernelPlan:
     kernel = TRACED if variant.has_term else p.similarity.pairwise.triton_id
     if kernel not in KERNEL_IDS | {TRACED}:
         raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
@@ -121,7 +124,7 @@ def make_plan(p: Problem, variant: Variant, head_dim: int) -> Plan:
         states = coarsen(fine, t.block_m // fine_m, t.block_n // fine_n)
         return block_tables(states, p.nk, t.block_n)
 
-    return Plan(
+    return KernelPlan(
         variant=variant,
         kernel=kernel,
         tiling=tiling,
@@ -160,7 +163,7 @@ def _slot_args(slots: list[Tensor], device) -> tuple[list[Tensor], Tensor]:
     return args + [info] * (MAX_SLOTS - len(args)), info
 
 
-def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:
+def _common(plan: KernelPlan, q: Tensor, k: Tensor, v: Tensor) -> dict:
     return dict(
         GROUP=q.shape[1] // k.shape[1], D=q.shape[3], D_PAD=_pad(q.shape[3]),
         DV_PAD=_pad(v.shape[3]), BLOCK_D=plan.tiling.block_d, KERNEL=plan.kernel,
@@ -170,7 +173,7 @@ def _common(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> dict:
     )
 
 
-def attention_forward(plan: Plan, q, k, v, scale, slots) -> tuple[Tensor, Tensor]:
+def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, Tensor]:
     """out (B, H, Nq, Dv) and base-2 lse (B, H, Nq) (+inf for rows with no key)."""
     batch, heads, nq, _ = q.shape
     nk, dv = k.shape[2], v.shape[3]
@@ -188,7 +191,7 @@ def attention_forward(plan: Plan, q, k, v, scale, slots) -> tuple[Tensor, Tensor
     return out, lse
 
 
-def attention_weights(plan: Plan, q, k, lse, scale, slots) -> Tensor:
+def attention_weights(plan: KernelPlan, q, k, lse, scale, slots) -> Tensor:
     """The weights (B, H, Nq, Nk) that multiplied v, recomputed from the base-2 lse."""
     batch, heads, nq, _ = q.shape
     nk = k.shape[2]
@@ -207,14 +210,18 @@ def attention_weights(plan: Plan, q, k, lse, scale, slots) -> Tensor:
     return weights
 
 
-def attention_backward(plan: Plan, q, k, v, scale, out, lse, grad_out, slots, need_scale: bool,
-                       need_slots: set[int]):
+def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slots,
+                       need_scale: bool, need_slots: set[int], grad_lse: Tensor | None = None):
     """dq, dk, dv (input dtypes), dscale (H,) fp32 and fp32 gradients of the slots in
-    ``need_slots`` (None elsewhere)."""
+    ``need_slots`` (None elsewhere). ``grad_lse`` is the gradient of the base-2 lse, if
+    anything read it: d lse / d score = p, so it joins delta (in natural units)."""
     batch, heads, nq, d = q.shape
     kv_heads, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     grad_out = _rows(grad_out)
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse.float() * _LOG2E
+    delta = delta.contiguous()
     dq = torch.zeros(batch, heads, nq, d, dtype=torch.float32, device=q.device)
     dk = torch.zeros(batch, kv_heads, nk, d, dtype=torch.float32, device=q.device)
     dvv = torch.zeros(batch, kv_heads, nk, dv, dtype=torch.float32, device=q.device)
@@ -254,20 +261,21 @@ class TritonAttention(torch.autograd.Function):
     v (B, Hkv, Nk, Dv), scale (H,) fp32 and the variant's slot tensors."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, q, k, v, scale, *slots):
+    def forward(ctx, plan: KernelPlan, q, k, v, scale, *slots):
         out, lse = attention_forward(plan, q, k, v, scale, slots)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, scale, out, lse, *slots)
-        return out
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         q, k, v, scale, out, lse, *slots = ctx.saved_tensors
         needs = ctx.needs_input_grad
         need_slots = {i for i in ctx.plan.variant.grad_slots if needs[5 + i]}
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
         dq, dk, dv, dscale, grads = attention_backward(
-            ctx.plan, q, k, v, scale, out, lse, grad_out, slots, needs[4], need_slots
+            ctx.plan, q, k, v, scale, out, lse, grad_out, slots, needs[4], need_slots, grad_lse
         )
         slot_grads = [g if g is None else g.to(t.dtype) for g, t in zip(grads, slots, strict=True)]
         return (None, dq, dk, dv, dscale if needs[4] else None, *slot_grads)
@@ -280,10 +288,15 @@ def scale_per_head(scale, heads: int, device) -> Tensor:
     return torch.full((heads,), float(scale), dtype=torch.float32, device=device)
 
 
-def run(p: Problem):
-    """Attention for a problem the engine accepts (see ``why_not``): out (B, H, Nq, Dv), or
-    (out, weights) with the weights recomputed from the saved log-sum-exp (no gradient)."""
-    variant = compile_variant(p)
+def natural_lse(lse2: Tensor) -> Tensor:
+    """The kernels' base-2 lse (+inf on rows with no key) -> natural units, -inf there."""
+    return torch.where(lse2 == float("inf"), float("-inf"), lse2 * _LN2)
+
+
+def run(p: Problem, traced) -> Result:
+    """Attention for a problem the engine accepts (see ``plan``), with the weights recomputed
+    from the saved log-sum-exp (no gradient) when asked."""
+    variant = compile_variant(traced)
     fq, fk = p.similarity.features(p.q, p.k, p.metric)
     v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
     plan = make_plan(p, variant, fq.shape[-1])
@@ -292,5 +305,7 @@ def run(p: Problem):
     if p.return_weights:
         with torch.no_grad():
             out, lse = attention_forward(plan, fq, fk, v, scale, variant.slots)
-            return out, attention_weights(plan, fq, fk, lse, scale, variant.slots)
-    return TritonAttention.apply(plan, fq, fk, v, scale, *variant.slots)
+            weights = attention_weights(plan, fq, fk, lse, scale, variant.slots)
+        return Result(out, natural_lse(lse), weights)
+    out, lse = TritonAttention.apply(plan, fq, fk, v, scale, *variant.slots)
+    return Result(out, natural_lse(lse))

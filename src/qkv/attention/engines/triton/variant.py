@@ -57,11 +57,3 @@ def trace_variant(p: Problem) -> TracedVariant:
         slots=graph.slots,
         grad_slots=grad_slots,
     )
-
-
-def traced_once(p: Problem) -> TracedVariant:
-    """The call's traced variant, traced on the first request (``why_not``) and kept on the
-    problem for ``run``. Raises CompileError naming what cannot be compiled."""
-    if "triton" not in p.prepared:
-        p.prepared["triton"] = trace_variant(p)
-    return p.prepared["triton"]
