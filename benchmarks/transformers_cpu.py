@@ -9,7 +9,7 @@ leave the resident set; see attention_cpu.peak_extra_memory). transformers refus
 a softcap (Gemma 2): that cell says n/a.
 
     python benchmarks/transformers_cpu.py                       # N = 1024, 4096, 8192
-    python benchmarks/transformers_cpu.py --lengths 1024 --repeats 1
+    python benchmarks/transformers_cpu.py --models llama --lengths 1024 --repeats 9
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1024,4096,8192")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--child", nargs=3, metavar=("MODEL", "IMPL", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -96,7 +97,7 @@ def main() -> int:
     print("| model | N | eager s | sdpa s | qkv s | qkv/eager time | qkv/sdpa time "
           "| eager MiB | sdpa MiB | qkv MiB | qkv/eager memory |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in MODELS:
+    for name in args.models.split(","):
         for n in (int(x) for x in args.lengths.split(",")):
             r = {impl: measure(name, impl, n, args.repeats) for impl in IMPLEMENTATIONS}
 

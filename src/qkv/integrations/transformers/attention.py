@@ -60,11 +60,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     mods = [m for m in mods if m is not None]
     if output_attentions is None:
         output_attentions = getattr(getattr(module, "config", None), "output_attentions", False)
-    options = {"sinks": s_aux} if s_aux is not None else {}
     result = api.attention(
         query, key, value, mask=mask, score_mod=mods or None,
         scale=variant.pop("scale", scaling), dropout_p=dropout,
-        return_weights=bool(output_attentions), **options, **variant)
+        return_weights=bool(output_attentions), sinks=s_aux, **variant)
     out, weights = result if output_attentions else (result, None)
     return out.transpose(1, 2).contiguous(), weights
 
