@@ -69,3 +69,13 @@ def assert_matches_eager(model, ids, mask, implementation="qkv", labels=True):
                   for m, r in zip(maps, ref_maps, strict=True))
     assert map_err <= 1e-5, map_err
     return logit_err, grad_err, map_err
+
+
+def tiny_bert():
+    """A 2-layer, 4-head BertModel in eval mode, eager attention, without a pooler."""
+    import transformers as tf
+
+    config = tf.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=48,
+                           max_position_embeddings=64, attn_implementation="eager")
+    return tf.BertModel(config, add_pooling_layer=False).eval()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers as tf
 
-from .conftest import assert_matches_eager, left_padded, tiny
+from .conftest import assert_matches_eager, left_padded, tiny, tiny_bert
 
 CASES = {
     "llama": (tf.LlamaForCausalLM, tiny(tf.LlamaConfig)),
@@ -42,10 +42,7 @@ def test_causal_lm_matches_eager_on_a_left_padded_batch(name):
 
 def test_bert_matches_eager_with_left_and_right_padding():
     torch.manual_seed(0)
-    config = tf.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=48,
-                           max_position_embeddings=64, attn_implementation="eager")
-    model = tf.BertModel(config, add_pooling_layer=False).eval()
+    model = tiny_bert()
     ids, mask = left_padded()
     assert_matches_eager(model, ids, mask, labels=False)
     assert_matches_eager(model, ids, mask.flip(1), labels=False)

@@ -8,7 +8,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from qkv.integrations.transformers import attention_forward, register
 
-from .conftest import assert_matches_eager, left_padded, run, tiny
+from .conftest import assert_matches_eager, left_padded, run, tiny, tiny_bert
 
 
 def l1_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -60,10 +60,7 @@ def test_compiled_model_matches_eager(name):
 def test_compiled_bert_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = tf.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=48,
-                           max_position_embeddings=64, attn_implementation="eager")
-    model = tf.BertModel(config, add_pooling_layer=False).eval()
+    model = tiny_bert()
     ids, mask = left_padded()
     ref = model(input_ids=ids, attention_mask=mask.flip(1)).last_hidden_state
     model.set_attn_implementation("qkv")

@@ -37,14 +37,24 @@ class Engine:
         return runner if isinstance(runner, str) else Plan(self.name, runner)
 
 
+def checked(why_not: Callable[[Problem], str | None], run: Callable[[Problem], Result]):
+    """The planner of an engine whose plan is just its checks: the reason, or ``run(p)``."""
+
+    def planner(p: Problem):
+        reason = why_not(p)
+        return reason if reason is not None else (lambda: run(p))
+
+    return planner
+
+
 # The dispatch order, the one place it is written: ``backend="auto"`` takes the first engine
 # that can run the request. SDPA only ever takes plain or causal dot products; the reference
 # can run everything and comes last.
 ENGINES: list[Engine] = [
-    Engine("sdpa", sdpa.plan),
+    Engine("sdpa", checked(sdpa.why_not, sdpa.run)),
     Engine("triton", triton.plan),
-    Engine("graph", graph_gather.plan),
-    Engine("fused", fused_cpu.plan),
+    Engine("graph", checked(graph_gather.why_not, graph_gather.run)),
+    Engine("fused", checked(fused_cpu.why_not, fused_cpu.run)),
     Engine("reference", reference.plan),
 ]
 

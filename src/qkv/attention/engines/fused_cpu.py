@@ -65,11 +65,6 @@ def cpu_why_not(p: Problem) -> str | None:
     return None
 
 
-def plan(p: Problem):
-    reason = why_not(p)
-    return reason if reason is not None else (lambda: run(p))
-
-
 def why_not(p: Problem) -> str | None:
     reason = cpu_why_not(p)
     if reason is not None:

@@ -275,11 +275,6 @@ KERNELS = ops.EngineKernels(
 ops.define("graph", KERNELS)
 
 
-def plan(p):
-    reason = why_not(p)
-    return reason if reason is not None else (lambda: run(p))
-
-
 def why_not(p) -> str | None:
     reason = fused_cpu.cpu_why_not(p)
     if reason is not None:

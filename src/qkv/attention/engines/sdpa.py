@@ -14,12 +14,7 @@ from ..similarity import BUILTIN
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def plan(p: Problem):
-    reason = _why_not(p)
-    return reason if reason is not None else (lambda: Result(_run(p)))
-
-
-def _why_not(p: Problem) -> str | None:
+def why_not(p: Problem) -> str | None:
     if p.needs_lse:
         return "SDPA does not return the log-sum-exp (return_lse, sinks)"
     if p.similarity is not BUILTIN["dot"]:
@@ -37,7 +32,7 @@ def _why_not(p: Problem) -> str | None:
     return None
 
 
-def _run(p: Problem):
+def run(p: Problem) -> Result:
     q, k, v = p.q, p.k, p.v
     kwargs = {}
     if p.kv_heads != p.heads:
@@ -52,7 +47,7 @@ def _run(p: Problem):
             is_causal = True
         else:  # SDPA's is_causal is top-left aligned; qkv's causal is bottom-right.
             attn_mask = torch.ones(p.nq, p.nk, dtype=torch.bool, device=q.device).tril(p.offset)
-    return F.scaled_dot_product_attention(
+    return Result(F.scaled_dot_product_attention(
         q,
         k,
         v,
@@ -61,4 +56,4 @@ def _run(p: Problem):
         is_causal=is_causal,
         scale=p.scale,
         **kwargs,
-    )
+    ))
