@@ -29,6 +29,9 @@ from qkv.attention.reference import reference_attention
 from qkv.attention.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, registered_similarities
+from .test_compile import CASES as COMPILE_CASES
+from .test_compile import GRAD_TOLERANCE as COMPILE_GRAD_TOLERANCE
+from .test_compile import OUT_TOLERANCE as COMPILE_OUT_TOLERANCE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
@@ -351,6 +354,16 @@ def test_dropout_matches_float64_with_the_kernels_keep_mask(interpreter_results)
     assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", list(COMPILE_CASES))
+def test_compiled_in_one_graph_matches_eager(interpreter_results, name):
+    result = interpreter_results[f"compile_{name}"]
+    assert "error" not in result, result["error"]
+    assert result["out"] <= COMPILE_OUT_TOLERANCE, result
+    assert result["grads"] <= COMPILE_GRAD_TOLERANCE, result
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_lse_and_sinks_match_float64_with_gradients(interpreter_results):
     result = interpreter_results["lse_sinks"]
@@ -454,8 +467,26 @@ def test_block_tables_list_partial_then_full_and_never_empty():
     assert ragged[0, 0, 0].tolist()[:5] == [2, 1, 2, 3, 0]
 
 
+def run_compile_case(name: str) -> dict:
+    """Runs in the interpreter subprocess: test_compile's case ``name`` with only the Triton
+    engine in the dispatch list, eager against torch.compile(fullgraph=True)."""
+    from qkv.attention import engines
+
+    from .test_compile import compile_errors
+
+    triton_only = [engines.Engine("triton", lambda p: triton_engine.plan(p, on_cpu=True))]
+    saved, engines.ENGINES[:] = list(engines.ENGINES), triton_only
+    try:
+        out_error, grad_error = compile_errors(name)
+    finally:
+        engines.ENGINES[:] = saved
+    return {"out": out_error, "grads": grad_error}
+
+
 if __name__ == "__main__":  # the interpreter subprocess
     runs = [(case, run_case) for case in CASES]
+    runs += [(f"compile_{case}", lambda c: run_compile_case(c[len("compile_"):]))
+             for case in COMPILE_CASES]
     runs += [(case, run_weights_case) for case in WEIGHT_CASES]
     runs.append(("dropout", lambda _: run_dropout_case()))
     runs.append(("lse_sinks", lambda _: run_lse_sinks_case()))

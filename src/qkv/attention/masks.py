@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .pointwise import pointwise
-from .structure import Node
+from .structure import Node, values_readable
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -192,9 +192,9 @@ class PaddingMask(Mask):
                 f"padding: lengths must be a 1-D integer tensor (B,); got dtype "
                 f"{lengths.dtype} and shape {tuple(lengths.shape)}"
             )
-        if (lengths < 0).any():
-            raise ValueError("padding: lengths must be >= 0")
         self.lengths = lengths.long()
+        if values_readable():
+            self._check_values(None)
 
     def tensors(self):
         return (self.lengths,)
@@ -204,7 +204,13 @@ class PaddingMask(Mask):
             raise ValueError(
                 f"padding: lengths has {self.lengths.numel()} entries but the batch size is {batch}"
             )
-        if (self.lengths > nk).any():
+        if values_readable():
+            self._check_values(nk)
+
+    def _check_values(self, nk: int | None) -> None:
+        if (self.lengths < 0).any():
+            raise ValueError("padding: lengths must be >= 0")
+        if nk is not None and (self.lengths > nk).any():
             raise ValueError(
                 f"padding: lengths must be <= Nk={nk}; got max {int(self.lengths.max())}"
             )

@@ -11,6 +11,7 @@ from torch import Tensor
 from .masks import CausalMask, Mask, as_mask
 from .scores import ScoreMod, as_score_mod
 from .similarity import Similarity, get_similarity
+from .structure import values_readable
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -159,7 +160,8 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
                 f"scale tensor must have shape () or (H,)=({q.shape[1]},); got {_shape(scale)}"
             )
         return scale
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+            or (values_readable() and not math.isfinite(scale))):
         raise TypeError(
             f"scale must be a finite number or a tensor of shape () or (H,); got {scale!r}"
         )

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .pointwise import pointwise
-from .structure import Node
+from .structure import Node, values_readable
 
 
 class ScoreMod(Node):
@@ -166,18 +166,32 @@ class RelativeBias(ScoreMod):
 
 
 class Softcap(ScoreMod):
-    """cap * tanh(score / cap): bounds logits smoothly (Gemma 2, Grok)."""
+    """cap * tanh(score / cap): bounds logits smoothly (Gemma 2, Grok).
 
-    def __init__(self, cap: float):
-        if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not cap > 0:
-            raise ValueError(f"softcap: cap must be a positive number; got {cap!r}")
-        self.cap = float(cap)
+    ``cap``: a positive number, or a 0-d tensor (a value torch.compile does not specialize
+    on, so a new one does not recompile; learnable if it requires grad)."""
+
+    def __init__(self, cap):
+        is_number = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+        is_scalar = (isinstance(cap, Tensor) and cap.dim() == 0 and cap.is_floating_point())
+        if is_scalar:  # a tensor's value is unknown while torch.compile traces
+            bad = values_readable() and not bool(cap > 0)
+        else:
+            bad = not (is_number and cap > 0)
+        if bad:
+            raise ValueError(f"softcap: cap must be a positive number or a 0-d float tensor; "
+                             f"got {cap!r}")
+        self.cap = cap if is_scalar else float(cap)
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
-        return self.cap * torch.tanh(score / self.cap)
+        cap = self.cap.to(score) if isinstance(self.cap, Tensor) else self.cap
+        return cap * torch.tanh(score / cap)
+
+    def tensors(self):
+        return (self.cap,) if isinstance(self.cap, Tensor) else ()
 
     def __repr__(self) -> str:
-        return f"softcap({self.cap:g})"
+        return f"softcap({float(self.cap):g})"
 
 
 class UserScoreMod(ScoreMod):
@@ -289,6 +303,6 @@ def relative_bias(
     return RelativeBias(table, num_buckets, max_distance, bidirectional)
 
 
-def softcap(cap: float) -> ScoreMod:
+def softcap(cap) -> ScoreMod:
     """Soft logit capping: cap * tanh(score / cap)."""
     return Softcap(cap)

@@ -22,6 +22,13 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 
+def values_readable() -> bool:
+    """Whether a check may read tensor values. Not while torch.compile or torch.export
+    traces: there a value is unknown and branching on it breaks the graph. Such checks run
+    again inside the engines' ops, on the real tensors, with the same messages."""
+    return not torch.compiler.is_compiling()
+
+
 class Node:
     """Base class of every variant object: subclasses register as pytree nodes.
 
@@ -136,3 +143,42 @@ def rebind(fn, places, tensors: list[Tensor]):
     if inner is not fn:  # a bound method
         return types.MethodType(new, fn.__self__)
     return new
+
+
+class Scalar(Node):
+    """A Python float of a variant (softcap's cap, a float scale), carried as a 0-d float64
+    tensor while the variant crosses a custom op under torch.compile. A float is structure
+    to pytree, so a new value would change the op's key; Dynamo makes a float that changes
+    symbolic, and a symbolic value cannot be structure. As a tensor it is a value."""
+
+    def __init__(self, value: Tensor):
+        self.value = value
+
+
+def _map_values(obj, fn):
+    """A copy of ``obj`` with ``fn`` applied to it and, where ``fn`` leaves it as it is, to
+    the attributes of its nodes (and the items of lists and tuples that hold nodes)."""
+    mapped = fn(obj)
+    if mapped is not obj:
+        return mapped
+    if isinstance(obj, Node):
+        new = obj.__class__.__new__(obj.__class__)
+        new.__dict__.update({k: _map_values(v, fn) for k, v in vars(obj).items()})
+        return new
+    if isinstance(obj, (list, tuple)) and any(isinstance(x, Node) for x in obj):
+        return type(obj)(_map_values(x, fn) for x in obj)
+    return obj
+
+
+def floats_as_scalars(obj):
+    """``obj`` with its floats as ``Scalar`` tensors (see ``Scalar``)."""
+    def wrap(value):
+        if isinstance(value, (float, torch.SymFloat)):
+            return Scalar(torch.zeros((), dtype=torch.float64) + value)
+        return value
+    return _map_values(obj, wrap)
+
+
+def scalars_as_floats(obj):
+    """The inverse of ``floats_as_scalars``, where tensors hold values (an op at run time)."""
+    return _map_values(obj, lambda v: float(v.value) if isinstance(v, Scalar) else v)

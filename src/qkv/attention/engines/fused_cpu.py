@@ -365,21 +365,6 @@ def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:
     return list(unique.values())
 
 
-def grads_of_wanted(wanted, extras, dextras) -> list[Tensor | None]:
-    """Gradients of ``wanted`` from those of ``extras``: the same tensor, or one the tracer
-    derived from it (a contiguous copy), through autograd."""
-    direct = {id(t): None if g is None else g.to(t.dtype)  # sums may be float64
-              for t, g in zip(extras, dextras, strict=True)}
-    grads = [direct.pop(id(t), None) for t in wanted]
-    derived = [(e, direct[id(e)]) for e in extras if direct.get(id(e)) is not None]
-    if derived and wanted:
-        more = torch.autograd.grad([e for e, _ in derived], wanted, [g for _, g in derived],
-                                   allow_unused=True)
-        grads = [a if b is None else b if a is None else a + b
-                 for a, b in zip(grads, more, strict=True)]
-    return grads
-
-
 def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
     seed = draw_seed(dropout_p)
     spec = tile_spec(fq, fk, variant, dropout_p, seed, tile_loops(variant.pair, fq))
@@ -394,7 +379,7 @@ def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, 
     extras = extra_tensors(spec, wanted)
     dfq, dfk, dv, dextras = _backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
                                       dout, dlse, extras)
-    return dfq, dfk, dv, grads_of_wanted(wanted, extras, dextras)
+    return dfq, dfk, dv, ops.grads_of_wanted(wanted, extras, dextras)
 
 
 KERNELS = ops.EngineKernels(

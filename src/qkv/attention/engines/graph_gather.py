@@ -264,7 +264,7 @@ def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, 
     rows = [_rows_of(t) for t in (fq, fk, v, out, lse, dout)]
     dlse = None if dlse is None else _rows_of(dlse)
     dq, dk, dv, *dextras = _backward(spec, graph, *rows, dlse, extras)
-    grads = fused_cpu.grads_of_wanted(wanted, extras, dextras)
+    grads = ops.grads_of_wanted(wanted, extras, dextras)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), grads
 
 

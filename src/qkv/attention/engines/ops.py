@@ -19,6 +19,7 @@ k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``run`` calls them:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ..structure import Node
+from ..structure import Node, floats_as_scalars, scalars_as_floats
 
 
 class Variant(Node):
@@ -50,6 +51,21 @@ class EngineKernels:
     lse_like: Callable[[Tensor], Tensor]
 
 
+def grads_of_wanted(wanted, extras, dextras) -> list[Tensor | None]:
+    """Gradients of ``wanted`` from those of ``extras``: the same tensor, or one the tracer
+    derived from it (a contiguous copy), through autograd."""
+    direct = {id(t): None if g is None else g.to(t.dtype)  # sums may be float64
+              for t, g in zip(extras, dextras, strict=True)}
+    grads = [direct.pop(id(t), None) for t in wanted]
+    derived = [(e, direct[id(e)]) for e in extras if direct.get(id(e)) is not None]
+    if derived and wanted:
+        more = torch.autograd.grad([e for e, _ in derived], wanted, [g for _, g in derived],
+                                   allow_unused=True)
+        grads = [a if b is None else b if a is None else a + b
+                 for a, b in zip(grads, more, strict=True)]
+    return grads
+
+
 _SPECS: dict = {}  # variant structure (a pytree spec) -> key
 _BY_KEY: dict[str, object] = {}
 _OPS: dict[str, object] = {}
@@ -68,7 +84,38 @@ def _rebuild(leaves, key: str) -> Variant:
         raise RuntimeError(
             f"qkv: variant {key!r} is not known in this process: a program exported with qkv's "
             "ops runs in the process that traced it")
-    return pytree.tree_unflatten(list(leaves), _BY_KEY[key])
+    return scalars_as_floats(pytree.tree_unflatten(list(leaves), _BY_KEY[key]))
+
+
+def _removable(key) -> bool:
+    try:
+        torch._C._dispatch_tls_local_exclude_set().remove(key)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+# Every dispatch key but autocast's: an op's implementation runs below them all.
+_ABOVE_KERNELS = tuple(key for name, key in torch._C.DispatchKey.__members__.items()
+                       if not name.startswith("Autocast") and _removable(key))
+
+
+@contextlib.contextmanager
+def _as_in_eager():
+    """The dispatcher as in plain eager mode, inside an op's implementation.
+
+    A custom op runs below the autograd keys, and below functorch's and Python's too when a
+    dispatch mode is active; AOTAutograd runs compiled graphs under one, with
+    ``__torch_function__`` off. The kernels are eager code: they differentiate small pieces
+    (a tile's score modifier, a traced term) with ``torch.autograd.grad``, map a user's
+    callable with ``torch.vmap`` and trace variants through ``__torch_function__``. Without
+    this, those gradients come out zero, vmap fails and tracing sees no symbolic values."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _ABOVE_KERNELS:
+        exclude = exclude.remove(key)
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch._C._EnableTorchFunction():
+        yield
 
 
 def _empty_weights(q: Tensor) -> Tensor:
@@ -83,7 +130,8 @@ def define(name: str, kernels: EngineKernels) -> None:
     def forward(q: Tensor, k: Tensor, v: Tensor, leaves: list[Tensor], key: str,
                 dropout_p: float, want_weights: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         variant = _rebuild(leaves, key)
-        out, lse, weights, seed = kernels.forward(q, k, v, variant, dropout_p, want_weights)
+        with _as_in_eager(), torch.no_grad():
+            out, lse, weights, seed = kernels.forward(q, k, v, variant, dropout_p, want_weights)
         weights = _empty_weights(q) if weights is None else weights
         return out.contiguous(), lse.contiguous(), weights, torch.tensor(seed)
 
@@ -103,8 +151,9 @@ def define(name: str, kernels: EngineKernels) -> None:
                  for t, need in zip(leaves, leaf_grads, strict=True)]
         variant = _rebuild(fresh, key)
         wanted = [t for t, need in zip(fresh, leaf_grads, strict=True) if need]
-        dq, dk, dv, grads = kernels.backward(dout, dlse, q, k, v, out, lse, int(seed), variant,
-                                             dropout_p, wanted)
+        with _as_in_eager():
+            dq, dk, dv, grads = kernels.backward(dout, dlse, q, k, v, out, lse, int(seed),
+                                                 variant, dropout_p, wanted)
         found = iter(grads)
         dleaves = []
         for t, need in zip(leaves, leaf_grads, strict=True):
@@ -178,7 +227,8 @@ def run(name: str, kernels: EngineKernels, q: Tensor, k: Tensor, v: Tensor, vari
         dropout_p: float, want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """out, lse and (when asked) weights of engine ``name`` on features q, k, v."""
     if torch.compiler.is_compiling():
-        out, lse, weights = _traced(name, q, k, v, variant, dropout_p, want_weights)
+        out, lse, weights = _traced(name, q, k, v, floats_as_scalars(variant), dropout_p,
+                                    want_weights)
         return out, lse, weights if want_weights else None
     leaves = pytree.tree_leaves(variant)
     return _Eager.apply(kernels, variant, dropout_p, want_weights, q, k, v, *leaves)

@@ -20,13 +20,13 @@ TRACED = 3
 
 
 def unsupported(p: Problem) -> str | None:
-    """Why the kernels cannot run this problem on any device (None if they can)."""
-    traced = _traced_or_reason(p)
-    return traced if isinstance(traced, str) else None
+    """Why the kernels cannot run this problem on any device (None if they can).
 
-
-def _traced_or_reason(p: Problem):
-    """The traced variant the kernels run ``p`` with, or why they cannot."""
+    The variant is traced here to find out, and traced again where the kernels run, on the
+    tensors they receive (inside a custom op under torch.compile). While torch.compile
+    traces, Dynamo cannot follow qkv's own tracer, so the variant is not traced here: one the
+    Triton tracer cannot compile raises its reason when the compiled call first runs,
+    instead of falling back to another engine."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if p.q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -47,10 +47,13 @@ def _traced_or_reason(p: Problem):
     from ..trace import CompileError
     from .variant import trace_variant
 
+    if torch.compiler.is_compiling():
+        return None
     try:
-        return trace_variant(p)
+        trace_variant(p.similarity.pairwise, p.mask, p.score_mod, p.q.device, p.q.shape[-1])
     except CompileError as e:
         return str(e)
+    return None
 
 
 def _needs_grad(p: Problem) -> bool:
@@ -64,9 +67,9 @@ def plan(p: Problem, *, on_cpu: bool = False):
     reason unless ``on_cpu`` (Triton's slow interpreter, which tests ask for)."""
     if not (p.q.is_cuda or on_cpu):
         return "the Triton engine runs on CUDA tensors"
-    traced = _traced_or_reason(p)
-    if isinstance(traced, str):
-        return traced
+    reason = unsupported(p)
+    if reason is not None:
+        return reason
     from .function import run
 
-    return lambda: run(p, traced)
+    return lambda: run(p)

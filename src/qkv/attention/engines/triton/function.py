@@ -18,11 +18,12 @@ from torch import Tensor
 from ...problem import Problem
 from ...reference import expand_kv_heads
 from ...result import Result
+from .. import ops
 from ..trace import MAX_SLOTS, SLOT_INFO
 from . import KERNEL_IDS, TRACED, kernels
 from .blocks import block_tables, classify, coarsen
 from .codegen import load_module
-from .variant import TracedVariant
+from .variant import TracedVariant, trace_variant
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -111,18 +112,22 @@ class KernelPlan:
     seed: int  # dropout's Philox seed, drawn from torch's generator once per call
 
 
-def make_plan(p: Problem, variant: Variant, head_dim: int) -> KernelPlan:
-    kernel = TRACED if variant.has_term else p.similarity.pairwise.triton_id
-    if kernel not in KERNEL_IDS | {TRACED}:
-        raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
-    tiling = choose_tiling(kernel, _pad(head_dim), p.q.is_cuda)
+def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropout_p: float,
+              seed: int) -> KernelPlan:
+    """The launch plan for features fq (B, H, Nq, D) and fk (B, Hk, Nk, D): tilings and the
+    block tables of ``mask`` (read here, at run time)."""
+    batch, heads, nq = fq.shape[:3]
+    nk = fk.shape[2]
+    if mask is not None:
+        mask.check(batch, heads, nq, nk)
+    tiling = choose_tiling(kernel, _pad(fq.shape[-1]), fq.is_cuda)
     tiles = (tiling.fwd, tiling.dq, tiling.dkv)
     fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)
-    fine = classify(p.mask, p.batch, p.heads, p.nq, p.nk, fine_m, fine_n, p.q.device)
+    fine = classify(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device)
 
     def tables(t: Tiles) -> tuple[Tensor, Tensor]:
         states = coarsen(fine, t.block_m // fine_m, t.block_n // fine_n)
-        return block_tables(states, p.nk, t.block_n)
+        return block_tables(states, nk, t.block_n)
 
     return KernelPlan(
         variant=variant,
@@ -131,10 +136,10 @@ def make_plan(p: Problem, variant: Variant, head_dim: int) -> KernelPlan:
         fwd_rows=tables(tiling.fwd)[0],
         dq_rows=tables(tiling.dq)[0],
         dkv_cols=tables(tiling.dkv)[1],
-        offset=p.offset,
-        precision="ieee" if p.q.dtype == torch.float32 else "tf32",
-        dropout_p=p.dropout_p,
-        seed=int(torch.randint(0, 2**30, ())) if p.dropout_p > 0 else 0,
+        offset=nk - nq,
+        precision="ieee" if fq.dtype == torch.float32 else "tf32",
+        dropout_p=dropout_p,
+        seed=seed,
     )
 
 
@@ -256,29 +261,45 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dscale, grads
 
 
-class TritonAttention(torch.autograd.Function):
-    """out = attention(q, k, v) for features q (B, H, Nq, D), k (B, Hkv, Nk, D),
-    v (B, Hkv, Nk, Dv), scale (H,) fp32 and the variant's slot tensors."""
+def _prepare(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float,
+             seed: int) -> KernelPlan:
+    """Trace and load the variant's Triton functions, and plan the launch."""
+    pair = variant.pair
+    traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1])
+    kernel = TRACED if traced.has_term else pair.triton_id
+    if kernel not in KERNEL_IDS | {TRACED}:
+        raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
+    return make_plan(fq, fk, variant.mask, kernel, compile_variant(traced), dropout_p, seed)
 
-    @staticmethod
-    def forward(ctx, plan: KernelPlan, q, k, v, scale, *slots):
-        out, lse = attention_forward(plan, q, k, v, scale, slots)
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, scale, out, lse, *slots)
-        return out, lse
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, scale, out, lse, *slots = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        need_slots = {i for i in ctx.plan.variant.grad_slots if needs[5 + i]}
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        dq, dk, dv, dscale, grads = attention_backward(
-            ctx.plan, q, k, v, scale, out, lse, grad_out, slots, needs[4], need_slots, grad_lse
-        )
-        slot_grads = [g if g is None else g.to(t.dtype) for g, t in zip(grads, slots, strict=True)]
-        return (None, dq, dk, dv, dscale if needs[4] else None, *slot_grads)
+def _kernel_forward(fq, fk, v, variant: ops.Variant, dropout_p, want_weights):
+    seed = int(torch.randint(0, 2**30, ())) if dropout_p > 0 else 0  # dropout's Philox seed
+    plan = _prepare(fq, fk, variant, dropout_p, seed)
+    slots = plan.variant.slots
+    out, lse = attention_forward(plan, fq, fk, v, variant.scale, slots)
+    weights = attention_weights(plan, fq, fk, lse, variant.scale, slots) if want_weights else None
+    return out, lse, weights, seed
+
+
+def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant: ops.Variant, dropout_p,
+                     wanted):
+    with torch.enable_grad():  # a slot copied from a wanted tensor keeps its graph
+        plan = _prepare(fq, fk, variant, dropout_p, seed)
+    slots, scale = plan.variant.slots, variant.scale
+    need_scale = any(t is scale for t in wanted)
+    need_slots = {i for i in plan.variant.grad_slots if slots[i].requires_grad}
+    dq, dk, dv, dscale, grads = attention_backward(
+        plan, fq, fk, v, scale, out, lse, dout, slots, need_scale, need_slots, dlse)
+    extras = ([scale] if need_scale else []) + [slots[i] for i in sorted(need_slots)]
+    dextras = ([dscale] if need_scale else []) + [grads[i] for i in sorted(need_slots)]
+    return dq, dk, dv, ops.grads_of_wanted(wanted, extras, dextras)
+
+
+KERNELS = ops.EngineKernels(
+    _kernel_forward, _kernel_backward,
+    lse_like=lambda fq: fq.new_empty(*fq.shape[:3], dtype=torch.float32),
+)
+ops.define("triton", KERNELS)
 
 
 def scale_per_head(scale, heads: int, device) -> Tensor:
@@ -293,19 +314,14 @@ def natural_lse(lse2: Tensor) -> Tensor:
     return torch.where(lse2 == float("inf"), float("-inf"), lse2 * _LN2)
 
 
-def run(p: Problem, traced) -> Result:
+def run(p: Problem) -> Result:
     """Attention for a problem the engine accepts (see ``plan``), with the weights recomputed
     from the saved log-sum-exp (no gradient) when asked."""
-    variant = compile_variant(traced)
     fq, fk = p.similarity.features(p.q, p.k, p.metric)
     v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
-    plan = make_plan(p, variant, fq.shape[-1])
-    scale = scale_per_head(p.scale, p.heads, p.q.device)
     fq, fk, v = _rows(fq), _rows(fk), _rows(v)
-    if p.return_weights:
-        with torch.no_grad():
-            out, lse = attention_forward(plan, fq, fk, v, scale, variant.slots)
-            weights = attention_weights(plan, fq, fk, lse, scale, variant.slots)
-        return Result(out, natural_lse(lse), weights)
-    out, lse = TritonAttention.apply(plan, fq, fk, v, scale, *variant.slots)
-    return Result(out, natural_lse(lse))
+    scale = scale_per_head(p.scale, p.heads, p.q.device)
+    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    out, lse, weights = ops.run("triton", KERNELS, fq, fk, v, variant, p.dropout_p,
+                                p.return_weights)
+    return Result(out, natural_lse(lse), weights)

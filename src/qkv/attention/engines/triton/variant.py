@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from ...problem import Problem
 from ..trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 from .codegen import generate_source
 
@@ -33,18 +33,19 @@ def _trace(what: str, obj, trace, graph: Graph):
         ) from None
 
 
-def trace_variant(p: Problem) -> TracedVariant:
-    """Raises CompileError naming what cannot be compiled."""
-    graph = Graph(p.q.device, p.q.shape[-1])
-    pair = p.similarity.pairwise
+def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) -> TracedVariant:
+    """The pairwise term (unless the kernels have its code), mask and score modifier of a
+    call on ``device`` with query head dim ``head_dim``, traced into one Triton module.
+    Raises CompileError naming what cannot be compiled."""
+    graph = Graph(device, head_dim)
     term_root = (
         None if pair.triton_id is not None
         else _trace("the pairwise term", pair.term, trace_term, graph)
     )
-    mask_root = None if p.mask is None else _trace("mask", p.mask, trace_mask, graph)
+    mask_root = None if mask is None else _trace("mask", mask, trace_mask, graph)
     mod_root = (
-        None if p.score_mod is None
-        else _trace("score_mod", p.score_mod, trace_score_mod, graph)
+        None if score_mod is None
+        else _trace("score_mod", score_mod, trace_score_mod, graph)
     )
     grad_slots = {
         i for i, t in enumerate(graph.slots) if t.is_floating_point() and t.requires_grad
