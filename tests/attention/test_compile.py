@@ -7,6 +7,7 @@ compiles the same matrix with the Triton engine in front."""
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import qkv
 from qkv.attention import engines
@@ -100,3 +101,91 @@ def no_reference(monkeypatch):
 def test_compiled_in_one_graph_matches_eager(no_reference, name):
     out_error, grad_error = compile_errors(name)
     assert out_error <= OUT_TOLERANCE and grad_error <= GRAD_TOLERANCE, (out_error, grad_error)
+
+
+def _frames(fn, change, values, q) -> int:
+    """How many times torch.compile compiles ``fn`` while ``change(value)`` runs before each
+    call; each compiled output is checked against eager."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for value in values:
+        change(value)
+        assert (compiled(q) - fn(q)).abs().max() <= OUT_TOLERANCE
+    return counter.frame_count
+
+
+def test_new_tensor_values_do_not_recompile():
+    q = torch.randn(1, H, 16, D)
+    cap, scale, slopes = torch.tensor(2.0), torch.tensor(0.3), torch.rand(H) + 0.1
+    weight = torch.ones(D)
+    user = qkv.Similarity(lambda a, b: -weight * (a - b).abs())
+    calls = {
+        "softcap cap": (lambda q: qkv.attention(q, q, q, score_mod=qkv.softcap(cap)),
+                        lambda x: cap.fill_(x)),
+        "scale": (lambda q: qkv.attention(q, q, q, similarity="l1", scale=scale),
+                  lambda x: scale.fill_(x / 10)),
+        "alibi slopes": (lambda q: qkv.attention(q, q, q, mask=qkv.causal(),
+                                                 score_mod=qkv.alibi(slopes=slopes)),
+                         lambda x: slopes.mul_(x)),
+        "similarity tensor": (lambda q: qkv.attention(q, q, q, similarity=user),
+                              lambda x: weight.mul_(x)),
+    }
+    for name, (fn, change) in calls.items():
+        assert _frames(fn, change, [1.0, 2.0, 3.0, 0.5], q) == 1, name
+
+
+def test_new_float_values_recompile_once_then_never():
+    """A Python float is specialized on first sight, as everywhere in torch.compile; the
+    first new value makes it symbolic, and it crosses qkv's ops as a tensor from then on."""
+    q = torch.randn(1, H, 16, D)
+
+    class Capped(torch.nn.Module):
+        cap, scale = 2.0, 0.3
+
+        def forward(self, q):
+            return qkv.attention(q, q, q, similarity="l1", scale=self.scale,
+                                 score_mod=qkv.softcap(self.cap))
+
+    module = Capped()
+    assert _frames(module, lambda x: setattr(module, "cap", x), [1.0, 2.0, 3.0, 4.0], q) == 2
+    assert _frames(module, lambda x: setattr(module, "scale", x), [0.1, 0.2, 0.3, 0.4], q) == 2
+
+
+BAD_CALLS = {
+    "padding longer than Nk": (lambda q: qkv.attention(
+        q, q, q, mask=qkv.padding(torch.tensor([20, 3])), similarity="l1"),
+        "padding: lengths must be <= Nk=16; got max 20"),
+    "negative padding": (lambda q: qkv.attention(
+        q, q, q, mask=qkv.padding(torch.tensor([-1, 3])), similarity="l1"),
+        "padding: lengths must be >= 0"),
+    "scale shape": (lambda q: qkv.attention(q, q, q, scale=torch.ones(3), similarity="l1"),
+                    "scale tensor must have shape () or (H,)=(2,); got (3,)"),
+    "3-D q": (lambda q: qkv.attention(q[0], q, q), "q must be a 4-D tensor (B, H, Nq, D)"),
+    "dropout": (lambda q: qkv.attention(q, q, q, dropout_p=1.5),
+                "dropout_p must be a number in [0, 1); got 1.5"),
+    "softcap": (lambda q: qkv.attention(q, q, q, score_mod=qkv.softcap(-1.0)),
+                "softcap: cap must be a positive number"),
+    "segments": (lambda q: qkv.attention(
+        q, q, q, mask=qkv.segments(torch.zeros(5, dtype=torch.long))),
+        "segments: q_ids has length 5; expected 16"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_input_gives_the_eager_error_compiled(name):
+    """The same ValueError compiled as eager. Checks of values inside tensors (padding
+    lengths) run inside the engines' ops, so even fullgraph=True raises them as they are;
+    an error raised while Dynamo traces reaches a fullgraph=True caller wrapped in Dynamo's
+    "Observed exception", which quotes it."""
+    fn, message = BAD_CALLS[name]
+    q = torch.randn(2, 2, 16, D)
+    for run in (fn, torch.compile(fn, backend="aot_eager")):
+        torch._dynamo.reset()
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                           .replace("[", r"\[")):
+            run(q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as raised:
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(q)
+    assert message in str(raised.value) or message in str(raised.value.__cause__)

@@ -132,7 +132,7 @@ def define(name: str, kernels: EngineKernels) -> None:
         variant = _rebuild(leaves, key)
         with _as_in_eager(), torch.no_grad():
             out, lse, weights, seed = kernels.forward(q, k, v, variant, dropout_p, want_weights)
-        weights = _empty_weights(q) if weights is None else weights
+        weights = _empty_weights(q) if weights is None else weights.contiguous()
         return out.contiguous(), lse.contiguous(), weights, torch.tensor(seed)
 
     @forward.register_fake
@@ -158,13 +158,15 @@ def define(name: str, kernels: EngineKernels) -> None:
         dleaves = []
         for t, need in zip(leaves, leaf_grads, strict=True):
             grad = next(found) if need else None
-            dleaves.append(torch.zeros_like(t) if grad is None else grad.to(t.dtype))
-        return dq, dk, dv, dleaves
+            dleaves.append(t.new_zeros(t.shape) if grad is None
+                           else grad.to(t.dtype).contiguous())
+        # Contiguous, as the shapes registered below say: a compiled graph views them.
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), dleaves
 
     @backward.register_fake
     def _(dout, dlse, q, k, v, out, lse, seed, leaves, key, dropout_p, leaf_grads):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                [torch.empty_like(t) for t in leaves])
+        return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                [t.new_empty(t.shape) for t in leaves])
 
     def setup_context(ctx, inputs, output):
         q, k, v, leaves, key, dropout_p, _ = inputs

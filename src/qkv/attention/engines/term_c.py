@@ -334,6 +334,20 @@ def _batched(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
 
 
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_untraced(pair, error: Exception) -> None:
+    """Once per term: it runs on torch operations in tiles (exact, slower), not in C."""
+    key = (pair.name, id(pair.term))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"qkv: similarity term {pair.name!r} does not trace to C "
+                      f"({type(error).__name__}: {error}); the fused engine runs it on torch "
+                      "operations in tiles instead, exact but slower", RuntimeWarning,
+                      stacklevel=2)
+
+
 def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | None:
     """C loops for ``pair`` (a ``similarity.Pairwise`` without C loops of its own) in
     ``dtype`` with head dim ``head_dim``, traced from its term now (so they read the tensors
@@ -343,7 +357,8 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | 
     graph = Graph("cpu", head_dim)
     try:
         root = trace_term(pair.term, graph)
-    except Exception:  # noqa: BLE001  any term this tracer cannot follow runs in torch instead
+    except Exception as e:  # noqa: BLE001  any term this tracer cannot follow runs in torch
+        _warn_untraced(pair, e)
         return None
     if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
         return None

@@ -297,7 +297,7 @@ class Sym:
             return getattr(graph.lift(args[0]), name)(*args[1:])
         if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max"):
             return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
-        raise CompileError(f"torch.{name} cannot be compiled by the Triton engine")
+        raise CompileError(f"torch.{name} has no form in the kernel generators (C and Triton)")
 
 
 def _flat(args, kwargs):
