@@ -164,12 +164,12 @@ def test_edge_primitives_equal_their_torch_formulas(pair, dtype):
     ke = k_rows[:, source].repeat_interleave(2, dim=2).requires_grad_()
     want = pair.rows(qe, ke)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
-    torch.testing.assert_close(native.edge_scores(pair.c_id, q_rows, k_rows, target, source), want,
-                               **tol)
+    scores = native.edge_scores(native.term_id(pair), q_rows, k_rows, target, source)
+    torch.testing.assert_close(scores, want, **tol)
     ds = torch.randn(want.shape, generator=g, dtype=dtype)
     gq, gk = torch.autograd.grad(want, (qe, ke), ds)
     dq, dk = torch.zeros_like(q_rows), torch.zeros_like(k_rows)
-    native.edge_kernel_grads(pair.c_id, ds, q_rows, k_rows, target, source, dq, dk)
+    native.edge_kernel_grads(native.term_id(pair), ds, q_rows, k_rows, target, source, dq, dk)
     torch.testing.assert_close(dq, torch.zeros_like(dq).index_add_(1, target, gq), **tol)
     want_dk = torch.zeros_like(dk).index_add_(1, source, gk.view(2, 7, 2, 2, 6).sum(3))
     torch.testing.assert_close(dk, want_dk, **tol)

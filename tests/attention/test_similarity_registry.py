@@ -9,7 +9,8 @@ import torch
 
 import qkv
 from qkv.attention import similarity as similarity_module
-from qkv.attention.engines import graph_gather, native, term_c, tiles
+from qkv.attention.engines import graph_gather, native, tiles
+from qkv.attention.engines.kernelgen import c as c_target
 from qkv.attention.similarity import BUILTIN, SIMILARITIES
 
 from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
@@ -162,8 +163,9 @@ def test_user_terms_run_in_generated_c_loops(monkeypatch, small_tiles, name, eng
     (scores, their derivative and the gradients of the tensors it reads), with no torch
     fallback on the way."""
     built = []
-    original = term_c.traced_loops
-    monkeypatch.setattr(term_c, "traced_loops", lambda *a: built.append(original(*a)) or built[-1])
+    original = c_target.traced_loops
+    monkeypatch.setattr(c_target, "traced_loops",
+                        lambda *a: built.append(original(*a)) or built[-1])
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     mask = mask_cases(B, NQ, NK)["combined" if engine == "fused" else "graph_edges"]
     ref, ref_grads = run(name, mask, torch.float64, "reference", None)

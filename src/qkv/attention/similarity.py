@@ -6,10 +6,10 @@ A similarity is one object, ``Similarity``, that every engine asks. It holds:
 - ``pairwise``: the pairwise term, defined by one per-dimension function ``term(q_d, k_d)``
   that is summed over d. Next to that definition, ``Pairwise`` registers the fast forms that
   exist for it: a torch form on whole tiles (``matrix``: a matrix product, the norm expansion,
-  ``cdist``), its derivative on tiles by hand (``tile_grads``), the id of its C loops
-  (``c_id``, in ``engines/cpu_kernels.c``) and of its Triton code (``triton_id``). A term
-  without them (a user's) runs through ``pairwise_sum``, chunked and differentiated by
-  autograd, and is traced from the same function into C and Triton by the engines;
+  ``cdist``) and its derivative on tiles by hand (``tile_grads``). Which terms have kernel
+  code of their own is each engine's table (keyed by ``term``); a term without (a user's)
+  runs through ``pairwise_sum``, chunked and differentiated by autograd, and the engines
+  generate their code from the same function (``engines.kernelgen``);
 - ``default_scale(D)``.
 The score is ``scale * Σ_d term(features(q)_d, features(k)_d)``.
 
@@ -155,8 +155,6 @@ class Pairwise(Node):
     term: Callable[[Tensor, Tensor], Tensor]
     matrix: Callable[..., Tensor] | None = None  # torch form on tiles: (q, k, out=None)
     tile_grads: Callable[..., None] | None = None  # its derivative by hand, see dot_tile_grads
-    c_id: int | None = None  # the C loops' kernel id (cpu_kernels.c); None: none written
-    triton_id: int | None = None  # the Triton kernels' KERNEL; None: traced from ``term``
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Floating-point tensors the term reads: gradients reach them."""
@@ -173,11 +171,11 @@ class Pairwise(Node):
         return self.term(q, k).sum(-1)
 
 
-DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads, c_id=0, triton_id=0)
+DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads)
 NEG_SQDIST = Pairwise("neg_sqdist", lambda q, k: -(q - k).square(), neg_sqdist_scores,
-                      neg_sqdist_tile_grads, c_id=1, triton_id=1)
-# L1's derivative on tiles runs in C (cdist's autograd without it); c_id 2 names those loops.
-NEG_L1 = Pairwise("neg_l1", lambda q, k: -(q - k).abs(), neg_l1_scores, c_id=2, triton_id=2)
+                      neg_sqdist_tile_grads)
+# L1's derivative on tiles runs in the fused engine's C loops (cdist's autograd without them).
+NEG_L1 = Pairwise("neg_l1", lambda q, k: -(q - k).abs(), neg_l1_scores)
 PAIRWISE = {p.name: p for p in (DOT, NEG_SQDIST, NEG_L1)}
 
 

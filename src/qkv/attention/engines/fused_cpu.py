@@ -7,7 +7,7 @@ similarity, mask and score modifier.
   O((Nq + Nk)·D) plus one tile of scores.
 - Backward: recompute each tile's scores from the same definitions and the saved
   log-sum-exp. The pairwise term's gradients are the fast forms registered with it (matmuls
-  for dot and L2, C loops for L1), or C loops generated from a user's term (``term_c``,
+  for dot and L2, C loops for L1), or C loops generated from a user's term (``kernelgen.c``,
   which also return the gradients of the tensors the term reads); a term with neither is
   differentiated by autograd through its definition. The elementwise part (scale, modifier,
   mask) runs under a small autograd graph per tile when it has anything to differentiate,
@@ -27,17 +27,19 @@ import torch
 from torch import Tensor
 
 from ..problem import Problem
-from ..reference import accumulation_dtype
 from ..result import Result
-from ..similarity import DOT
-from . import native, ops, term_c
+from . import native, ops
+from .kernelgen import c as c_target
 from .tiles import (
     TileSpec,
     add_grads,
     analytic_kernel,
-    block_sizes,
+    cpu_why_not,
+    draw_seed,
     dropout_keep,
     elementwise_needs_grad,
+    extra_tensors,
+    features,
     grad_sums,
     group_heads,
     modify_scores,
@@ -49,6 +51,7 @@ from .tiles import (
     tile_plan,
     tile_raw,
     tile_scores,
+    tile_spec,
 )
 
 
@@ -56,13 +59,6 @@ def _needs_grad(p: Problem) -> bool:
     return torch.is_grad_enabled() and any(
         t.requires_grad for t in (p.q, p.k, p.v, *p.grad_tensors())
     )
-
-
-def cpu_why_not(p: Problem) -> str | None:
-    """What rules out both CPU engines (tiles and graph edges)."""
-    if p.q.device.type != "cpu":
-        return f"the fused CPU engines run CPU tensors; got device {p.q.device}"
-    return None
 
 
 def why_not(p: Problem) -> str | None:
@@ -303,66 +299,13 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def draw_seed(dropout_p: float) -> int:
-    """Dropout's seed for one call (0 without dropout): each tile's keep mask derives from it,
-    so the backward pass regenerates the same masks."""
-    return int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
-
-
-def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, seed: int,
-              loops=None) -> TileSpec:
-    """The call as the tile loops (and the graph engine's chunks) see it, for features
-    fq (B, H, Nq, D) and fk (B, Hk, Nk, D). The mask's checks run here too, at run time,
-    so a compiled call refuses bad values with the same message as an eager one."""
-    batch, heads, nq = fq.shape[:3]
-    nk = fk.shape[2]
-    if variant.mask is not None:
-        variant.mask.check(batch, heads, nq, nk)
-    block_q, block_k, span_k = block_sizes(batch, heads, nq, nk)
-    scale = variant.scale
-    if isinstance(scale, Tensor) and scale.dim() == 1:
-        scale = scale.view(1, -1, 1, 1)
-    return TileSpec(
-        pair=variant.pair, scale=scale, score_mod=variant.score_mod, mask=variant.mask,
-        batch=batch, heads=heads, nq=nq, nk=nk, dropout_p=dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
-    )
-
-
 def tile_loops(pair, fq: Tensor):
     """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
-    definition (a user's term, ``term_c``); None for matrix-product terms and without a C
+    definition (a user's term, ``kernelgen.c``); None for matrix-product terms and without a C
     compiler."""
     if pair.matrix is not None:
         return native.tile_loops(pair, fq.dtype)
-    return term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
-
-
-def features(p: Problem):
-    """Query and key features in the accumulation dtype, v cast alike, and the scale left for
-    the tiles (None when folded into the query features, which the dot kernel allows)."""
-    acc = accumulation_dtype(p.q.dtype)
-    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
-    metric = None if p.metric is None else p.metric.to(acc)
-    fq, fk = p.similarity.features(q, k, metric)
-    scale = p.scale
-    if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
-        fq, scale = fq * scale, None
-    if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
-        v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
-    return fq, fk, v, scale
-
-
-def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:
-    """The tensors besides q, k, v that the tile loops give gradients to, once each: the
-    wanted ones, except that compiled loops read the tensors their trace captured, which
-    stand in for the term's own."""
-    traced = spec.loops is not None and spec.loops.tensors
-    term = {id(t) for t in spec.pair.tensors()} if traced else set()
-    extras = [*(spec.loops.tensors if traced else ()),
-              *(t for t in wanted if id(t) not in term)]
-    unique = {id(t): t for t in extras if t.is_floating_point() and t.requires_grad}
-    return list(unique.values())
+    return c_target.traced_loops(pair, fq.dtype, fq.shape[-1])
 
 
 def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):

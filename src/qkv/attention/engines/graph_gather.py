@@ -14,8 +14,8 @@ modifier) runs under autograd, and the kernel's and the values' gradients are sc
 along the edges by hand, like the tile engine's.
 
 Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
-They run in C, reading rows in place: the built-in terms by their id (``Pairwise.c_id``,
-``native``), a user's term in loops generated from it (``term_c``, which also return the
+They run in C, reading rows in place: the built-in terms by their id (``native.C_TERMS``),
+a user's term in loops generated from it (``kernelgen.c``, which also return the
 gradients of the tensors it reads). Without a C library, or for a term that does not trace,
 they run in torch by gathering rows per edge and evaluating the term's own definition
 (``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
@@ -31,15 +31,21 @@ from ..masks import GraphMask
 from ..result import Result
 from ..scores import modified_scores
 from ..similarity import DOT
-from . import fused_cpu, native, ops, term_c
+from . import native, ops
+from .kernelgen import c as c_target
 from .tiles import (
     TileSpec,
     add_grads,
+    cpu_why_not,
+    draw_seed,
     dropout_keep,
     elementwise_needs_grad,
+    extra_tensors,
+    features,
     grad_sums,
     run_split,
     sum_worker_grads,
+    tile_spec,
 )
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
@@ -73,7 +79,7 @@ def _gathered(q_rows, k_rows, target, source) -> tuple[Tensor, Tensor]:
 def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
     """(B, E, H): the pairwise term of each edge."""
     if native.edge_loops(spec.pair, q_rows.dtype):
-        return native.edge_scores(spec.pair.c_id, q_rows, k_rows, target, source)
+        return native.edge_scores(native.term_id(spec.pair), q_rows, k_rows, target, source)
     if spec.loops is not None:
         return spec.loops.edge_scores(q_rows, k_rows, target, source)
     return spec.pair.rows(*_gathered(q_rows, k_rows, target, source))
@@ -82,7 +88,7 @@ def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
 def _dot_rows(q_rows, k_rows, target, source) -> Tensor:
     """(B, E, H): q·k of each edge's rows (the backward's dout·v)."""
     if native.edge_loops(DOT, q_rows.dtype):
-        return native.edge_scores(DOT.c_id, q_rows, k_rows, target, source)
+        return native.edge_scores(native.term_id(DOT), q_rows, k_rows, target, source)
     return DOT.rows(*_gathered(q_rows, k_rows, target, source))
 
 
@@ -97,8 +103,8 @@ def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> N
     """sums[0][:, target] += ds·∂term/∂q, sums[1][:, source] += ds·∂term/∂k, and the term's
     tensors' gradients into their sums, for ds (B, E, H) = d(loss)/d(edge terms)."""
     if native.edge_loops(spec.pair, ds.dtype):
-        native.edge_kernel_grads(spec.pair.c_id, ds, q_rows, k_rows, target, source, sums[0],
-                                 sums[1])
+        native.edge_kernel_grads(native.term_id(spec.pair), ds, q_rows, k_rows, target, source,
+                                 sums[0], sums[1])
         return
     if spec.loops is not None:
         grads = spec.loops.edge_grads(ds, q_rows, k_rows, target, source, sums[0], sums[1])
@@ -243,15 +249,16 @@ def _rows_of(t: Tensor) -> Tensor:
 
 def _prepare(fq, fk, variant, dropout_p, seed):
     pair = variant.pair
-    # A user's term runs in C loops generated from it (``term_c``) when it traces.
-    loops = None if pair.c_id is not None else term_c.traced_loops(pair, fq.dtype, fq.shape[-1])
-    spec = fused_cpu.tile_spec(fq, fk, variant, dropout_p, seed, loops)
+    # A user's term runs in C loops generated from it (``kernelgen.c``) when it traces.
+    loops = (None if native.term_id(pair) is not None
+             else c_target.traced_loops(pair, fq.dtype, fq.shape[-1]))
+    spec = tile_spec(fq, fk, variant, dropout_p, seed, loops)
     target, source = variant.mask.target.to(fq.device), variant.mask.source.to(fq.device)
     return spec, (target, source, _chunks(target, spec.nq))
 
 
 def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
-    seed = fused_cpu.draw_seed(dropout_p)
+    seed = draw_seed(dropout_p)
     spec, graph = _prepare(fq, fk, variant, dropout_p, seed)
     out, lse = _forward(spec, graph, *(_rows_of(t) for t in (fq, fk, v)))
     return out.transpose(1, 2), lse.transpose(1, 2), None, seed
@@ -260,7 +267,7 @@ def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
 def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, wanted):
     with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
         spec, graph = _prepare(fq, fk, variant, dropout_p, seed)
-    extras = fused_cpu.extra_tensors(spec, wanted)
+    extras = extra_tensors(spec, wanted)
     rows = [_rows_of(t) for t in (fq, fk, v, out, lse, dout)]
     dlse = None if dlse is None else _rows_of(dlse)
     dq, dk, dv, *dextras = _backward(spec, graph, *rows, dlse, extras)
@@ -276,7 +283,7 @@ ops.define("graph", KERNELS)
 
 
 def why_not(p) -> str | None:
-    reason = fused_cpu.cpu_why_not(p)
+    reason = cpu_why_not(p)
     if reason is not None:
         return reason
     if not isinstance(p.mask, GraphMask):
@@ -289,7 +296,7 @@ def why_not(p) -> str | None:
 
 
 def run(p) -> Result:
-    fq, fk, v, scale = fused_cpu.features(p)
+    fq, fk, v, scale = features(p)
     variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
     out, lse, _ = ops.run("graph", KERNELS, fq, fk, v, variant, p.dropout_p, False)
     return Result(out.to(p.q.dtype), lse.squeeze(-1))

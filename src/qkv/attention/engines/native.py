@@ -12,7 +12,7 @@ single operation for.
 
 The source is compiled once per machine with the system C compiler into ``$QKV_CACHE``
 (default ``~/.cache/qkv``), which takes about two seconds; generated sources (a user's
-similarity term, ``term_c``) are built the same way (``compile_library``). Without a
+similarity term, ``kernelgen.c``) are built the same way (``compile_library``). Without a
 compiler, or with ``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch
 operations (``cdist`` with autograd for L1, the reference's own formula). The C code is
 called through ctypes, which releases the GIL, so the engine's workers run it in parallel.
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ...cache import cache_dir
+from ..similarity import DOT, NEG_L1, NEG_SQDIST
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
@@ -57,8 +58,16 @@ _SIGNATURES = {
 }
 # Functions that return a status: nonzero means an id they do not know.
 _CHECKED = {"edge_scores", "edge_kernel_grads"}
-# The pairwise terms the C edge loops know (``Pairwise.c_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁.
-EDGE_TERMS = frozenset({0, 1, 2})
+# The pairwise terms with C loops of their own, by definition (``Pairwise.term``, which a
+# variant keeps through its trip across a custom op), and their ids in cpu_kernels.c.
+C_TERMS = {DOT.term: 0, NEG_SQDIST.term: 1, NEG_L1.term: 2}
+EDGE_TERMS = frozenset(C_TERMS.values())  # the ids the C edge loops know
+_L1_ID = C_TERMS[NEG_L1.term]
+
+
+def term_id(pair) -> int | None:
+    """The id of ``pair``'s own C loops (a ``similarity.Pairwise``), or None: none written."""
+    return C_TERMS.get(pair.term)
 
 
 def _cpu_flags() -> str:
@@ -163,16 +172,16 @@ class TileLoops:
 
 
 def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:
-    """The C tile loops registered for ``pair`` (a ``similarity.Pairwise``) by its ``c_id``,
-    or None: only -‖q-k‖₁ (id 2) has them, the others are matrix products."""
-    if pair.c_id == 2 and available(dtype):
+    """The C tile loops written for ``pair`` (a ``similarity.Pairwise``), or None: only
+    -‖q-k‖₁ has them, the others are matrix products."""
+    if term_id(pair) == _L1_ID and available(dtype):
         return _L1_LOOPS
     return None
 
 
 def edge_loops(pair, dtype: torch.dtype) -> bool:
     """Whether the C edge loops compute ``pair`` for ``dtype``."""
-    return pair.c_id in EDGE_TERMS and available(dtype)
+    return term_id(pair) in EDGE_TERMS and available(dtype)
 
 
 def _batched(t: Tensor) -> Tensor:

@@ -1,4 +1,6 @@
-"""What the fused CPU engine computes on one tile, and which tiles it visits.
+"""What the two CPU engines share: what the fused engine computes on one tile and which
+tiles it visits, and the call as both the fused (tiles) and graph (edges) engines see it
+(``features``, ``tile_spec``, ``extra_tensors``): the two are siblings on this module.
 
 Everything a variant defines comes from the core's single definitions: the similarity's
 pairwise term (``similarity.Pairwise``, with the fast forms registered for it), the score
@@ -16,9 +18,11 @@ import torch
 from torch import Tensor
 
 from ..masks import EMPTY, FULL, Mask
+from ..problem import Problem
+from ..reference import accumulation_dtype
 from ..scores import ScoreMod, modified_scores
-from ..similarity import Pairwise
-from . import native
+from ..similarity import DOT, Pairwise
+from . import native, ops
 
 BLOCK_Q = 128
 # Masks are classified in key blocks of BLOCK_K; runs of visited blocks are then merged into
@@ -262,3 +266,64 @@ def add_grads(sums: list[Tensor | None], start: int, grads) -> None:
     for e, g in enumerate(grads, start=start):
         if g is not None:
             sums[e] = g if sums[e] is None else sums[e] + g
+
+
+# -- shared by the fused (tiles) and graph (edges) CPU engines --------------------------------
+def cpu_why_not(p: Problem) -> str | None:
+    """What rules out both CPU engines (tiles and graph edges)."""
+    if p.q.device.type != "cpu":
+        return f"the fused CPU engines run CPU tensors; got device {p.q.device}"
+    return None
+
+
+def draw_seed(dropout_p: float) -> int:
+    """Dropout's seed for one call (0 without dropout): each tile's keep mask derives from it,
+    so the backward pass regenerates the same masks."""
+    return int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
+
+
+def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, seed: int,
+              loops=None) -> TileSpec:
+    """The call as the tile loops (and the graph engine's chunks) see it, for features
+    fq (B, H, Nq, D) and fk (B, Hk, Nk, D). The mask's checks run here too, at run time,
+    so a compiled call refuses bad values with the same message as an eager one."""
+    batch, heads, nq = fq.shape[:3]
+    nk = fk.shape[2]
+    if variant.mask is not None:
+        variant.mask.check(batch, heads, nq, nk)
+    block_q, block_k, span_k = block_sizes(batch, heads, nq, nk)
+    scale = variant.scale
+    if isinstance(scale, Tensor) and scale.dim() == 1:
+        scale = scale.view(1, -1, 1, 1)
+    return TileSpec(
+        pair=variant.pair, scale=scale, score_mod=variant.score_mod, mask=variant.mask,
+        batch=batch, heads=heads, nq=nq, nk=nk, dropout_p=dropout_p, seed=seed,
+        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
+    )
+
+
+def features(p: Problem):
+    """Query and key features in the accumulation dtype, v cast alike, and the scale left for
+    the tiles (None when folded into the query features, which the dot kernel allows)."""
+    acc = accumulation_dtype(p.q.dtype)
+    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
+    metric = None if p.metric is None else p.metric.to(acc)
+    fq, fk = p.similarity.features(q, k, metric)
+    scale = p.scale
+    if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
+        fq, scale = fq * scale, None
+    if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
+        v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
+    return fq, fk, v, scale
+
+
+def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:
+    """The tensors besides q, k, v that the tile loops give gradients to, once each: the
+    wanted ones, except that compiled loops read the tensors their trace captured, which
+    stand in for the term's own."""
+    traced = spec.loops is not None and spec.loops.tensors
+    term = {id(t) for t in spec.pair.tensors()} if traced else set()
+    extras = [*(spec.loops.tensors if traced else ()),
+              *(t for t in wanted if id(t) not in term)]
+    unique = {id(t): t for t in extras if t.is_floating_point() and t.requires_grad}
+    return list(unique.values())

@@ -11,12 +11,19 @@ import importlib.util
 import torch
 
 from ...problem import Problem
+from ...similarity import DOT, NEG_L1, NEG_SQDIST
 
 MAX_HEAD_DIM = 256
-# The KERNEL ids the kernels implement (``Pairwise.triton_id``): 0 dot, 1 -‖q-k‖², 2 -‖q-k‖₁;
-# TRACED runs the generated ``term_fn`` of a term without code of its own (id None).
-KERNEL_IDS = frozenset({0, 1, 2})
+# The pairwise terms the kernels have code of their own for, by definition
+# (``Pairwise.term``), and their KERNEL ids; TRACED runs the generated ``term_fn`` of any
+# other term.
+KERNELS_OF_TERMS = {DOT.term: 0, NEG_SQDIST.term: 1, NEG_L1.term: 2}
 TRACED = 3
+
+
+def kernel_id(pair) -> int | None:
+    """The KERNEL id of ``pair``'s own Triton code, or None: its term is traced."""
+    return KERNELS_OF_TERMS.get(pair.term)
 
 
 def unsupported(p: Problem) -> str | None:
@@ -36,15 +43,12 @@ def unsupported(p: Problem) -> str | None:
             "return_weights=True while gradients are needed: the Triton engine recomputes the "
             "weights from its log-sum-exp without a gradient; use backend='reference'"
         )
-    pair = p.similarity.pairwise
-    if pair.triton_id is not None and pair.triton_id not in KERNEL_IDS:
-        return f"the Triton kernels have no pairwise term with id {pair.triton_id!r}"
     if p.nq == 0 or p.nk == 0:
         return "an empty sequence"
     dims = (p.q.shape[-1], p.v.shape[-1])
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
-    from ..trace import CompileError
+    from ..kernelgen.graph import CompileError
     from .variant import trace_variant
 
     if torch.compiler.is_compiling():

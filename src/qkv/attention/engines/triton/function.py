@@ -2,8 +2,8 @@
 
 Similarity = ``features`` (an O(N·D) torch map: identity, unit vectors for cosine, q Lᵀ for
 Mahalanobis, differentiated by torch autograd) + a pairwise term fused in Triton: the kernels'
-own code for the built-in terms (``Pairwise.triton_id``), else the term compiled from its
-definition like masks and score modifiers (trace.py, codegen.py). Gradients reach
+own code for the built-in terms (``KERNELS_OF_TERMS``), else the term compiled from its
+definition like masks and score modifiers (the kernelgen package). Gradients reach
 q, k, v, a tensor scale, the metric (through ``features``) and every captured float tensor a
 score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
 """
@@ -19,10 +19,10 @@ from ...problem import Problem
 from ...reference import expand_kv_heads
 from ...result import Result
 from .. import ops
-from ..trace import MAX_SLOTS, SLOT_INFO
-from . import KERNEL_IDS, TRACED, kernels
+from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
+from ..kernelgen.triton import load_module
+from . import TRACED, kernel_id, kernels
 from .blocks import block_tables, classify, coarsen
-from .codegen import load_module
 from .variant import TracedVariant, trace_variant
 
 _LOG2E = 1.4426950408889634
@@ -266,9 +266,7 @@ def _prepare(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float,
     """Trace and load the variant's Triton functions, and plan the launch."""
     pair = variant.pair
     traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1])
-    kernel = TRACED if traced.has_term else pair.triton_id
-    if kernel not in KERNEL_IDS | {TRACED}:
-        raise ValueError(f"the Triton kernels have no pairwise term with id {kernel!r}")
+    kernel = TRACED if traced.has_term else kernel_id(pair)
     return make_plan(fq, fk, variant.mask, kernel, compile_variant(traced), dropout_p, seed)
 
 

@@ -8,7 +8,8 @@ The variant is fixed at compile time through constexpr arguments:
   D in chunks of BLOCK_D), 3 a term traced from its definition (``TERM_FN`` and its
   derivatives, generated like the score modifier's; CUDA cores, D in chunks of BLOCK_D);
 - ``MASK_FN`` / ``MOD_FN`` / ``MOD_BWD_FN``: jit functions generated from the mask and score
-  modifier definitions (see codegen.py); they read the captured tensors A0..A3 (strides AS).
+  modifier definitions (see kernelgen/triton.py); they read the captured tensors A0..A3
+  (strides AS).
 
 Logits are kept in base 2 (scaled by log2 e) for exp2. The saved log-sum-exp LSE (B, H, Nq)
 is base 2 too, and +inf for a row with no allowed key, so that its probabilities are 0.

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..trace import CompileError, Graph, trace_mask, trace_score_mod, trace_term
-from .codegen import generate_source
+from ..kernelgen.graph import CompileError, Graph, trace_mask, trace_score_mod, trace_term
+from ..kernelgen.triton import generate_source
+from . import kernel_id
 
 
 @dataclass
@@ -39,7 +40,7 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) ->
     Raises CompileError naming what cannot be compiled."""
     graph = Graph(device, head_dim)
     term_root = (
-        None if pair.triton_id is not None
+        None if kernel_id(pair) is not None
         else _trace("the pairwise term", pair.term, trace_term, graph)
     )
     mask_root = None if mask is None else _trace("mask", mask, trace_mask, graph)

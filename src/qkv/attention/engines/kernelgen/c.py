@@ -1,8 +1,8 @@
 """A similarity's pairwise term compiled to C tile loops from its own definition.
 
 A term without C loops of its own (a user's ``qkv.Similarity``) is traced once per call
-(``trace.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
-graph, its derivatives in q_d and k_d and in every tensor it reads (``trace.derivative``),
+(``graph.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
+graph, its derivatives in q_d and k_d and in every tensor it reads (``derivative``),
 into the same loops the built-in L1 has (``cpu_kernels.c``): keys innermost on a transposed
 block held in cache, so the compiler vectorizes the term across keys. The source is built
 once per distinct term (``native.compile_library``, content-hashed) and loaded with ctypes.
@@ -25,26 +25,13 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import native
-from .trace import (
-    BOOL,
-    FLOAT,
-    INT,
-    MAX_SLOTS,
-    TERM_ARGS,
-    CompileError,
-    Graph,
-    Sym,
-    derivative,
-    loads_in,
-    trace_term,
-)
+from .. import native
+from .derivative import derivative, loads_in
+from .emit import INFIX, Emitter, infix
+from .graph import BOOL, FLOAT, INT, MAX_SLOTS, TERM_ARGS, CompileError, Graph, Sym, trace_term
 
 _BLOCK = 64  # keys per transposed block, as in cpu_kernels.c
 _C_TYPES = {torch.float32: ("float", "f"), torch.float64: ("double", "")}
-_BIN = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
-        "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_MATH = ("exp", "log", "sqrt", "sin", "cos", "tanh")
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 _lock = threading.Lock()
@@ -63,70 +50,73 @@ def _literal(value) -> str:
     return f"{value}LL"
 
 
-class _Emitter:
-    """C statements for a graph, one local per node (post-order), in type ``ctype``."""
+class CEmitter(Emitter):
+    """C statements in type ``ctype`` (float or double; ``fsuffix`` picks libm's functions)."""
+
+    TARGET = "C"
 
     def __init__(self, ctype: str, fsuffix: str):
+        super().__init__("    ")
         self.ctype, self.fsuffix = ctype, fsuffix
-        self.lines: list[str] = []
-        self.names: dict[int, str] = {}
 
-    def ref(self, value) -> str:
-        if not isinstance(value, Sym):
-            return _literal(value)
-        if id(value) not in self.names:
-            if value.op == "arg":
-                self.names[id(value)] = value.args[0]
-            else:
-                expr = self._expr(value)  # emits the operands' lines first
-                name = f"t{len(self.lines)}"
-                kind = {FLOAT: self.ctype, INT: "int64_t", BOOL: "int"}[value.kind]
-                self.lines.append(f"    const {kind} {name} = {expr};")
-                self.names[id(value)] = name
-        return self.names[id(value)]
+    def literal(self, value) -> str:
+        return _literal(value)
 
-    def _f(self, value) -> str:
+    def assign(self, name: str, node: Sym, expr: str) -> str:
+        kind = {FLOAT: self.ctype, INT: "int64_t", BOOL: "int"}[node.kind]
+        return f"const {kind} {name} = {expr};"
+
+    def as_float(self, value) -> str:
         return f"(({self.ctype}){self.ref(value)})"
 
-    def _expr(self, node: Sym) -> str:
-        op, args = node.op, node.args
-        if op in _BIN:
-            return f"({self.ref(args[0])} {_BIN[op]} {self.ref(args[1])})"
-        if op == "truediv":
-            return f"({self._f(args[0])} / {self._f(args[1])})"
-        if op in ("floordiv", "mod"):
-            a, b = self.ref(args[0]), self.ref(args[1])
-            if node.kind == FLOAT:
-                floor = f"floor{self.fsuffix}({self._f(args[0])} / {self._f(args[1])})"
-                return floor if op == "floordiv" else f"({a} - {b} * {floor})"
-            return f"qkv_{op}({a}, {b})"
-        if op == "neg":
-            return f"(-{self.ref(args[0])})"
-        if op == "invert":
-            a = self.ref(args[0])
-            return f"(!{a})" if args[0].kind == BOOL else f"(~{a})"
-        if op == "abs":
-            a = self.ref(args[0])
-            return f"fabs{self.fsuffix}({a})" if node.kind == FLOAT else f"llabs({a})"
-        if op in _MATH:
-            return f"{op}{self.fsuffix}({self._f(args[0])})"
-        if op == "sigmoid":
-            return f"(1 / (1 + exp{self.fsuffix}(-{self._f(args[0])})))"
-        if op in ("minimum", "maximum"):
-            a, b = self.ref(args[0]), self.ref(args[1])
-            return f"({a} {'<' if op == 'minimum' else '>'} {b} ? {a} : {b})"
-        if op == "where":
-            return f"({self.ref(args[0])} ? {self.ref(args[1])} : {self.ref(args[2])})"
-        if op == "cast":
-            kind = {FLOAT: self.ctype, INT: "int64_t"}.get(node.kind)
-            a = self.ref(args[0])
-            return f"(({kind}){a})" if kind else f"({a} != 0)"
-        if op == "full":
-            return _literal({FLOAT: float, INT: int, BOOL: bool}[node.kind](args[1]))
-        if op == "load":
-            slot, *index = args
-            return f"A{slot}[{self.ref(index[0]) if index else '0'}]"
-        raise CompileError(f"the C code generator has no form of the operation {op!r}")
+
+def _c_floordiv_mod(e: CEmitter, node: Sym) -> str:
+    a, b = e.ref(node.args[0]), e.ref(node.args[1])
+    if node.kind == FLOAT:
+        floor = f"floor{e.fsuffix}({e.as_float(node.args[0])} / {e.as_float(node.args[1])})"
+        return floor if node.op == "floordiv" else f"({a} - {b} * {floor})"
+    return f"qkv_{node.op}({a}, {b})"
+
+
+def _c_extremum(e: CEmitter, node: Sym) -> str:
+    a, b = e.ref(node.args[0]), e.ref(node.args[1])
+    return f"({a} {'<' if node.op == 'minimum' else '>'} {b} ? {a} : {b})"
+
+
+def _c_cast(e: CEmitter, node: Sym) -> str:
+    kind = {FLOAT: e.ctype, INT: "int64_t"}.get(node.kind)
+    a = e.ref(node.args[0])
+    return f"(({kind}){a})" if kind else f"({a} != 0)"
+
+
+def _c_load(e: CEmitter, node: Sym) -> str:
+    slot, *index = node.args
+    return f"A{slot}[{e.ref(index[0]) if index else '0'}]"
+
+
+def _c_math(name: str):
+    return lambda e, n: f"{name}{e.fsuffix}({e.as_float(n.args[0])})"
+
+
+CEmitter.OPS = {
+    **{op: infix(symbol) for op, symbol in INFIX.items()},
+    **{op: _c_math(op) for op in ("exp", "log", "sqrt", "sin", "cos", "tanh")},
+    "truediv": lambda e, n: f"({e.as_float(n.args[0])} / {e.as_float(n.args[1])})",
+    "floordiv": _c_floordiv_mod,
+    "mod": _c_floordiv_mod,
+    "neg": lambda e, n: f"(-{e.ref(n.args[0])})",
+    "invert": lambda e, n: (f"(!{e.ref(n.args[0])})" if n.args[0].kind == BOOL
+                            else f"(~{e.ref(n.args[0])})"),
+    "abs": lambda e, n: (f"fabs{e.fsuffix}({e.ref(n.args[0])})" if n.kind == FLOAT
+                         else f"llabs({e.ref(n.args[0])})"),
+    "sigmoid": lambda e, n: f"(1 / (1 + exp{e.fsuffix}(-{e.as_float(n.args[0])})))",
+    "minimum": _c_extremum,
+    "maximum": _c_extremum,
+    "where": lambda e, n: f"({e.ref(n.args[0])} ? {e.ref(n.args[1])} : {e.ref(n.args[2])})",
+    "cast": _c_cast,
+    "full": lambda e, n: _literal({FLOAT: float, INT: int, BOOL: bool}[n.kind](n.args[1])),
+    "load": _c_load,
+}
 
 
 _PARAMS = "{T} pq, {T} pk, int64_t pd, " + ", ".join(f"const {{T}} *A{i}" for i in range(MAX_SLOTS))
@@ -135,7 +125,7 @@ _EARGS = "qr[c], kr[c], c, A0, A1, A2, A3"
 
 
 def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> str:
-    e = _Emitter(ctype, fsuffix)
+    e = CEmitter(ctype, fsuffix)
     result = e.ref(root) if root is not None else "0"
     rtype = ctype if kind == FLOAT else "int64_t"
     return "\n".join([f"static inline {rtype} {name}({_PARAMS.format(T=ctype)}) {{",
@@ -244,7 +234,7 @@ void term_edge_grads(const {T} *ds, const {T} *q, const {T} *k, const int64_t *t
 }}
 """
 
-_HEADER = """/* Generated by qkv.attention.engines.term_c from a similarity's term; do not edit. */
+_HEADER = """/* Generated by qkv.attention.engines.kernelgen.c from a term; do not edit. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
