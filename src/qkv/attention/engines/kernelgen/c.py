@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .. import native
 from .derivative import derivative, loads_in
-from .emit import INFIX, Emitter, infix
+from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, TERM_ARGS, CompileError, Graph, Sym, trace_term
 
 _BLOCK = 64  # keys per transposed block, as in cpu_kernels.c
@@ -99,12 +99,10 @@ def _c_math(name: str):
 
 
 CEmitter.OPS = {
-    **{op: infix(symbol) for op, symbol in INFIX.items()},
+    **COMMON_OPS,
     **{op: _c_math(op) for op in ("exp", "log", "sqrt", "sin", "cos", "tanh")},
-    "truediv": lambda e, n: f"({e.as_float(n.args[0])} / {e.as_float(n.args[1])})",
     "floordiv": _c_floordiv_mod,
     "mod": _c_floordiv_mod,
-    "neg": lambda e, n: f"(-{e.ref(n.args[0])})",
     "invert": lambda e, n: (f"(!{e.ref(n.args[0])})" if n.args[0].kind == BOOL
                             else f"(~{e.ref(n.args[0])})"),
     "abs": lambda e, n: (f"fabs{e.fsuffix}({e.ref(n.args[0])})" if n.kind == FLOAT

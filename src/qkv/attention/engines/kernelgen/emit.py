@@ -37,6 +37,10 @@ class Emitter:
     def assign(self, name: str, node: Sym, expr: str) -> str:
         raise NotImplementedError
 
+    def as_float(self, value) -> str:
+        """``value`` in the target's float type."""
+        raise NotImplementedError
+
     def ref(self, value) -> str:
         """The local (or literal) holding ``value``, emitting its line on first use."""
         if not isinstance(value, Sym):
@@ -66,3 +70,10 @@ def infix(symbol: str) -> Callable[[Emitter, Sym], str]:
 
 INFIX = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
          "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+# Operations written alike in C and Triton (``as_float``: a target's cast to its float type).
+COMMON_OPS: dict[str, Callable[[Emitter, Sym], str]] = {
+    **{op: infix(symbol) for op, symbol in INFIX.items()},
+    "truediv": lambda e, n: f"({e.as_float(n.args[0])} / {e.as_float(n.args[1])})",
+    "neg": lambda e, n: f"(-{e.ref(n.args[0])})",
+}
