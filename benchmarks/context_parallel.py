@@ -1,14 +1,17 @@
 """Context parallelism on CPU: causal L1 attention of one sequence split over P gloo ranks.
 
-For each N, P and layout, every rank runs ``context_parallel_attention`` forward on its shard
+For each N, P and layout, every rank runs ``context_parallel_attention`` forward (with
+``--backward``: forward and backward) on its shard
 (P = 1: plain ``qkv.attention`` on the whole sequence, the single-process baseline) and
 reports its time, its extra peak memory (the growth of the resident set's high-water mark,
 reset just before the call, with large allocations on mmap so freed tensors leave it), the
-bytes it sent against the formula (P-1)·B·Hkv·(N/P)·(D+Dv)·4, and the query-key area it
+bytes it sent against the formula (P-1)·B·Hkv·(N/P)·(D+Dv)·4 (backward: (3P-2)·...: K/V
+round the ring twice, dK/dV once all the way home), and the query-key area it
 computed (pairs the causal mask leaves empty are skipped): the zigzag layout balances it.
 
     python benchmarks/context_parallel.py                       # N = 16k and 64k, P = 1, 2, 4
     python benchmarks/context_parallel.py --n 16384 --worlds 1 2
+    python benchmarks/context_parallel.py --backward --n 16384 --worlds 1 2
 
 The ranks share this machine's cores: with P ranks on C < P cores the times show the work
 per rank and its balance, not a speed-up.
@@ -42,7 +45,7 @@ def _status(key: str) -> float:
     raise KeyError(key)
 
 
-def _rank(rank: int, world: int, folder: str, n: int, layout: str) -> None:
+def _rank(rank: int, world: int, folder: str, n: int, layout: str, backward: bool) -> None:
     import qkv
     from qkv.distributed import context_parallel_attention, shard
 
@@ -70,11 +73,15 @@ def _rank(rank: int, world: int, folder: str, n: int, layout: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.set_grad_enabled(backward):
+        for t in (q, k, v):
+            t.requires_grad_(backward)
         if world == 1:
-            qkv.attention(q, k, v, **kwargs)
+            out = qkv.attention(q, k, v, **kwargs)
         else:
-            context_parallel_attention(q, k, v, layout=layout, **kwargs)
+            out = context_parallel_attention(q, k, v, layout=layout, **kwargs)
+        if backward:
+            out.backward(torch.ones_like(out))
     seconds = time.perf_counter() - start
     extra = _status("VmHWM") - before
     area = _causal_area(n, rank, world, layout if world > 1 else "contiguous")
@@ -95,10 +102,10 @@ def _causal_area(n: int, rank: int, world: int, layout: str) -> int:
     return total
 
 
-def run(n: int, world: int, layout: str) -> list[tuple]:
+def run(n: int, world: int, layout: str, backward: bool) -> list[tuple]:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as folder:
-        procs = [ctx.Process(target=_rank, args=(r, world, folder, n, layout))
+        procs = [ctx.Process(target=_rank, args=(r, world, folder, n, layout, backward))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -112,8 +119,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 65536])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    parser.add_argument("--backward", action="store_true", help="forward and backward")
     args = parser.parse_args()
-    print(f"# causal L1, forward, B={B} H={H} D={D} float32, 1 thread per rank, "
+    passes = "forward+backward" if args.backward else "forward"
+    print(f"# causal L1, {passes}, B={B} H={H} D={D} float32, 1 thread per rank, "
           f"{os.cpu_count()} cores; torch {torch.__version__}, Python "
           f"{platform.python_version()}, {platform.machine()}, {datetime.date.today()}")
     print("| N | P | layout | time max/min rank (s) | extra peak MiB per rank (max) | "
@@ -123,12 +132,13 @@ def main() -> None:
         baseline = None
         for world in args.worlds:
             for layout in args.layouts if world > 1 else ["-"]:
-                ranks = run(n, world, layout)
+                ranks = run(n, world, layout, args.backward)
                 seconds = [r[0] for r in ranks]
                 extra = max(r[1] for r in ranks)
                 baseline = extra if world == 1 else baseline
                 sent = max(r[2] for r in ranks) / 2**20
-                formula = (world - 1) * B * H * (n // world) * 2 * D * 4 / 2**20
+                trips = 3 * world - 2 if args.backward and world > 1 else world - 1
+                formula = trips * B * H * (n // world) * 2 * D * 4 / 2**20
                 areas = [r[3] for r in ranks]
                 ratio = f"{extra / baseline:.2f}x" if baseline else "-"
                 print(f"| {n} | {world} | {layout} | {max(seconds):.2f} / {min(seconds):.2f} | "

@@ -39,9 +39,15 @@ def relative(x, ref) -> float:
     return float((x - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def compare(rank: int, world: int, layout: str, n: int, names: list[str]) -> dict:
+def compare(rank: int, world: int, layout: str, n: int, names: list[str],
+            rows: int | None = None) -> dict:
     """name -> (out error, worst gradient error) of this rank against one process, each
-    ‖x - ref‖ / ‖ref‖ (the gradients: of q, k, v shards and every learnable tensor)."""
+    ‖x - ref‖ / ‖ref‖ (the gradients: of q, k, v shards and every learnable tensor).
+    ``rows``: the ring's query rows per call and key/value rows per piece, when not its own."""
+    if rows is not None:
+        from qkv.distributed import ring
+
+        ring.QUERY_ROWS = ring.KV_ROWS = rows
     errors = {}
     for name in names:
         kwargs, extras = variants(n)[name]

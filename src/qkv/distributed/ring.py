@@ -1,16 +1,22 @@
 """Ring attention: key/value shards travel around the ranks; each rank attends its queries to
 every shard as it passes and merges the partial results by their log-sum-exp.
 
-Forward: P steps. At step s rank r holds the keys and values of rank (r - s) mod P; it sends
-them on to r + 1 while it computes, so the transfer overlaps the work. Every (query chunk, key
-chunk) pair the mask leaves empty is skipped; a pair it leaves full runs without the mask.
+Keys and values travel in pieces of at most KV_ROWS positions, each piece round the ring on
+its own: a rank holds one piece in flight (and one arriving), not a whole shard, so its extra
+memory is its output and a few pieces, whatever P.
 
-Backward: the ring again, as in FlashAttention's backward: the shards go round once more,
+Forward: for each piece, P steps. At step s rank r holds that piece of rank (r - s) mod P's
+keys and values; it sends it on to r + 1 while it computes, so the transfer overlaps the work.
+Every (query chunk, key piece) pair the mask leaves empty is skipped; a pair it leaves full
+runs without the mask.
+
+Backward: the ring again, as in FlashAttention's backward: the pieces go round once more,
 together with the dK, dV accumulated for them so far; after P steps each rank holds the
-gradient of its own keys and values. A pair's gradient is the engine's own backward, run
-with autograd on a recomputed (out_j, lse_j) and weighted by w_j = exp(lse_j - lse), so any
-variant the engine differentiates is differentiated here. Extra memory per rank stays
-O(N/P): one shard in flight and one pair's autograd graph at a time.
+gradient of its own keys and values, piece by piece. A pair's gradient is the engine's own
+backward, run with autograd on a recomputed (out_j, lse_j) and weighted by
+w_j = exp(lse_j - lse), so any variant the engine differentiates is differentiated here.
+Extra memory per rank: dQ, dK, dV of its shard, one piece with its dK, dV in flight and one
+pair's autograd graph.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from .shift import ShiftedScoreMod, shift_mask
 
 # Query rows per engine call (a multiple of the engines' query blocks, so masks stay aligned).
 QUERY_ROWS = 2048
+# Key/value rows per piece sent round the ring (a multiple of the engines' key blocks).
+KV_ROWS = 2048
 
 
 @dataclass
@@ -84,15 +92,26 @@ def _query_pieces(plan: Plan, nq: int):
             yield local + i, start + i, min(QUERY_ROWS, n - i)
 
 
-def _pairs(plan: Plan, owner: int, q: Tensor, k: Tensor):
-    """(query slice, key slice, engine kwargs) of every non-empty pair of this rank's queries
-    with the keys of rank ``owner``."""
+def _kv_pieces(plan: Plan, nk: int) -> list[tuple[int, int]]:
+    """(local start, length) of the pieces a key/value shard of ``nk`` positions travels in:
+    runs of at most KV_ROWS inside one chunk, the same on every rank."""
+    return [(local + i, min(KV_ROWS, n - i))
+            for local, _, n in chunks(plan.layout, 0, plan.world, nk)
+            for i in range(0, n, KV_ROWS)]
+
+
+def _pairs(plan: Plan, owner: int, q: Tensor, piece: tuple[int, int], nk: int):
+    """(query slice, key slice within the piece, engine kwargs) of every non-empty pair of
+    this rank's queries with ``piece`` (local start, length) of rank ``owner``'s keys."""
     batch, heads = q.shape[0], q.shape[1]
+    start, length = piece
+    local, first, _ = next(c for c in chunks(plan.layout, owner, plan.world, nk)
+                           if c[0] <= start < c[0] + c[2])
+    kc = (0, first + start - local, length)
     for qc in _query_pieces(plan, q.shape[2]):
-        for kc in chunks(plan.layout, owner, plan.world, k.shape[2]):
-            kwargs = _pair_kwargs(plan, qc, kc, batch, heads)
-            if kwargs is not None:
-                yield slice(qc[0], qc[0] + qc[2]), slice(kc[0], kc[0] + kc[2]), kwargs
+        kwargs = _pair_kwargs(plan, qc, kc, batch, heads)
+        if kwargs is not None:
+            yield slice(qc[0], qc[0] + qc[2]), slice(0, length), kwargs
 
 
 class _Exchange:
@@ -129,6 +148,21 @@ def _weights(lse_j: Tensor, lse: Tensor) -> Tensor:
     return torch.where(torch.isfinite(lse_j), torch.exp(lse_j - safe), torch.zeros_like(lse))
 
 
+def _pair_grads(q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dout: Tensor, out: Tensor,
+                lse: Tensor, wanted: list[Tensor]):
+    """Gradients of one pair's share of the loss in its q, k, v and the ``wanted`` tensors:
+    the engine's backward on the recomputed partial, weighted by its share of the softmax."""
+    acc = out.dtype
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        o, lse_o = _partial(*inputs, kwargs)
+        w = _weights(lse_o.detach().to(acc), lse)
+        g_lse = w * (dout * (o.detach().to(acc) - out)).sum(-1)
+        return torch.autograd.grad((o, lse_o), inputs + wanted,
+                                   ((w.unsqueeze(-1) * dout).to(o.dtype), g_lse.to(lse_o.dtype)),
+                                   allow_unused=True)
+
+
 class RingAttention(torch.autograd.Function):
     """out = ring attention of this rank's q (B, H, nq, D) against every rank's k, v
     (B, Hkv, nk, D|Dv); ``sinks`` (H,) or None; ``extras`` are the tensors the variant reads
@@ -140,15 +174,17 @@ class RingAttention(torch.autograd.Function):
         b, h, nq, dv = *q.shape[:3], v.shape[3]
         out = torch.zeros(b, h, nq, dv, dtype=acc, device=q.device)
         lse = torch.full((b, h, nq), float("-inf"), dtype=acc, device=q.device)
-        kv = (k, v)
-        for step in range(plan.world):
-            pending = _Exchange(plan, kv) if step < plan.world - 1 else None
-            owner = (plan.rank - step) % plan.world
-            for qs, ks, kwargs in _pairs(plan, owner, q, kv[0]):
-                o, lse_o = _partial(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs)
-                _merge(out[:, :, qs], lse[:, :, qs], o, lse_o)
-            if pending is not None:
-                kv = pending.wait()
+        for piece in _kv_pieces(plan, k.shape[2]):
+            start, length = piece
+            kv = (k[:, :, start:start + length], v[:, :, start:start + length])
+            for step in range(plan.world):
+                pending = _Exchange(plan, kv) if step < plan.world - 1 else None
+                owner = (plan.rank - step) % plan.world
+                for qs, ks, kwargs in _pairs(plan, owner, q, piece, k.shape[2]):
+                    o, lse_o = _partial(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs)
+                    _merge(out[:, :, qs], lse[:, :, qs], o, lse_o)
+                if pending is not None:
+                    kv = pending.wait()
         if sinks is not None:
             # The sink is one more partial: lse = s[h], output 0.
             _merge(out, lse, torch.zeros_like(out), sinks.to(acc).view(1, -1, 1).expand_as(lse))
@@ -165,33 +201,29 @@ class RingAttention(torch.autograd.Function):
         acc = out.dtype
         dout = dout.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
-        dkv = (torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
+        dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
         wanted = [t for t, need in zip(ctx.extras, ctx.needs_input_grad[5:], strict=True) if need]
         d_extras = [torch.zeros_like(t) for t in wanted]
-        kv = (k, v)
-        for step in range(plan.world):
-            pending = _Exchange(plan, kv) if step < plan.world - 1 else None
-            owner = (plan.rank - step) % plan.world
-            for qs, ks, kwargs in _pairs(plan, owner, q, kv[0]):
-                with torch.enable_grad():
-                    inputs = [t[:, :, s].detach().requires_grad_()
-                              for t, s in ((q, qs), (kv[0], ks), (kv[1], ks))]
-                    o, lse_o = _partial(*inputs, kwargs)
-                    w = _weights(lse_o.detach().to(acc), lse[:, :, qs])
-                    g = dout[:, :, qs]
-                    g_lse = w * (g * (o.detach().to(acc) - out[:, :, qs])).sum(-1)
-                    grads = torch.autograd.grad(
-                        (o, lse_o), inputs + wanted,
-                        ((w.unsqueeze(-1) * g).to(o.dtype), g_lse.to(lse_o.dtype)),
-                        allow_unused=True)
-                for total, grad in zip([dq[:, :, qs], dkv[0][:, :, ks], dkv[1][:, :, ks]]
-                                       + d_extras, grads, strict=True):
-                    if grad is not None:
-                        total.add_(grad.to(total.dtype))
-            # dK, dV of the shard held now travel with it; after P hops they are home.
-            dkv = _Exchange(plan, dkv).wait()
-            if pending is not None:
-                kv = pending.wait()
+        for piece in _kv_pieces(plan, k.shape[2]):
+            start, length = piece
+            kv = (k[:, :, start:start + length], v[:, :, start:start + length])
+            dkv = (torch.zeros_like(kv[0], dtype=acc), torch.zeros_like(kv[1], dtype=acc))
+            for step in range(plan.world):
+                pending = _Exchange(plan, kv) if step < plan.world - 1 else None
+                owner = (plan.rank - step) % plan.world
+                for qs, ks, kwargs in _pairs(plan, owner, q, piece, k.shape[2]):
+                    grads = _pair_grads(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs,
+                                        dout[:, :, qs], out[:, :, qs], lse[:, :, qs], wanted)
+                    for total, grad in zip([dq[:, :, qs], dkv[0][:, :, ks], dkv[1][:, :, ks]]
+                                           + d_extras, grads, strict=True):
+                        if grad is not None:
+                            total.add_(grad.to(total.dtype))
+                # dK, dV of the piece held now travel with it; after P hops they are home.
+                dkv = _Exchange(plan, dkv).wait()
+                if pending is not None:
+                    kv = pending.wait()
+            dk[:, :, start:start + length] = dkv[0]
+            dv[:, :, start:start + length] = dkv[1]
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             # d lse_sink = w_sink · <dout, 0 - out>, summed over batch and rows.
@@ -201,5 +233,5 @@ class RingAttention(torch.autograd.Function):
             for grad in d_extras + ([] if d_sinks is None else [d_sinks]):
                 dist.all_reduce(grad, group=plan.group)
         by_id = dict(zip(map(id, wanted), d_extras, strict=True))
-        return (None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), d_sinks,
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks,
                 *(by_id.get(id(t)) for t in ctx.extras))
