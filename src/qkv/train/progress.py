@@ -92,9 +92,3 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
 
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -30,7 +30,6 @@ MODEL_TENSORS = {
     "norm.weight": ("model.norm.weight", "output_norm.weight"),
     "lm_head.weight": ("lm_head.weight", "output.weight"),
 }
-SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def _gpt_config(**fields):

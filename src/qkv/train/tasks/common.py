@@ -27,6 +27,3 @@ def build(model_cls, config_cls, derived: dict, configured: dict):
     every required field is set)."""
     return model_cls(config_cls(**derived, **configured))
 
-
-def n_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())

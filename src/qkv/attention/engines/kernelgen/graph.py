@@ -137,15 +137,6 @@ def _arith_kind(*values) -> str:
     return FLOAT if any(_kind(v) == FLOAT for v in values) else INT
 
 
-_FOLD = {
-    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
-    "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
-    "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
-    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
-}
-
-
 class Sym:
     """A symbolic value in a traced rule: a node of a ``Graph``."""
 
