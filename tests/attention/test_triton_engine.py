@@ -29,9 +29,9 @@ from qkv.attention.reference import reference_attention
 from qkv.attention.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, registered_similarities
-from .test_compile import CASES as COMPILE_CASES
 from .test_compile import GRAD_TOLERANCE as COMPILE_GRAD_TOLERANCE
 from .test_compile import OUT_TOLERANCE as COMPILE_OUT_TOLERANCE
+from .test_compile import TRITON_CASES as COMPILE_CASES
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
