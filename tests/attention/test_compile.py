@@ -194,3 +194,18 @@ def test_bad_input_gives_the_eager_error_compiled(name):
     with pytest.raises(Exception) as raised:
         torch.compile(fn, backend="aot_eager", fullgraph=True)(q)
     assert message in str(raised.value) or message in str(raised.value.__cause__)
+
+
+def test_plain_and_causal_dot_still_reach_sdpa_compiled():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    q = torch.randn(1, H, 16, D)
+    for mask in (None, qkv.causal()):
+        torch._dynamo.reset()
+        torch.compile(lambda q, mask=mask: qkv.attention(q, q, q, mask=mask), backend=record,
+                      fullgraph=True)(q)
+        assert "scaled_dot_product_attention" in graphs[-1] and "qkv" not in graphs[-1]

@@ -36,9 +36,9 @@ from .layout import chunks
 from .shift import ShiftedScoreMod, shift_mask
 
 # Query rows per engine call (a multiple of the engines' query blocks, so masks stay aligned).
-QUERY_ROWS = 2048
+QUERY_ROWS = 1024
 # Key/value rows per piece sent round the ring (a multiple of the engines' key blocks).
-KV_ROWS = 2048
+KV_ROWS = 1024
 
 
 @dataclass
@@ -138,7 +138,8 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
     new = torch.logaddexp(lse, lse_o)
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     out.mul_(torch.exp(lse - safe).unsqueeze(-1))
-    out.add_(o.to(out.dtype) * torch.exp(lse_o - safe).unsqueeze(-1))
+    # o is a fresh partial that nothing else reads: scaled in place, no temporary of its size.
+    out.add_(o.to(out.dtype).mul_(torch.exp(lse_o - safe).unsqueeze(-1).to(o.dtype)))
     lse.copy_(new)
 
 
