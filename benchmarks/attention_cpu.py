@@ -267,8 +267,8 @@ def _qkv(kwargs, backend="auto"):
 
 
 def _engine(kwargs, n: int, backend: str) -> str:
-    from qkv.attention.engines import plan
-    from qkv.attention.problem import build_problem
+    from qkv.core.engines import plan
+    from qkv.core.problem import build_problem
 
     q, k, v = _inputs(n)
     args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,

@@ -57,9 +57,9 @@ def make_case(kind: str, n: int, args):
     import torch
 
     import qkv
-    from qkv.attention.linear import draw_orthogonal_features, linear_attention
-    from qkv.attention.retention import retention, retention_decays
-    from qkv.attention.sparse import global_local
+    from qkv.core.linear import draw_orthogonal_features, linear_attention
+    from qkv.core.retention import retention, retention_decays
+    from qkv.core.sparse import global_local
 
     g = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, n, args.head_dim)
@@ -96,9 +96,9 @@ def make_case(kind: str, n: int, args):
 
     engine = "-"
     if kind in QUADRATIC or mask is not None:
-        from qkv.attention import engines
-        from qkv.attention.engines.tiles import block_sizes
-        from qkv.attention.problem import build_problem
+        from qkv.core import engines
+        from qkv.core.engines.tiles import block_sizes
+        from qkv.core.problem import build_problem
 
         problem = build_problem(q, k, v, mask=mask, score_mod=None, similarity="dot",
                                 scale=None, metric=None, dropout_p=0.0, return_weights=False)

@@ -1,7 +1,7 @@
 """qkv: the attention mechanism and the Transformer, exact and fast, on PyTorch."""
 
 from . import models, nn  # noqa: F401  (qkv.models, qkv.nn)
-from .attention import (
+from .core import (
     Mask,
     ScoreMod,
     Similarity,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import qkv
-from qkv.attention.scores import alibi_slopes
+from qkv.core.scores import alibi_slopes
 from qkv.distributed import context_parallel_attention, shard
 
 B, H, HKV, D = 2, 4, 2, 8

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import masking_utils as hf
 
-from qkv.attention import masks as qm
+from qkv.core import masks as qm
 from qkv.integrations.transformers.masks import KeyMask, Shifted, Unmasked, mask_function
 
 B = 3

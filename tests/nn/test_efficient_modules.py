@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.linear import linear_attention
+from qkv.core.linear import linear_attention
 from qkv.models import GPT, Encoder, EncoderConfig, GPTConfig, Transformer, TransformerConfig
 from qkv.nn.kinds import ATTENTION_KINDS, build_attention
 from qkv.nn.linear_attention import LinearAttention

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.attention.problem import build_problem
-from qkv.attention.reference import reference_attention
+from qkv.core.problem import build_problem
+from qkv.core.reference import reference_attention
 from qkv.models import (
     GPT,
     Encoder,

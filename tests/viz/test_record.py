@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.problem import build_problem
-from qkv.attention.reference import scores_of
-from qkv.attention.similarity import SIMILARITIES as SIMILARITY_REGISTRY
+from qkv.core.problem import build_problem
+from qkv.core.reference import scores_of
+from qkv.core.similarity import SIMILARITIES as SIMILARITY_REGISTRY
 from qkv.models import GPT, GPTConfig
 from qkv.viz import capture
 from qkv.viz.compact import LEVELS, RowsBuilder, compress_head

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from qkv.attention.masks import as_mask
-from qkv.attention.problem import build_problem
+from qkv.core.masks import as_mask
+from qkv.core.problem import build_problem
 
 from .agree import agree, describe
 from .layout import pieces_per_rank

@@ -12,8 +12,8 @@ Mask and ScoreMod subclasses pytree nodes for torch.compile).
 
 from __future__ import annotations
 
-from qkv.attention.masks import AndMask, CustomMask, Mask, NotMask, OrMask
-from qkv.attention.scores import ScoreMod
+from qkv.core.masks import AndMask, CustomMask, Mask, NotMask, OrMask
+from qkv.core.scores import ScoreMod
 
 
 class ShiftedMask(Mask):

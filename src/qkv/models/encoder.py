@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import sliding_window
+from ..core import sliding_window
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions

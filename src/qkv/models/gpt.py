@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..attention import causal, padding, sliding_window
+from ..core import causal, padding, sliding_window
 from ..distributed.context import active as active_context_parallel
 from ..nn.blocks import BlockConfig, TransformerBlock
 from ..nn.norms import make_norm

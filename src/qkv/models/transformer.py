@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..attention import causal, padding
+from ..core import causal, padding
 from ..nn.blocks import BlockConfig, DecoderBlock, TransformerBlock
 from ..nn.norms import make_norm
 from ..nn.positions import Positions

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..attention.api import attention, attention_result
-from ..attention.similarity import Similarity, get_similarity
+from ..core.api import attention, attention_result
+from ..core.similarity import Similarity, get_similarity
 from ..distributed.context import active as active_context_parallel
 from .positions import RotaryEmbedding
 

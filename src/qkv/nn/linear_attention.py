@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..attention.linear import (
+from ..core.linear import (
     LinearState,
     check_positive_int,
     draw_orthogonal_features,
@@ -21,7 +21,7 @@ from ..attention.linear import (
     read_state,
     summarize_keys,
 )
-from ..attention.masks import (
+from ..core.masks import (
     AndMask,
     CausalMask,
     NotMask,

@@ -16,8 +16,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..attention import ScoreMod, alibi, relative_bias
-from ..attention.scores import alibi_slopes
+from ..core import ScoreMod, alibi, relative_bias
+from ..core.scores import alibi_slopes
 
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.linear import check_positive_int, no_weights_error
-from ..attention.retention import NO_WEIGHTS_HINT, retention, retention_decays
+from ..core.linear import check_positive_int, no_weights_error
+from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
 from .kinds import register_attention_kind
 from .linear_attention import StateCache, causal_and_key_mask, split_heads
 from .positions import RotaryEmbedding
@@ -36,7 +36,7 @@ class Retention(nn.Module):
 
     Masks: ``qkv.causal()`` and key padding masks. Retention is self-attention over a
     sequence: ``is_cross=True`` is refused. There are no attention weights;
-    ``decay_matrix`` and ``retention_scores`` in ``qkv.attention.retention`` show what
+    ``decay_matrix`` and ``retention_scores`` in ``qkv.core.retention`` show what
     mixes tokens instead.
     """
 

@@ -103,7 +103,7 @@ class TrainConfig:
 def model_limits() -> dict[str, Limit]:
     """The limits of the model sections' fields, by name (the model config classes check the
     rules between fields, such as d_model divisible by n_head)."""
-    from ..attention.similarity import SIMILARITIES
+    from ..core.similarity import SIMILARITIES
     from ..nn import ACTIVATIONS, ATTENTION_KINDS, NORMS, POSITION_KINDS
 
     positive, count = Limit("[1, inf)"), Limit("[0, inf)")

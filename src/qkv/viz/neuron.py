@@ -1,6 +1,6 @@
 """What the neuron view needs: how each score is built, dimension by dimension.
 
-Every similarity is ``scale * kernel(features(q), features(k))`` (``qkv.attention.similarity``):
+Every similarity is ``scale * kernel(features(q), features(k))`` (``qkv.core.similarity``):
 the features are q and k themselves (dot, l2, l1), unit vectors (cosine) or qLᵀ and kLᵀ
 (Mahalanobis), and the kernel is a sum over dimensions of q_d·k_d (dot), -(q_d-k_d)² (negative
 squared distance) or -|q_d-k_d| (negative L1). So the page stores the features of one layer's
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention.problem import build_problem
-from ..attention.similarity import PAIRWISE
+from ..core.problem import build_problem
+from ..core.similarity import PAIRWISE
 from .capture import ObservedCall
 from .compact import HeadRows
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..attention.masks import index_grid
-from ..attention.problem import build_problem
-from ..attention.reference import accumulation_dtype, masked_softmax
-from ..attention.scores import modified_scores
+from ..core.masks import index_grid
+from ..core.problem import build_problem
+from ..core.reference import accumulation_dtype, masked_softmax
+from ..core.scores import modified_scores
 
 
 def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...attention import api, scores
-from ...attention import masks as qm
+from ...core import api, scores
+from ...core import masks as qm
 from .masks import Unmasked
 
 # Keyword arguments that reach the attention function but do not change attention: outputs

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 from transformers import masking_utils as hf
 
-from ...attention import masks as qm
+from ...core import masks as qm
 
 # Hints transformers passes every mask function for its own backends; none changes the rule.
 _HINTS = {"allow_is_causal_skip", "allow_is_bidirectional_skip", "allow_torch_fix", "local_size",

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.attention.similarity import SIMILARITIES
+from qkv.core.similarity import SIMILARITIES
 
 # Registered similarities that apply to any head dim and need no metric (drawn shapes vary).
 ANY_D = [name for name, sim in SIMILARITIES.items()

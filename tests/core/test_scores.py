@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.scores import alibi_slopes, relative_position_bucket
+from qkv.core.scores import alibi_slopes, relative_position_bucket
 
 
 def test_alibi_slopes_follow_the_paper():

@@ -27,7 +27,7 @@ FORMS = ("parallel", "chunkwise", "recurrent")
 NO_WEIGHTS_HINT = (
     "What exists instead is the decay matrix D[n, m] = γ^(n-m), decay_matrix(gamma, n), and "
     "the parallel form's retention scores QKᵀ·scale ⊙ D, retention_scores(q, k, gamma) (both "
-    "from qkv.attention.retention)."
+    "from qkv.core.retention)."
 )
 
 

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import engine_names
-from qkv.attention.engines import triton as triton_engine
-from qkv.attention.engines.triton.blocks import block_tables, classify, coarsen
-from qkv.attention.masks import EMPTY, FULL, PARTIAL
-from qkv.attention.problem import build_problem
-from qkv.attention.reference import reference_attention
-from qkv.attention.similarity import SIMILARITIES
+from qkv.core.engines import engine_names
+from qkv.core.engines import triton as triton_engine
+from qkv.core.engines.triton.blocks import block_tables, classify, coarsen
+from qkv.core.masks import EMPTY, FULL, PARTIAL
+from qkv.core.problem import build_problem
+from qkv.core.reference import reference_attention
+from qkv.core.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, registered_similarities
 from .test_compile import GRAD_TOLERANCE as COMPILE_GRAD_TOLERANCE
@@ -238,7 +238,7 @@ def run_dropout_case() -> dict:
     """Runs in the interpreter subprocess. Dropout draws its own random numbers, so the
     reference reuses the kernels' keep mask, read from the weights of a run with the same seed:
     out, weights and gradients must then match float64."""
-    from qkv.attention.reference import expand_kv_heads, masked_softmax, scores_of
+    from qkv.core.reference import expand_kv_heads, masked_softmax, scores_of
 
     dropout_p = 0.3
     g = torch.Generator().manual_seed(0)
@@ -273,7 +273,7 @@ def run_dropout_case() -> dict:
 def run_lse_sinks_case() -> dict:
     """Runs in the interpreter subprocess: the kernels' lse (natural units, -inf on rows with
     no key) and sinks applied on it, with gradients through both, against float64."""
-    from qkv.attention.api import with_sinks
+    from qkv.core.api import with_sinks
 
     g = torch.Generator().manual_seed(3)
     base = [torch.randn(2, h, n, 40, generator=g) for h, n in ((4, 30), (2, 24), (2, 24))]
@@ -312,7 +312,7 @@ def interpreter_results():
     env = dict(os.environ, TRITON_INTERPRET="1")
     # As a module from the repository root, so that it imports conftest's registrations.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-m", "tests.attention.test_triton_engine"], env=env,
+    done = subprocess.run([sys.executable, "-m", "tests.core.test_triton_engine"], env=env,
                           capture_output=True, text=True, timeout=900, cwd=root)
     results = {}
     for line in done.stdout.splitlines():
@@ -465,7 +465,7 @@ def test_block_tables_list_partial_then_full_and_never_empty():
 def run_compile_case(name: str) -> dict:
     """Runs in the interpreter subprocess: test_compile's case ``name`` with only the Triton
     engine in the dispatch list, eager against torch.compile(fullgraph=True)."""
-    from qkv.attention import engines
+    from qkv.core import engines
 
     from .test_compile import compile_errors
 

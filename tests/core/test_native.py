@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import native
-from qkv.attention.similarity import PAIRWISE
+from qkv.core.engines import native
+from qkv.core.similarity import PAIRWISE
 
 pytestmark = pytest.mark.skipif(
     not native.available(torch.float32), reason="no C compiler on this machine"

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention import EMPTY, FULL
-from qkv.attention.engines import plan, tiles
-from qkv.attention.engines.tiles import TileSpec, block_sizes, tile_plan
-from qkv.attention.problem import build_problem
-from qkv.attention.similarity import DOT
+from qkv.core import EMPTY, FULL
+from qkv.core.engines import plan, tiles
+from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
+from qkv.core.problem import build_problem
+from qkv.core.similarity import DOT
 
 from .conftest import rand_qkv
 
@@ -179,7 +179,7 @@ def test_dropout_gradients_match_finite_differences():
 
 
 def test_gather_path_dropout_gradients_match_finite_differences(monkeypatch):
-    from qkv.attention.engines import graph_gather
+    from qkv.core.engines import graph_gather
 
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 5)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv.attention.retention import (
+from qkv.core.retention import (
     decay_matrix,
     retention,
     retention_decays,

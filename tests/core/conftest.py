@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.similarity import SIMILARITIES
+from qkv.core.similarity import SIMILARITIES
 
 # Per-dimension weights for head dim D = 4 and a temperature, both
 # learnable; float64 so that gradcheck can perturb them (the term promotes, engines cast back).

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention import similarity as similarity_module
-from qkv.attention.engines import graph_gather, native, tiles
-from qkv.attention.engines.kernelgen import c as c_target
-from qkv.attention.similarity import BUILTIN, SIMILARITIES
+from qkv.core import similarity as similarity_module
+from qkv.core.engines import graph_gather, native, tiles
+from qkv.core.engines.kernelgen import c as c_target
+from qkv.core.similarity import BUILTIN, SIMILARITIES
 
 from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
 

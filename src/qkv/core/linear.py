@@ -58,7 +58,7 @@ def no_weights_error(kind: str, instead: str) -> ValueError:
 
 _LINEAR_INSTEAD = (
     "To inspect the token-to-token mixing, call quadratic_linear_attention(q, k, v, ..., "
-    "return_weights=True) (from qkv.attention.linear), which materializes the normalized "
+    "return_weights=True) (from qkv.core.linear), which materializes the normalized "
     "φ(Q)φ(K)ᵀ matrix at O(N²) cost."
 )
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.attention.similarity import PAIRWISE, pairwise_sum
+from qkv.core.similarity import PAIRWISE, pairwise_sum
 
 from .conftest import rand_qkv
 

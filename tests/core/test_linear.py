@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv.attention.linear import (
+from qkv.core.linear import (
     LinearState,
     draw_orthogonal_features,
     linear_attention,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import graph_gather, plan, tiles
-from qkv.attention.problem import build_problem
-from qkv.attention.similarity import SIMILARITIES as REGISTRY
+from qkv.core.engines import graph_gather, plan, tiles
+from qkv.core.problem import build_problem
+from qkv.core.similarity import SIMILARITIES as REGISTRY
 
 from .conftest import mask_cases, rand_qkv, registered_similarities
 
@@ -179,7 +179,7 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
 def test_modifier_cases_cover_every_modifier_kind():
     """The engine matrices iterate ``MODS``: a ScoreMod class defined in scores.py without a
     case there fails here."""
-    from qkv.attention import scores
+    from qkv.core import scores
 
     defined = {cls for cls in vars(scores).values() if isinstance(cls, type)
                and issubclass(cls, scores.ScoreMod) and cls is not scores.ScoreMod}

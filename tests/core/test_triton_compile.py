@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.problem import build_problem
+from qkv.core.problem import build_problem
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -35,8 +35,8 @@ class _Recorder:
 
 
 def _record_launches(monkeypatch, problem):
-    from qkv.attention.engines import triton as triton_engine
-    from qkv.attention.engines.triton import function, kernels
+    from qkv.core.engines import triton as triton_engine
+    from qkv.core.engines.triton import function, kernels
 
     choose = function.choose_tiling
     monkeypatch.setattr(function, "choose_tiling", lambda kernel, d, _: choose(kernel, d, True))

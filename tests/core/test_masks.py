@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.attention.masks import EMPTY, FULL, as_mask
+from qkv.core.masks import EMPTY, FULL, as_mask
 
 from .conftest import mask_cases
 
@@ -118,7 +118,7 @@ def test_tile_states_property(nq, nk, bq, bk, left, right, seed):
 def test_mask_cases_cover_every_mask_kind():
     """The engine x mask matrices iterate ``mask_cases``: a mask class defined in masks.py
     without a case there fails here, so it cannot go untested."""
-    from qkv.attention import masks
+    from qkv.core import masks
 
     from .conftest import mask_cases, mask_kinds
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import qkv
-from qkv.attention.engines import native
+from qkv.core.engines import native
 
 _PROBE = """
 import warnings, torch, qkv
-from qkv.attention.engines import native
+from qkv.core.engines import native
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     ok = native.available(torch.float32)
@@ -55,7 +55,7 @@ def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
 @pytest.mark.parametrize("gather", [False, True])
 def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
     """What a machine without a compiler runs: the same engine on torch operations."""
-    from qkv.attention.engines import graph_gather, tiles
+    from qkv.core.engines import graph_gather, tiles
 
     monkeypatch.setattr(native, "_functions", None)
     monkeypatch.setattr(native, "_tried", True)

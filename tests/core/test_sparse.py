@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.attention.masks import EMPTY, FULL, Mask
-from qkv.attention.problem import build_problem
-from qkv.attention.sparse import (
+from qkv.core.masks import EMPTY, FULL, Mask
+from qkv.core.problem import build_problem
+from qkv.core.sparse import (
     block_sparse,
     dilated_window,
     fixed,
@@ -181,7 +181,7 @@ def test_bad_inputs():
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_patterns_compile_for_the_triton_engine(name):
     """Every rule is plain index arithmetic the Triton tracer compiles (no kernel launch)."""
-    from qkv.attention.engines.triton import unsupported
+    from qkv.core.engines.triton import unsupported
 
     q = torch.zeros(1, 2, 16, 16)
     problem = build_problem(q, q, q, mask=PATTERNS[name][0], score_mod=None, similarity="dot",
