@@ -1,305 +1,33 @@
 """The interactive page's script and style, inlined into every page (no CDN, works offline).
 
-The script is one async function made of parts that share its scope: this file's core
-(data, controls, legend, drawing), ``page_headview`` (the head view as lines or a graph, the
-ViT patches), ``page_matrix`` (the matrix view and the model view, on canvas) and
-``page_panels`` (the neuron view and the head summary). It reads the JSON block
-``#qkv-data`` and the gzip-compressed arrays ``#qkv-arrays`` written by ``qkv.viz.page``.
-Drawn edges carry ``data-q``, ``data-k``, ``data-head`` and ``data-weight`` (the weight
-shown), so a browser test can read back what is on screen; the other views expose the same
-through ``data-*`` attributes."""
+They are files in ``viz/static/`` (package data), read once on import:
+- ``page.css``, ``core.js``, ``main.js``: the page, its data, controls, legend and drawing;
+  ``core.js`` reads the JSON block ``#qkv-data`` and the gzip-compressed arrays
+  ``#qkv-arrays`` written by ``qkv.viz.page``;
+- ``headview.*``: the head view, as lines between query and key tokens, as a directed graph
+  on a circle, or as a ViT's patches on its image. Hovering a token highlights what it attends
+  to and what attends to it; past ``LINE_LIMIT`` tokens it shows a window around the pair
+  chosen in the matrix view;
+- ``matrix.*``: the matrix view and the model view, on canvas so they stay fast at thousands
+  of tokens (one pixel per stored weight, zoom and pan, the row and column under the pointer
+  named; the model view is every layer x head as a thumbnail). Colour is sqrt(weight);
+- ``panels.*``: the neuron view (the per-dimension terms of the similarity's kernel for the
+  chosen pair and head, ``qkv.viz.neuron``) and the head summary (a sortable table).
 
-from .page_headview import HEADVIEW_SCRIPT, HEADVIEW_STYLE
-from .page_matrix import MATRIX_SCRIPT, MATRIX_STYLE
-from .page_panels import PANELS_SCRIPT, PANELS_STYLE
+The script is one async function made of the ``.js`` parts, which share its scope. Drawn
+edges carry ``data-q``, ``data-k``, ``data-head`` and ``data-weight`` (the weight shown), so a
+browser test can read back what is on screen; the other views expose the same through
+``data-*`` attributes."""
 
-STYLE = r"""
-body { font-family: sans-serif; margin: 12px; color: #222; background: #fff; }
-#controls { display: flex; gap: 14px; flex-wrap: wrap; align-items: center; margin-bottom: 8px; }
-#controls label { font-size: 13px; }
-#legend, #omitted { font-size: 12px; margin: 4px 0; min-height: 16px; }
-#omitted { color: #666; }
-#info { font-size: 12px; min-height: 32px; white-space: pre-wrap; font-family: monospace; }
-svg { border: 1px solid #ddd; background: #fcfcfc; }
-""" + HEADVIEW_STYLE + MATRIX_STYLE + PANELS_STYLE
+from importlib.resources import files
 
-CORE_SCRIPT = r"""
-  const META = JSON.parse(document.getElementById("qkv-data").textContent);
-  const SVG = "http://www.w3.org/2000/svg";
-  const LINE_LIMIT = 160;  // the head view draws at most this many tokens at once
-  const TYPED = { u8: Uint8Array, u16: Uint16Array, u32: Uint32Array, f32: Float32Array };
-  const stage = document.getElementById("stage");
-  const pick = {
-    view: document.getElementById("view"),
-    layer: document.getElementById("layer"),
-    head: document.getElementById("head"),
-    display: document.getElementById("display"),
-  };
-  const state = { view: 0, layer: 0, head: "0", display: "lines", hover: null, pair: null,
-                  start: 0 };
-  const DISPLAYS = {};  // name -> { label, draw(), available(view) }
-  let ARRAYS = null;
-  let svg = null;
+_STATIC = files("qkv.viz").joinpath("static")
 
-  async function inflate(text) {
-    const response = await fetch("data:application/octet-stream;base64," + text.trim());
-    const stream = response.body.pipeThrough(new DecompressionStream("gzip"));
-    return new Response(stream).arrayBuffer();
-  }
-  function arrayOf(ref) { return new TYPED[ref[0]](ARRAYS, ref[1], ref[2]); }
 
-  // One head's stored rows: keys at or above the threshold, one byte per weight.
-  class Rows {
-    constructor(ref, nq) {
-      const counts = arrayOf(ref.counts), deltas = arrayOf(ref.cols);
-      this.values = arrayOf(ref.values);
-      this.dropped = arrayOf(ref.dropped);
-      this.starts = new Uint32Array(nq + 1);
-      this.cols = new Int32Array(deltas.length);
-      let j = 0;
-      for (let q = 0; q < nq; q++) {
-        this.starts[q] = j;
-        let col = 0;
-        for (let c = 0; c < counts[q]; c++, j++) { col = c === 0 ? deltas[j] : col + deltas[j];
-          this.cols[j] = col; }
-      }
-      this.starts[nq] = j;
-      this.nq = nq;
-      this.leftOut = ref.left_out;
-    }
-    row(q, fn) {
-      for (let j = this.starts[q]; j < this.starts[q + 1]; j++) {
-        fn(this.cols[j], this.values[j] / META.levels, j);
-      }
-    }
-    get(q, k) {
-      let lo = this.starts[q], hi = this.starts[q + 1];
-      while (lo < hi) {
-        const mid = (lo + hi) >> 1;
-        if (this.cols[mid] < k) lo = mid + 1; else hi = mid;
-      }
-      return lo < this.starts[q + 1] && this.cols[lo] === k ? this.values[lo] / META.levels : 0;
-    }
-    index(q, k) {  // the position of (q, k) among the stored entries, or -1
-      for (let j = this.starts[q]; j < this.starts[q + 1]; j++) if (this.cols[j] === k) return j;
-      return -1;
-    }
-    forEach(fn) { for (let q = 0; q < this.nq; q++) this.row(q, (k, w) => fn(q, k, w)); }
-  }
-  // The mean over a layer's heads, kept dense (Nq x Nk floats).
-  class MeanRows {
-    constructor(heads, nq, nk) {
-      this.nq = nq; this.nk = nk;
-      this.dense = new Float32Array(nq * nk);
-      const count = heads.length;
-      for (const h of heads) h.forEach((q, k, w) => { this.dense[q * nk + k] += w / count; });
-      this.leftOut = [0, 1].map((i) => heads.reduce((s, h) => s + h.leftOut[i], 0) / count);
-    }
-    row(q, fn) {
-      for (let k = 0; k < this.nk; k++) {
-        const w = this.dense[q * this.nk + k];
-        if (w >= META.threshold) fn(k, w, -1);
-      }
-    }
-    get(q, k) { return this.dense[q * this.nk + k]; }
-    index() { return -1; }
-    forEach(fn) { for (let q = 0; q < this.nq; q++) this.row(q, (k, w) => fn(q, k, w)); }
-  }
-  const cache = new Map();
-  function cached(key, make) {
-    if (!cache.has(key)) cache.set(key, make());
-    return cache.get(key);
-  }
-  function headRows(vi, li, hi) {
-    const v = META.views[vi];
-    return cached(vi + "/" + li + "/" + hi, () => new Rows(v.maps[li][hi], v.query_tokens.length));
-  }
-  // Mean maps are dense (Nq x Nk floats): keep the newest few.
-  const means = new Map();
-  function meanRows(vi, li) {
-    const v = META.views[vi], key = vi + "/" + li;
-    if (!means.has(key)) {
-      if (means.size >= 4) means.delete(means.keys().next().value);
-      means.set(key, new MeanRows(v.heads.map((_, h) => headRows(vi, li, h)),
-                                  v.query_tokens.length, v.key_tokens.length));
-    }
-    return means.get(key);
-  }
+def _joined(*names: str) -> str:
+    return "".join(_STATIC.joinpath(name).read_text(encoding="utf-8") for name in names)
 
-  function el(name, attrs, parent) {
-    const node = document.createElementNS(SVG, name);
-    for (const key in attrs) node.setAttribute(key, attrs[key]);
-    if (parent) parent.appendChild(node);
-    return node;
-  }
-  function html(name, attrs, parent, text) {
-    const node = document.createElement(name);
-    for (const key in attrs) node.setAttribute(key, attrs[key]);
-    if (text !== undefined) node.textContent = text;
-    if (parent) parent.appendChild(node);
-    return node;
-  }
-  function option(select, value, text) {
-    html("option", { value: String(value) }, select, text);
-  }
-  function view() { return META.views[state.view]; }
-  function headColor(h, count) {
-    return "hsl(" + Math.round((360 * h) / Math.max(1, count)) + ", 70%, 42%)";
-  }
-  function headName(item) {
-    return item.head === "rollout" ? "rollout" : item.head === "mean" ? "mean over heads"
-      : "head " + item.head;
-  }
-  function newSvg(width, height) {
-    svg = el("svg", { id: "canvas", width: width, height: height }, stage);
-    return svg;
-  }
 
-  // The maps on screen: [{head, color, rows}] for the chosen layer and head.
-  function matrices() {
-    const v = view();
-    if (state.layer === "rollout") {
-      const rows = cached(state.view + "/rollout",
-                          () => new Rows(v.rollout, v.query_tokens.length));
-      return [{ head: "rollout", color: "#6c3483", rows: rows }];
-    }
-    const count = v.heads.length;
-    if (state.head === "mean") {
-      return [{ head: "mean", color: "#6c3483", rows: meanRows(state.view, state.layer) }];
-    }
-    if (state.head === "all") {
-      return v.heads.map((head, i) => ({ head: head, color: headColor(i, count),
-                                         rows: headRows(state.view, state.layer, i) }));
-    }
-    const i = Number(state.head);
-    return [{ head: v.heads[i], color: headColor(i, count),
-              rows: headRows(state.view, state.layer, i) }];
-  }
-
-  function fillControls() {
-    META.views.forEach((v, i) => option(pick.view, i, v.name));
-    fillDisplays();
-    fillLayerHead();
-  }
-  function fillDisplays() {
-    pick.display.innerHTML = "";
-    for (const name in DISPLAYS) {
-      if (DISPLAYS[name].available(view())) option(pick.display, name, DISPLAYS[name].label);
-    }
-    if (!DISPLAYS[state.display].available(view())) state.display = "matrix";
-    pick.display.value = state.display;
-  }
-  function fillLayerHead() {
-    const v = view();
-    pick.layer.innerHTML = "";
-    pick.head.innerHTML = "";
-    v.layers.forEach((layer, i) => option(pick.layer, i, "layer " + layer));
-    if (v.rollout) option(pick.layer, "rollout", "rollout (all layers)");
-    v.heads.forEach((head, i) => option(pick.head, i, "head " + head));
-    option(pick.head, "mean", "mean over heads");
-    option(pick.head, "all", "all heads (colour per head)");
-    select(0, "0");
-  }
-  function select(layer, head) {
-    state.layer = layer;
-    state.head = String(head);
-    pick.layer.value = String(layer);
-    pick.head.value = String(head);
-  }
-  function tokenClass(v, side, index) {
-    const generated = v.first_generated !== null && index >= v.first_generated &&
-      (v.kind !== "cross" || side === "q");
-    return "token" + (generated ? " generated" : "");
-  }
-
-  function legend() {
-    const box = document.getElementById("legend");
-    box.innerHTML = "";
-    const v = view(), [a, b] = shownRange(v);
-    const n = Math.max(v.query_tokens.length, v.key_tokens.length);
-    let note = "";
-    if (state.display === "image") {
-      note = "patch tint: attention the patch receives (mean over the heads shown). ";
-    } else if (state.display === "lines" || state.display === "graph") {
-      note = (state.display === "graph" ? "arrows: query -> the key it attends to; " : "") +
-        "edges below weight " + META.threshold + " are not drawn. " +
-        (b - a < n ? "tokens " + a + "-" + (b - 1) + " of " + n +
-          " (click a cell in the matrix view, or start at token " : "");
-    }
-    html("span", {}, box, note);
-    if (note.endsWith("start at token ")) {
-      const start = html("input", { id: "window-start", type: "number", min: 0, max: n - 1,
-                                    value: a }, box);
-      start.style.width = "70px";
-      start.addEventListener("change", () => { state.start = Number(start.value); draw(); });
-      html("span", {}, box, "). ");
-    }
-    if (state.display === "lines" || state.display === "graph" || state.display === "image") {
-      for (const item of matrices()) {
-        const s = html("span", { class: "swatch" }, box, "\u25A0 " + headName(item) + " ");
-        s.style.color = item.color;
-      }
-    }
-    if (v.first_generated !== null) {
-      html("span", { class: "generated-note" }, box, " purple italic: generated tokens.");
-    }
-  }
-
-  // What the page leaves out, for the maps on screen.
-  function omitted() {
-    const shown = matrices(), v = view();
-    const mean = shown.reduce((s, m) => s + m.rows.leftOut[0], 0) / shown.length;
-    const worst = Math.max(...shown.map((m) => m.rows.leftOut[1]));
-    document.getElementById("omitted").textContent =
-      "Stored: weights of at least " + META.threshold +
-      (META.max_per_row ? ", at most " + META.max_per_row + " per query," : "") +
-      " to 1/" + META.levels + ". Left out here: " + (100 * mean).toFixed(2) +
-      "% of a query's attention on average, " + (100 * worst).toFixed(2) + "% at most." +
-      (v.neurons.length && v.neurons.length < v.layers.length ? " Neuron view: q and k kept " +
-        "for " + v.neurons.map((n) => "layer " + v.layers[n.layer]).join(", ") + " only." : "");
-  }
-
-  function draw() {
-    stage.innerHTML = "";
-    svg = null;
-    DISPLAYS[state.display].draw();
-    legend();
-    omitted();
-    applyHover();
-    document.body.dataset.layer = String(state.layer);
-    document.body.dataset.head = String(state.head);
-    document.body.dataset.display = state.display;
-  }
-
-"""
-
-MAIN_SCRIPT = r"""
-  pick.view.addEventListener("change", () => {
-    state.view = Number(pick.view.value); state.hover = null; state.pair = null;
-    fillDisplays(); fillLayerHead(); draw();
-  });
-  pick.layer.addEventListener("change", () => {
-    state.layer = pick.layer.value === "rollout" ? "rollout" : Number(pick.layer.value); draw();
-  });
-  pick.head.addEventListener("change", () => { state.head = pick.head.value; draw(); });
-  pick.display.addEventListener("change", () => {
-    state.display = pick.display.value; state.hover = null; draw();
-  });
-  try {
-    ARRAYS = await inflate(document.getElementById("qkv-arrays").textContent);
-  } catch (error) {
-    document.getElementById("info").textContent = "This page needs a browser with " +
-      "DecompressionStream (Chrome 80+, Firefox 113+, Safari 16.4+): " + error;
-    return;
-  }
-  const longest = Math.max(...META.views.map((v) => v.query_tokens.length));
-  state.display = META.image ? "image" : longest > LINE_LIMIT ? "matrix" : "lines";
-  fillControls();
-  draw();
-  // Milliseconds from navigation to the first view drawn (the viz benchmark reads it).
-  document.body.dataset.readyMs = String(Math.round(performance.now()));
-  document.body.dataset.ready = "1";
-"""
-
-SCRIPT = ("\n(async function () {\n  \"use strict\";\n" + CORE_SCRIPT + HEADVIEW_SCRIPT
-          + MATRIX_SCRIPT + PANELS_SCRIPT + MAIN_SCRIPT + "})();\n")
+STYLE = _joined("page.css", "headview.css", "matrix.css", "panels.css")
+SCRIPT = ("\n(async function () {\n  \"use strict\";\n"
+          + _joined("core.js", "headview.js", "matrix.js", "panels.js", "main.js") + "})();\n")

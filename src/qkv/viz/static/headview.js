@@ -1,26 +1,4 @@
-"""The page's head view (part of the script in ``page_script``): lines between query and key
-tokens, the same weights as a directed graph on a circle, and a ViT's patches on its image.
-Hovering a token highlights what it attends to and what attends to it; past ``LINE_LIMIT``
-tokens the view shows a window around the pair chosen in the matrix view."""
 
-HEADVIEW_STYLE = r"""
-.token { font-size: 13px; cursor: pointer; fill: #222; }
-.token.generated { fill: #7d3c98; font-style: italic; }
-.token.attended { fill: #c0392b; font-weight: bold; }
-.token.attending { fill: #1f6fb2; font-weight: bold; }
-.token.hovered { fill: #000; font-weight: bold; text-decoration: underline; }
-.edge { fill: none; }
-.edge.dim { stroke-opacity: 0.04 !important; }
-.edge.out { stroke: #c0392b !important; }
-.edge.in { stroke: #1f6fb2 !important; }
-.node { stroke: #555; fill: #fff; cursor: pointer; }
-.node.attended { fill: #f5b7b1; }
-.node.attending { fill: #aed6f1; }
-.patch { stroke: #888; stroke-width: 0.5; cursor: pointer; }
-.patch.hovered { stroke: #1f6fb2; stroke-width: 2; }
-"""
-
-HEADVIEW_SCRIPT = r"""
   // The head view's tokens: all of them, or a window of LINE_LIMIT around the chosen pair.
   function shownRange(v) {
     const n = Math.max(v.query_tokens.length, v.key_tokens.length);
@@ -205,4 +183,3 @@ HEADVIEW_SCRIPT = r"""
   if (META.image) {
     DISPLAYS.image = { label: "patches on the image", draw: drawImage, available: () => true };
   }
-"""

@@ -1,24 +1,4 @@
-"""The page's neuron view and head summary (part of the script in ``page_script``).
 
-Neuron view: for the chosen (query, key) pair and head, the per-dimension terms of the
-similarity's kernel on its features (``qkv.viz.neuron``), as bars, their total times the
-scale, and next to it the score the layer used for that pair (stored for every stored entry).
-Head summary: a table of every captured head, sortable by clicking a column heading; a row
-click opens that head in the matrix view."""
-
-PANELS_STYLE = r"""
-#neuron-text { font-size: 13px; font-family: monospace; white-space: pre-wrap; margin: 6px 0; }
-#neuron-pick input { width: 70px; }
-.bar.pos { fill: #1f6fb2; }
-.bar.neg { fill: #c0392b; }
-#summary { border-collapse: collapse; font-size: 12px; }
-#summary th { cursor: pointer; background: #f2f2f2; padding: 3px 8px; user-select: none; }
-#summary td { padding: 2px 8px; text-align: right; border-top: 1px solid #eee; }
-#summary tbody tr { cursor: pointer; }
-#summary tbody tr:hover { background: #fdf2d0; }
-"""
-
-PANELS_SCRIPT = r"""
   const TERMS = {  // per kernel: the bar rows' names and the per-dimension term
     dot: { rows: ["q", "k", "q\u00b7k"], term: (a, b) => a * b },
     neg_sqdist: { rows: ["q", "k", "-(q-k)\u00b2"], term: (a, b) => -(a - b) * (a - b) },
@@ -168,4 +148,3 @@ PANELS_SCRIPT = r"""
                       available: (v) => v.neurons.length > 0 };
   DISPLAYS.summary = { label: "head summary (table)", draw: drawSummary,
                        available: () => true };
-"""

@@ -1,23 +1,4 @@
-"""The page's matrix view and model view (part of the script in ``page_script``).
 
-Both draw on canvas, so they stay fast at thousands of tokens: the matrix view paints one
-pixel per stored weight into an off-screen image once per map and then only copies the
-visible part (zoom with the wheel or the buttons, pan by dragging, double-click to reset);
-the row and column under the pointer are highlighted and named. The model view paints every
-layer x head as a thumbnail (each pixel the largest weight in its block); a click opens that
-head in the matrix view. Colour is sqrt(weight), so small weights stay visible."""
-
-MATRIX_STYLE = r"""
-#matrix-tools { font-size: 12px; margin-bottom: 4px; }
-#matrix-tools button { margin-right: 4px; }
-#matrix { border: 1px solid #ddd; cursor: crosshair; }
-#model-grid { display: grid; justify-content: start; gap: 3px; align-items: center;
-              font-size: 11px; }
-#model-grid canvas { border: 1px solid #ddd; cursor: pointer; image-rendering: pixelated; }
-#model-grid canvas.current { border: 2px solid #c0392b; }
-"""
-
-MATRIX_SCRIPT = r"""
   // The heatmap fits the window (at most 720 px square).
   const MATRIX = { size: Math.max(240, Math.min(720, window.innerWidth - 160,
                                                 window.innerHeight - 240)),
@@ -266,4 +247,3 @@ MATRIX_SCRIPT = r"""
   DISPLAYS.matrix = { label: "matrix view (heatmap)", draw: drawMatrix, available: () => true };
   DISPLAYS.model = { label: "model view (every layer x head)", draw: drawModel,
                      available: () => true };
-"""
