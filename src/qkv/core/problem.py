@@ -189,13 +189,14 @@ def build_problem(
     _check_qkv(q, k, v)
     sim = get_similarity(similarity)
     mask = as_mask(mask)
+    batch, heads, nq, _ = q.shape
     if mask is not None:
-        mask.check(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        mask.check(batch, heads, nq, k.shape[2])
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
     score_mod = as_score_mod(score_mod)
     if score_mod is not None:
-        score_mod.check_heads(q.shape[1])
+        score_mod.check_heads(heads)
     return Problem(
         q=q,
         k=k,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import reference
 from ..problem import Problem
@@ -18,8 +19,7 @@ from ..result import Result
 from . import fused_cpu, graph_gather, sdpa, triton
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """One engine's plan for one request; ``run()`` computes it."""
 
     engine: str

@@ -12,12 +12,13 @@ from ..similarity import BUILTIN
 
 # enable_gqa arrived in torch 2.5; older versions get the heads repeated.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_DOT = BUILTIN["dot"]
 
 
 def why_not(p: Problem) -> str | None:
     if p.needs_lse:
         return "SDPA does not return the log-sum-exp (return_lse, sinks)"
-    if p.similarity is not BUILTIN["dot"]:
+    if p.similarity is not _DOT:
         return f"SDPA computes only the dot product, not similarity={p.similarity.name!r}"
     if p.score_mod is not None:
         return "SDPA has no score_mod"
@@ -25,35 +26,30 @@ def why_not(p: Problem) -> str | None:
         return "SDPA cannot return attention weights"
     if p.metric is not None or not isinstance(p.scale, float):
         return "SDPA needs a plain float scale"
-    if p.mask is not None and not p.is_causal_only:
-        return "SDPA runs only no mask or qkv.causal()"
-    if p.is_causal_only and p.nq > p.nk:
-        return "causal with Nq > Nk leaves rows with no key, which SDPA turns into NaN"
+    if p.mask is not None:
+        if not p.is_causal_only:
+            return "SDPA runs only no mask or qkv.causal()"
+        if p.nq > p.nk:
+            return "causal with Nq > Nk leaves rows with no key, which SDPA turns into NaN"
     return None
 
 
 def run(p: Problem) -> Result:
     q, k, v = p.q, p.k, p.v
-    kwargs = {}
-    if p.kv_heads != p.heads:
-        if _HAS_GQA:
-            kwargs["enable_gqa"] = True
-        else:
-            group = p.heads // p.kv_heads
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and not _HAS_GQA:
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
     attn_mask, is_causal = None, False
-    if p.is_causal_only:
-        if p.nq == p.nk:
+    if p.mask is not None:  # causal only (why_not)
+        if q.shape[2] == k.shape[2]:
             is_causal = True
         else:  # SDPA's is_causal is top-left aligned; qkv's causal is bottom-right.
             attn_mask = torch.ones(p.nq, p.nk, dtype=torch.bool, device=q.device).tril(p.offset)
-    return Result(F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        dropout_p=p.dropout_p,
-        is_causal=is_causal,
-        scale=p.scale,
-        **kwargs,
-    ))
+    if gqa:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, p.dropout_p, is_causal,
+                                             scale=p.scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask, p.dropout_p, is_causal,
+                                             scale=p.scale)
+    return Result(out)
