@@ -22,9 +22,10 @@ def _copy(dst: nn.Module, src: nn.Module) -> None:
     dst.load_state_dict(src.state_dict())
 
 
-def transformer_from_torch(cls, m, src_embedding, tgt_embedding, output, **overrides):
-    from .transformer import TransformerConfig
-
+def transformer_from_torch(cls, config_cls, m, src_embedding, tgt_embedding, output,
+                           **overrides):
+    """``cls(config_cls(...))`` (a qkv Transformer and its config class, passed in so that
+    this module does not import the model's) with ``m``'s weights copied in."""
     if not isinstance(m, nn.Transformer):
         raise TypeError(f"from_torch expects torch.nn.Transformer; got {type(m).__name__}")
     if not isinstance(src_embedding, nn.Embedding):
@@ -48,7 +49,7 @@ def transformer_from_torch(cls, m, src_embedding, tgt_embedding, output, **overr
         share_embeddings=tgt is src_embedding, tie_output=output is None,
     )
     settings.update(overrides)
-    model = cls(TransformerConfig(**settings))
+    model = cls(config_cls(**settings))
     with torch.no_grad():
         model.src_emb.weight.copy_(src_embedding.weight)
         model.tgt_emb.weight.copy_(tgt.weight)

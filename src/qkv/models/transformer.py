@@ -21,6 +21,7 @@ from .common import (
     token_positions,
 )
 from .generation import ModelCache, decode, eval_mode, stepper
+from .torch_transformer import transformer_from_torch
 
 
 @dataclass
@@ -225,7 +226,6 @@ class Transformer(nn.Module):
         """Copy a ``torch.nn.Transformer`` plus its embeddings (tgt_embedding None: shared with
         the source) and output projection (None: tied to the target embedding). Extra keywords
         go to TransformerConfig (max_len, pad_id, positions, ...)."""
-        from .torch_transformer import transformer_from_torch
-
-        return transformer_from_torch(cls, m, src_embedding, tgt_embedding, output, **config)
+        return transformer_from_torch(cls, TransformerConfig, m, src_embedding, tgt_embedding,
+                                      output, **config)
 
