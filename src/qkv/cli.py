@@ -211,7 +211,7 @@ def screen_sources(texts: list[str], tok, from_stdin: bool) -> list[bool]:
 
 def run_translate(args: argparse.Namespace) -> int:
     from .train import run
-    from .train.tasks.heatmap import cross_attention_png
+    from .viz.heatmap import cross_attention_png
 
     texts = args.text
     from_stdin = texts == ["-"]

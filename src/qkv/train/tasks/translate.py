@@ -220,7 +220,7 @@ class TranslateTask:
 
     def report(self, model, data: PairData, cfg, run_dir: Path, out) -> None:
         """Five held-out translations and a cross-attention heatmap of the first one."""
-        from .heatmap import cross_attention_png
+        from ...viz.heatmap import cross_attention_png
 
         pairs = data.test_pairs[:5]
         hyps = self.translate(model, data, cfg, [s for s, _ in pairs], cfg.eval.beam_size)

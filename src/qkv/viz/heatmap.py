@@ -6,7 +6,10 @@ from pathlib import Path
 
 import torch
 
-from ...data.tokenizers import BOS_ID
+from ..data.tokenizers import BOS_ID
+from .capture import capture
+from .labels import token_labels
+from .plots import plot_alignment, save_figure
 
 
 def cross_attention_weights(model, src_ids: list[int], tgt_ids: list[int]) -> list[torch.Tensor]:
@@ -15,8 +18,6 @@ def cross_attention_weights(model, src_ids: list[int], tgt_ids: list[int]) -> li
 
     Captured with ``qkv.viz.capture``: the layers keep their fast engine, and an attention kind
     without weights (linear attention) raises a ValueError that says so."""
-    from ...viz import capture
-
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)
     tgt = torch.tensor([[BOS_ID] + tgt_ids], device=device)
@@ -26,14 +27,8 @@ def cross_attention_weights(model, src_ids: list[int], tgt_ids: list[int]) -> li
     return [site.weights[0].float().cpu() for site in maps.select(cross=True)]
 
 
-def token_labels(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([i]) or "·" for i in ids]
-
-
 def cross_attention_png(model, src_tok, tgt_tok, source: str, translation: str, path) -> Path:
     """Plot the last decoder layer's cross-attention, averaged over heads, for one pair."""
-    from ...viz.plots import plot_alignment, save_figure
-
     src_ids, tgt_ids = src_tok.encode(source), tgt_tok.encode(translation)
     weights = cross_attention_weights(model, src_ids, tgt_ids)[-1].mean(0)  # (T, S)
     fig = plot_alignment(
