@@ -209,3 +209,26 @@ def test_plain_and_causal_dot_still_reach_sdpa_compiled():
         torch.compile(lambda q, mask=mask: qkv.attention(q, q, q, mask=mask), backend=record,
                       fullgraph=True)(q)
         assert "scaled_dot_product_attention" in graphs[-1] and "qkv" not in graphs[-1]
+
+
+def test_a_user_callable_with_an_empty_closure_cell_crosses_the_op():
+    """A closure cell that is still empty (a name assigned after the function is defined) is
+    skipped when the variant is taken apart, as when its tensors are listed for gradients."""
+    q = torch.randn(1, H, 16, D)
+
+    def make():
+        def score_mod(s, b, h, qi, ki):
+            return s - later * (qi - ki).abs()
+        captured = torch.utils._pytree.tree_leaves(qkv.core.scores.as_score_mod(score_mod))
+        later = 0.1
+        return score_mod, captured
+
+    score_mod, captured = make()
+    assert captured == []
+
+    def fn(q):
+        return qkv.attention(q, q, q, mask=qkv.causal(), score_mod=score_mod)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(q)
+    assert (compiled - fn(q)).abs().max() <= OUT_TOLERANCE

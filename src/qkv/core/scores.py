@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .pointwise import pointwise
-from .structure import Node, values_readable
+from .structure import Node, reads, values_readable
 
 
 class ScoreMod(Node):
@@ -217,23 +217,13 @@ def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
     found: list[Tensor] = []
     if isinstance(fn, torch.nn.Module):
         found.extend(fn.parameters())
-    inner = getattr(fn, "__func__", fn)
-    values = []
-    for cell in getattr(inner, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
-    code, names = getattr(inner, "__code__", None), getattr(inner, "__globals__", {})
-    values.extend(names[n] for n in (code.co_names if code else ()) if n in names)
-    for value in values:
+    for kind, _, value in reads(fn):
         if isinstance(value, Tensor):
             found.append(value)
-        elif isinstance(value, ScoreMod):
+        elif kind != "default" and isinstance(value, ScoreMod):
             found.extend(value.tensors())
-        elif isinstance(value, torch.nn.Module):
+        elif kind != "default" and isinstance(value, torch.nn.Module):
             found.extend(value.parameters())
-    found.extend(d for d in getattr(inner, "__defaults__", None) or () if isinstance(d, Tensor))
     unique = {id(t): t for t in found}  # a tensor read twice still gets one gradient
     return tuple(unique.values())
 

@@ -71,26 +71,31 @@ def _unflatten(cls, children, context):
     return obj
 
 
-def _captured(fn):
-    """(kind, name, tensor) for each tensor ``fn`` reads directly: closure cells, the module
-    globals it names, defaults; a Module's parameters and buffers."""
-    if isinstance(fn, torch.nn.Module):
-        return [("module", n, t) for n, t in (*fn.named_parameters(), *fn.named_buffers())]
+def reads(fn) -> list[tuple[str, object, object]]:
+    """(kind, place, value) of every value a function (or bound method) reads from outside
+    its arguments: its closure cells ("cell", index), the module globals it names ("global",
+    name) and its defaults ("default", index). Other callables read nothing here."""
     inner = fn.__func__ if isinstance(fn, types.MethodType) else fn
     if not isinstance(inner, types.FunctionType):
         return []
     found = []
     for i, cell in enumerate(inner.__closure__ or ()):
-        if isinstance(cell.cell_contents, Tensor):
+        try:
             found.append(("cell", i, cell.cell_contents))
+        except ValueError:  # an empty cell
+            continue
     names = inner.__globals__
-    for name in inner.__code__.co_names:
-        if name in names and isinstance(names[name], Tensor):
-            found.append(("global", name, names[name]))
-    for i, value in enumerate(inner.__defaults__ or ()):
-        if isinstance(value, Tensor):
-            found.append(("default", i, value))
+    found += [("global", name, names[name]) for name in inner.__code__.co_names if name in names]
+    found += [("default", i, value) for i, value in enumerate(inner.__defaults__ or ())]
     return found
+
+
+def _captured(fn):
+    """(kind, place, tensor) for each tensor ``fn`` reads directly (``reads``); a Module's
+    parameters and buffers."""
+    if isinstance(fn, torch.nn.Module):
+        return [("module", n, t) for n, t in (*fn.named_parameters(), *fn.named_buffers())]
+    return [read for read in reads(fn) if isinstance(read[2], Tensor)]
 
 
 def bound_tensors(fn) -> tuple[Tensor, ...]:
