@@ -329,13 +329,12 @@ KERNELS = ops.EngineKernels(
     _kernel_forward, _kernel_backward,
     lse_like=lambda fq: fq.new_empty(*fq.shape[:3], 1),
 )
-ops.define("fused_cpu", KERNELS)
+OP = ops.define("fused_cpu", KERNELS)
 
 
 def run(p: Problem) -> Result:
     fq, fk, v, scale = features(p)
     variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
-    out, lse, weights = ops.run("fused_cpu", KERNELS, fq, fk, v, variant, p.dropout_p,
-                                p.return_weights)
+    out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
     return Result(out.to(p.q.dtype), lse.squeeze(-1),
                   None if weights is None else weights.to(p.q.dtype))

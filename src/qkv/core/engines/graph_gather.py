@@ -279,7 +279,7 @@ KERNELS = ops.EngineKernels(
     _kernel_forward, _kernel_backward,
     lse_like=lambda fq: fq.new_empty(*fq.shape[:3], 1),
 )
-ops.define("graph", KERNELS)
+OP = ops.define("graph", KERNELS)
 
 
 def why_not(p) -> str | None:
@@ -298,5 +298,5 @@ def why_not(p) -> str | None:
 def run(p) -> Result:
     fq, fk, v, scale = features(p)
     variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
-    out, lse, _ = ops.run("graph", KERNELS, fq, fk, v, variant, p.dropout_p, False)
+    out, lse, _ = OP.run(fq, fk, v, variant, p.dropout_p, False)
     return Result(out.to(p.q.dtype), lse.squeeze(-1))

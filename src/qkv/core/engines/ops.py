@@ -9,7 +9,8 @@ tensors it receives at run time. Gradients reach every one of those tensors, bec
 are the op's inputs.
 
 Each engine gives an ``EngineKernels``: forward and backward over features q (B, H, Nq, D),
-k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``run`` calls them:
+k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``define`` registers them and returns the engine's
+``EngineOp``, whose ``run`` calls them:
 - in eager mode, through an autograd Function that holds the variant itself (no registry
   entry per call: a model that builds a fresh lambda each step would otherwise grow it);
 - under torch.compile or torch.export, through the ops ``qkv::<engine>_forward`` and
@@ -122,7 +123,25 @@ def _empty_weights(q: Tensor) -> Tensor:
     return q.new_empty(0)
 
 
-def define(name: str, kernels: EngineKernels) -> None:
+@dataclass(frozen=True)
+class EngineOp:
+    """An engine's kernels as registered by ``define``."""
+
+    name: str
+    kernels: EngineKernels
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, variant: Variant, dropout_p: float,
+            want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """out, lse and (when asked) weights on features q, k, v."""
+        if torch.compiler.is_compiling():
+            out, lse, weights = _traced(self.name, q, k, v, floats_as_scalars(variant),
+                                        dropout_p, want_weights)
+            return out, lse, weights if want_weights else None
+        leaves = pytree.tree_leaves(variant)
+        return _Eager.apply(self.kernels, variant, dropout_p, want_weights, q, k, v, *leaves)
+
+
+def define(name: str, kernels: EngineKernels) -> EngineOp:
     """Register ``qkv::<name>_forward`` and ``qkv::<name>_backward`` with their shapes and
     autograd."""
 
@@ -184,6 +203,7 @@ def define(name: str, kernels: EngineKernels) -> None:
 
     forward.register_autograd(differentiate, setup_context=setup_context)
     _OPS[name] = forward
+    return EngineOp(name, kernels)
 
 
 class _Eager(torch.autograd.Function):
@@ -224,13 +244,3 @@ def _traced(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Variant, dropou
     out, lse, weights, _ = _OPS[name](q, k, v, leaves, _key(spec), dropout_p, want_weights)
     return out, lse, weights
 
-
-def run(name: str, kernels: EngineKernels, q: Tensor, k: Tensor, v: Tensor, variant: Variant,
-        dropout_p: float, want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """out, lse and (when asked) weights of engine ``name`` on features q, k, v."""
-    if torch.compiler.is_compiling():
-        out, lse, weights = _traced(name, q, k, v, floats_as_scalars(variant), dropout_p,
-                                    want_weights)
-        return out, lse, weights if want_weights else None
-    leaves = pytree.tree_leaves(variant)
-    return _Eager.apply(kernels, variant, dropout_p, want_weights, q, k, v, *leaves)

@@ -297,7 +297,7 @@ KERNELS = ops.EngineKernels(
     _kernel_forward, _kernel_backward,
     lse_like=lambda fq: fq.new_empty(*fq.shape[:3], dtype=torch.float32),
 )
-ops.define("triton", KERNELS)
+OP = ops.define("triton", KERNELS)
 
 
 def scale_per_head(scale, heads: int, device) -> Tensor:
@@ -320,6 +320,5 @@ def run(p: Problem) -> Result:
     fq, fk, v = _rows(fq), _rows(fk), _rows(v)
     scale = scale_per_head(p.scale, p.heads, p.q.device)
     variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
-    out, lse, weights = ops.run("triton", KERNELS, fq, fk, v, variant, p.dropout_p,
-                                p.return_weights)
+    out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
     return Result(out, natural_lse(lse), weights)
