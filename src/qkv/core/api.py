@@ -76,11 +76,11 @@ def attention(
         return_weights=return_weights,
         needs_lse=return_lse or sinks is not None,
     )
-    if sinks is None and not (return_weights or return_lse):
-        return engines.plan(problem, backend).run().out
     if sinks is not None:
         check_sinks(sinks, problem.heads)
     result = engines.plan(problem, backend).run()
+    if sinks is None and not (return_weights or return_lse):
+        return result.out
     out, lse, weights = result.out, result.lse, result.weights
     if sinks is not None:
         out, lse, weights = with_sinks(out, lse, weights, sinks)
