@@ -11,19 +11,10 @@ import importlib.util
 import torch
 
 from ...problem import Problem
-from ...similarity import DOT, NEG_L1, NEG_SQDIST
+from ..kernelgen.graph import CompileError
+from .terms import MAX_HEAD_DIM, kernel_id
 
-MAX_HEAD_DIM = 256
-# The pairwise terms the kernels have code of their own for, by definition
-# (``Pairwise.term``), and their KERNEL ids; TRACED runs the generated ``term_fn`` of any
-# other term.
-KERNELS_OF_TERMS = {DOT.term: 0, NEG_SQDIST.term: 1, NEG_L1.term: 2}
-TRACED = 3
-
-
-def kernel_id(pair) -> int | None:
-    """The KERNEL id of ``pair``'s own Triton code, or None: its term is traced."""
-    return KERNELS_OF_TERMS.get(pair.term)
+__all__ = ["MAX_HEAD_DIM", "kernel_id", "plan", "unsupported"]
 
 
 def unsupported(p: Problem) -> str | None:
@@ -48,8 +39,7 @@ def unsupported(p: Problem) -> str | None:
     dims = (p.q.shape[-1], p.v.shape[-1])
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
-    from ..kernelgen.graph import CompileError
-    from .variant import trace_variant
+    from .variant import trace_variant  # imports triton
 
     if torch.compiler.is_compiling():
         return None
@@ -74,6 +64,6 @@ def plan(p: Problem, *, on_cpu: bool = False):
     reason = unsupported(p)
     if reason is not None:
         return reason
-    from .function import run
+    from .function import run  # imports triton
 
     return lambda: run(p)

@@ -21,8 +21,9 @@ from ...result import Result
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
-from . import TRACED, kernel_id, kernels
+from . import kernels
 from .blocks import block_tables, classify, coarsen
+from .terms import TRACED, kernel_id
 from .variant import TracedVariant, trace_variant
 
 _LOG2E = 1.4426950408889634

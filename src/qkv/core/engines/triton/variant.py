@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..kernelgen.graph import CompileError, Graph, trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import generate_source
-from . import kernel_id
+from .terms import kernel_id
 
 
 @dataclass
