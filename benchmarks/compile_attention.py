@@ -55,7 +55,8 @@ VARIANTS = {
     "causal ALiBi": lambda: {"mask": qkv.causal(), "score_mod": qkv.alibi(H)},
     "causal softcap": lambda: {"mask": qkv.causal(), "score_mod": qkv.softcap(30.0)},
 }
-GPT_CASES = {"l1": {"similarity": "l1"}, "alibi": {"positions": "alibi"}}
+# label -> (the block's fields besides its size, the positions' kind)
+GPT_CASES = {"l1": ({"similarity": "l1"}, "learned"), "alibi": ({}, "alibi")}
 
 
 def print_row(row: list[str]) -> None:
@@ -218,9 +219,10 @@ def gpt_report(block: int, batch: int, steps: int, rounds: int, backend: str) ->
                   "qkv ops"])
     gen = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 256, (batch, block + 1), generator=gen) for _ in range(steps)]
-    for label, extra in GPT_CASES.items():
-        config = GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=4, d_model=128,
-                           **extra)
+    for label, (fields, positions) in GPT_CASES.items():
+        config = GPTConfig(vocab_size=256, block_size=block, n_layer=2,
+                           block={"n_head": 4, "d_model": 128, **fields},
+                           positions={"kind": positions})
         steppers = gpt_steppers(config, backend)
         first = once(steppers["compiled"], data[0])
         steppers["eager"](data[0])  # warm-up

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     models = {
         "qkv GPT": GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=BLOCK, n_layer=N_LAYER,
-                                 n_head=N_HEAD, d_model=D_MODEL)),
+                                 block={"n_head": N_HEAD, "d_model": D_MODEL})),
         "plain PyTorch GPT": PlainGPT(tok.vocab_size),
     }
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}

@@ -298,7 +298,7 @@ def test_a_run_missing_its_tokenizer_or_edited_after_training(tmp_path, capsys, 
                    f"tokenizer file {str(copy / 'tokenizer.json')!r} does not exist")
     shutil.copy(lm_run / "tokenizer.json", copy)
     config = json.loads((copy / "config.json").read_text())
-    config["model"]["d_model"] = 64
+    config["model"]["block"]["d_model"] = 64
     (copy / "config.json").write_text(json.dumps(config))
     one_line_error(capsys, ["eval", str(copy)], "does not fit the model: Error(s) in loading")
 

@@ -37,12 +37,13 @@ def test_command_arguments_of_the_wrong_kind(tmp_path):
 
 
 def tiny_models():
-    gpt = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, d_model=8))
+    block = {"n_head": 2, "d_model": 8}
+    gpt = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, block=block))
     encoder = Encoder(EncoderConfig(vocab_size=10, num_classes=0, max_len=8, n_layer=1,
-                                    n_head=2, d_model=8))
+                                    block=block))
     transformer = Transformer(TransformerConfig(
-        src_vocab_size=10, tgt_vocab_size=12, d_model=8, n_head=2, n_encoder_layers=1,
-        n_decoder_layers=1, d_ff=16))
+        src_vocab_size=10, tgt_vocab_size=12, block={**block, "d_ff": 16}, n_encoder_layers=1,
+        n_decoder_layers=1))
     return gpt, encoder, transformer
 
 

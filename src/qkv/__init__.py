@@ -1,50 +1,12 @@
-"""qkv: the attention mechanism and the Transformer, exact and fast, on PyTorch."""
+"""qkv: the attention mechanism and the Transformer, exact and fast, on PyTorch.
 
-from . import models, nn  # noqa: F401  (qkv.models, qkv.nn)
-from .core import (
-    Mask,
-    ScoreMod,
-    Similarity,
-    alibi,
-    attention,
-    block_sparse,
-    causal,
-    custom_mask,
-    dilated_window,
-    fixed,
-    global_local,
-    global_tokens,
-    graph,
-    padding,
-    register_similarity,
-    relative_bias,
-    segments,
-    sliding_window,
-    softcap,
-    strided,
-)
+The public names of the functional core (``qkv.attention``, the masks, score modifiers and
+similarities) are listed once, in ``qkv.core.__all__``, and re-exported here; the layers and
+models are ``qkv.nn`` and ``qkv.models``.
+"""
+
+from . import core, models, nn  # noqa: F401  (qkv.core, qkv.models, qkv.nn)
+from .core import *  # noqa: F403
+from .core import __all__ as __all__
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "block_sparse",
-    "dilated_window",
-    "fixed",
-    "global_local",
-    "global_tokens",
-    "strided",
-    "Mask",
-    "ScoreMod",
-    "Similarity",
-    "alibi",
-    "attention",
-    "causal",
-    "custom_mask",
-    "graph",
-    "padding",
-    "register_similarity",
-    "relative_bias",
-    "segments",
-    "sliding_window",
-    "softcap",
-]

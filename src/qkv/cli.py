@@ -18,7 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from . import __version__, chat, model_commands
+from .train import config, distributed, run
+from .viz import command as viz_command
 
 USAGE_ERROR = 2
 
@@ -48,8 +52,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .train import config, distributed, run
-
     task = run.get_task(args.task)
     if args.init:
         args.overrides = [*args.overrides, f"train.init={json.dumps(args.init)}"]
@@ -75,7 +77,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"run directory: {run_dir}")
         print(trainer.time_report())
         print(task.summary(result))
-        task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout)
+        from .viz.heatmap import cross_attention_png  # matplotlib, an optional dependency
+
+        task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout,
+                    heatmap=cross_attention_png)
     distributed.teardown(trainer.env)
     return 0
 
@@ -118,10 +123,6 @@ def eval_overrides(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from .train import run
-
     if run_dir_or_model(args, "eval"):
         if args.overrides:
             raise ValueError("--set applies to run directories; with --model use --text, "
@@ -154,8 +155,6 @@ MODEL_GENERATE_DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0,
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .train import run
-
     if run_dir_or_model(args, "generate"):
         for flag, default in MODEL_GENERATE_DEFAULTS.items():
             if getattr(args, flag) is None:
@@ -210,9 +209,6 @@ def screen_sources(texts: list[str], tok, from_stdin: bool) -> list[bool]:
 
 
 def run_translate(args: argparse.Namespace) -> int:
-    from .train import run
-    from .viz.heatmap import cross_attention_png
-
     texts = args.text
     from_stdin = texts == ["-"]
     if from_stdin:
@@ -228,6 +224,8 @@ def run_translate(args: argparse.Namespace) -> int:
     for text in outputs:
         print(text)
     if args.heatmap and kept:
+        from .viz.heatmap import cross_attention_png  # matplotlib, an optional dependency
+
         cross_attention_png(model, data.src_tok, data.tgt_tok, kept[0], outputs[keep.index(True)],
                             args.heatmap)
         print(f"cross-attention heatmap: {args.heatmap}", file=sys.stderr)
@@ -236,15 +234,11 @@ def run_translate(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- viz
 def add_viz_arguments(p: argparse.ArgumentParser) -> None:
-    from .viz.command import add_arguments
-
-    add_arguments(p)
+    viz_command.add_arguments(p)
 
 
 def run_viz(args: argparse.Namespace) -> int:
-    from .viz.command import run
-
-    return run(args)
+    return viz_command.run(args)
 
 
 # ----------------------------------------------------------------------------- bench

@@ -11,6 +11,16 @@ import argparse
 import json
 import sys
 
+import torch
+
+from . import models
+from .data.docstrings import stdlib_docstrings
+from .data.text import read_text_file, split_text
+from .models import GPT
+from .models.pretrained.usage import TextStream, cosine_matrix, embed_texts
+from .models.scoring import perplexity, token_nll
+from .nn.packed import pack_linears
+
 MODEL_HELP = ("a pretrained checkpoint: smollm2, minilm, a GPT-2 / LLaMA / BERT directory or "
               "a .gguf file")
 
@@ -28,10 +38,7 @@ def add_weights_option(p: argparse.ArgumentParser) -> None:
 def load(name: str, want: str, command: str, weights: str = "fp32"):
     """(model, tokenizer) of checkpoint ``name``; ``want`` is "decoder" or "encoder";
     ``weights`` "bf16" packs the linear layers (``qkv.nn.packed``)."""
-    from .models import GPT, load_pretrained
-    from .nn.packed import pack_linears
-
-    model, tokenizer = load_pretrained(name)
+    model, tokenizer = models.load_pretrained(name)
     if (want == "decoder") != isinstance(model, GPT):
         other = "qkv embed" if want == "decoder" else "qkv generate"
         article = "an" if want == "encoder" else "a"
@@ -57,10 +64,6 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
 
 def _generate(model, tokenizer, ids: list[int], args, write=None) -> list[int]:
     """Continue ``ids``; with ``write``, text is streamed to it as tokens arrive."""
-    import torch
-
-    from .models.pretrained.usage import TextStream
-
     if len(ids) + args.max_new_tokens > model.config.block_size:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens "
                          f"({args.max_new_tokens}) exceeds the model's context of "
@@ -120,8 +123,6 @@ def add_embed_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_embed(args: argparse.Namespace) -> int:
     """Sentence embeddings: the cosine-similarity matrix, or the vectors as JSON."""
-    from .models.pretrained.usage import cosine_matrix, embed_texts
-
     texts = [line.rstrip("\n") for line in sys.stdin if line.strip()] if args.text == ["-"] \
         else args.text
     if not texts:
@@ -144,12 +145,6 @@ def run_embed(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Perplexity of a pretrained decoder on --text FILE (default: held-out stdlib docstrings)."""
-    import torch
-
-    from .data.docstrings import stdlib_docstrings
-    from .data.text import read_text_file, split_text
-    from .models.scoring import perplexity, token_nll
-
     if args.window is not None and args.window < 2:  # before the slow load
         raise ValueError(f"--window must be at least 2 tokens; got {args.window}")
     if args.max_tokens < 0:

@@ -147,8 +147,9 @@ def test_modules_and_model_configs_take_a_registered_name():
     assert any(p is w for p in mha.parameters())
     mha(torch.randn(2, 5, 16)).sum().backward()
     assert w.grad is not None and w.grad.abs().sum() > 0
-    gpt = qkv.models.GPT(qkv.models.GPTConfig(vocab_size=11, block_size=8, d_model=16, n_head=2,
-                                               n_layer=1, similarity="test_weighted_l1_d8"))
+    block = {"d_model": 16, "n_head": 2, "similarity": "test_weighted_l1_d8"}
+    gpt = qkv.models.GPT(qkv.models.GPTConfig(vocab_size=11, block_size=8, n_layer=1,
+                                               block=block))
     logits = gpt(torch.randint(0, 11, (1, 6)))
     assert logits.shape[:2] == (1, 6) and torch.isfinite(logits).all()
     with pytest.raises(ValueError, match="similarity must be one of"):

@@ -7,7 +7,7 @@ from qkv.data.tokenizers import (
     UNK_ID,
     BPETokenizer,
     CharTokenizer,
-    load_tokenizer,
+    read_tokenizer,
     save_tokenizer,
     train_tokenizer,
 )
@@ -23,7 +23,7 @@ def test_round_trip_and_json(kind, tmp_path):
         assert min(ids) > UNK_ID and tok.decode(ids) == text
     assert tok.decode([BOS_ID] + tok.encode("zwölf") + [EOS_ID, PAD_ID]) == "zwölf"
     save_tokenizer(tok, tmp_path / "tok.json")
-    again = load_tokenizer(tmp_path / "tok.json")
+    again = read_tokenizer(tmp_path / "tok.json")
     assert type(again) is type(tok) and again.vocab_size == tok.vocab_size
     assert again.encode(TEXTS[2]) == tok.encode(TEXTS[2])
 
@@ -40,7 +40,7 @@ def test_bad_kind_and_file(tmp_path):
         train_tokenizer("word", TEXTS, 10)
     (tmp_path / "x.json").write_text('{"kind": "other"}')
     with pytest.raises(ValueError, match="not a qkv tokenizer"):
-        load_tokenizer(tmp_path / "x.json")
+        read_tokenizer(tmp_path / "x.json")
 
 
 @pytest.mark.parametrize("content, expected", [
@@ -53,7 +53,7 @@ def test_a_corrupt_tokenizer_file_is_named(tmp_path, content, expected):
     path = tmp_path / "tokenizer.json"
     path.write_text(content)
     with pytest.raises(ValueError) as info:
-        load_tokenizer(path)
+        read_tokenizer(path)
     message = str(info.value)
     assert message.startswith(f"tokenizer file {str(path)!r}") and expected in message
     assert "\n" not in message

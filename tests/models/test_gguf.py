@@ -104,7 +104,8 @@ def test_llama_directory_matches_hugging_face(tiny_llama, tmp_path):
     tiny_llama.save_pretrained(tmp_path)
     ours = GPT.from_pretrained(tmp_path)
     c = ours.config
-    assert (c.n_head, c.n_kv_head, c.rope_base, c.tie_embeddings) == (4, 2, 50_000.0, False)
+    assert (c.block.n_head, c.block.n_kv_head, c.positions.rope_base, c.tie_embeddings) == (
+        4, 2, 50_000.0, False)
     _assert_logits_match(ours, tiny_llama)
 
 
@@ -231,7 +232,7 @@ def _dequantized_like_file(hf):
 def test_gguf_llama_matches_hugging_face(tiny_llama, tmp_path):
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama)
     model, tokenizer = load_pretrained(path)
-    assert model.config.n_kv_head == KV_HEADS and not model.config.tie_embeddings
+    assert model.config.block.n_kv_head == KV_HEADS and not model.config.tie_embeddings
     _assert_logits_match(model, _dequantized_like_file(tiny_llama))
     # The tokenizer from the same file's metadata: merges apply, specials stay whole.
     ids = tokenizer.encode("the cat<|im_end|> in")

@@ -33,7 +33,7 @@ def test_from_pretrained_matches_hugging_face(hf_dir):
     with torch.no_grad():
         diff = (ours(idx) - hf(idx).logits).abs().max().item()
     assert diff < 1e-4
-    assert ours.config.ffn == "gelu_tanh" and ours.config.block_size == 24
+    assert ours.config.block.ffn == "gelu_tanh" and ours.config.block_size == 24
 
 
 def test_greedy_generation_matches_hugging_face(hf_dir):
@@ -82,9 +82,11 @@ def test_from_pretrained_bad_inputs(hf_dir, tmp_path):
         GPT.from_pretrained(mismatched)
 
 
-def tiny(positions="learned", **kw):
+def tiny(positions="learned", block=None, **kw):
     torch.manual_seed(0)
-    return GPT(GPTConfig(37, 20, 2, 4, 16, n_kv_head=2, positions=positions, **kw)).eval()
+    block = {"n_head": 4, "d_model": 16, "n_kv_head": 2, **(block or {})}
+    return GPT(GPTConfig(vocab_size=37, block_size=20, n_layer=2, block=block,
+                         positions={"kind": positions}, **kw)).eval()
 
 
 def peaked(model):
@@ -96,7 +98,7 @@ def peaked(model):
 
 
 @pytest.mark.parametrize("positions, extra", [
-    ("learned", {}), ("sinusoidal", {}), ("rope", {"similarity": "cosine"}),
+    ("learned", {}), ("sinusoidal", {}), ("rope", {"block": {"similarity": "cosine"}}),
     ("alibi", {"window": 3}), ("relative", {}),
 ])
 def test_cached_logits_equal_uncached_at_every_step(positions, extra):
@@ -133,7 +135,8 @@ def test_batched_padded_generation_equals_one_by_one():
 
 def test_beam_search_with_a_wide_beam_is_exhaustive():
     torch.manual_seed(0)
-    model = peaked(GPT(GPTConfig(4, 8, 1, 2, 8)).eval())
+    config = GPTConfig(vocab_size=4, block_size=8, n_layer=1, block={"n_head": 2, "d_model": 8})
+    model = peaked(GPT(config).eval())
     prompt = torch.tensor([[1, 2]])
     with torch.no_grad():
         def score(cont):
@@ -175,7 +178,7 @@ def test_sampling_filters():
 
 
 def test_config_round_trips_and_bad_input():
-    model = tiny("rope", norm="rmsnorm", ffn="swiglu", tie_embeddings=False)
+    model = tiny("rope", block={"norm": "rmsnorm", "ffn": "swiglu"}, tie_embeddings=False)
     config = GPTConfig(**json.loads(json.dumps(dataclasses.asdict(model.config))))
     assert config == model.config
     again = GPT(config)
@@ -186,9 +189,10 @@ def test_config_round_trips_and_bad_input():
     with pytest.raises(ValueError, match="max_len=20"):
         tiny().generate(torch.zeros(1, 10, dtype=torch.long), 11)
     with pytest.raises(ValueError, match="divisible by n_head"):
-        GPTConfig(10, 8, 1, 3, 16)
+        GPTConfig(vocab_size=10, block_size=8, n_layer=1, block={"n_head": 3, "d_model": 16})
     with pytest.raises(ValueError, match="divisible by n_kv_head"):
-        GPTConfig(10, 8, 1, 4, 16, n_kv_head=3)
+        GPTConfig(vocab_size=10, block_size=8, n_layer=1,
+                  block={"n_head": 4, "d_model": 16, "n_kv_head": 3})
     with pytest.raises(ValueError, match="idx"):
         tiny()(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"lengths must lie in \[1, 3\]"):
@@ -197,8 +201,9 @@ def test_config_round_trips_and_bad_input():
 
 def test_training_lowers_the_loss():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(12, 16, 2, 2, 16, dropout=0.1, positions="rope", norm="rmsnorm",
-                          ffn="swiglu"))
+    block = {"n_head": 2, "d_model": 16, "dropout": 0.1, "norm": "rmsnorm", "ffn": "swiglu"}
+    model = GPT(GPTConfig(vocab_size=12, block_size=16, n_layer=2, block=block,
+                          positions={"kind": "rope"}))
     seq = torch.arange(16).remainder(12).unsqueeze(0).repeat(4, 1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -216,8 +221,9 @@ def test_attention_layers_are_reachable():
     model = tiny()
     from qkv.nn import MultiHeadAttention
 
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    assert [m.layer_index for m in layers] == [0, 1]
+    named = [(n, m) for n, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+    assert [n for n, _ in named] == ["blocks.0.self_attn", "blocks.1.self_attn"]
+    layers = [m for _, m in named]
     assert not any(m.is_cross for m in layers)
 
 
@@ -231,10 +237,11 @@ def test_torch_compile_matches_eager():
         assert (compiled(idx) - model(idx)).abs().max() < 1e-5
 
 
-def _variant_gpt(**variant):
+def _variant_gpt(similarity="dot", positions="learned"):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, d_model=16,
-                         **variant)).eval()
+    return GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2,
+                         block={"n_head": 2, "d_model": 16, "similarity": similarity},
+                         positions={"kind": positions})).eval()
 
 
 @pytest.mark.parametrize("variant", [{"similarity": "l1"}, {"positions": "alibi"}],

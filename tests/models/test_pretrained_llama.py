@@ -27,7 +27,8 @@ def rel_err(a, b):
 @pytest.mark.slow
 def test_logits_match_on_a_padded_batch(smollm2, hf_smollm2):
     model, tokenizer = smollm2
-    assert isinstance(model, GPT) and model.config.n_kv_head == 3 and model.config.n_layer == 30
+    assert isinstance(model, GPT) and model.config.block.n_kv_head == 3
+    assert model.config.n_layer == 30
     rows = [tokenizer.encode(p) for p in PROMPTS]
     n = max(map(len, rows))
     left_pad = torch.tensor([n - len(r) for r in rows])

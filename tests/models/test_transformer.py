@@ -40,7 +40,7 @@ def torch_reference(norm_first, batch_first):
 def test_from_torch_matches_torch_transformer(norm_first, batch_first):
     m, src_emb, tgt_emb, out = torch_reference(norm_first, batch_first)
     ours = Transformer.from_torch(m, src_emb, tgt_emb, out).eval()
-    assert ours.config.norm_first is norm_first and ours.config.final_norm
+    assert ours.config.block.norm_first is norm_first and ours.config.final_norm
     g = torch.Generator().manual_seed(1)
     src, tgt = torch.randint(3, 23, (3, 9), generator=g), torch.randint(3, 19, (3, 7), generator=g)
     src_lengths, tgt_lengths = torch.tensor([9, 5, 7]), torch.tensor([7, 7, 4])
@@ -71,16 +71,18 @@ def test_padding_from_pad_id_equals_lengths():
     assert torch.allclose(by_id, by_lengths) and (by_id[:1] - alone).abs().max() < 1e-5
 
 
-def tiny(**kw):
+def tiny(positions="sinusoidal", block=None, **kw):
     torch.manual_seed(0)
     return Transformer(TransformerConfig(
-        20, 20, d_model=16, n_head=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=32, **kw
+        src_vocab_size=20, tgt_vocab_size=20,
+        block={"d_model": 16, "n_head": 4, "d_ff": 32, **(block or {})},
+        positions={"kind": positions}, n_encoder_layers=2, n_decoder_layers=2, **kw
     )).eval()
 
 
 @pytest.mark.parametrize("positions", ["sinusoidal", "rope", "relative"])
 def test_cached_decoding_equals_uncached(positions):
-    model = tiny(positions=positions, share_embeddings=True, n_kv_head=2)
+    model = tiny(positions=positions, share_embeddings=True, block={"n_kv_head": 2})
     src = torch.randint(3, 20, (2, 6), generator=torch.Generator().manual_seed(2))
     src[1, 4:] = 0
     with torch.no_grad():
@@ -111,10 +113,11 @@ def test_beam_search_decodes_and_ends_at_eos():
 
 
 def test_base_defaults_and_layers():
-    c = TransformerConfig(100, 100)
-    assert (c.d_model, c.n_head, c.n_encoder_layers, c.n_decoder_layers, c.d_ff, c.dropout) == (
+    c = TransformerConfig(src_vocab_size=100, tgt_vocab_size=100)
+    b = c.block
+    assert (b.d_model, b.n_head, c.n_encoder_layers, c.n_decoder_layers, b.d_ff, b.dropout) == (
         512, 8, 6, 6, 2048, 0.1)
-    assert (c.norm_first, c.positions, c.ffn, c.scale_embeddings, c.tie_output) == (
+    assert (b.norm_first, c.positions.kind, b.ffn, c.scale_embeddings, c.tie_output) == (
         False, "sinusoidal", "relu", True, True)
     model = tiny(share_embeddings=True)
     assert model.out_proj.weight is model.tgt_emb.weight is model.src_emb.weight
@@ -126,13 +129,14 @@ def test_base_defaults_and_layers():
 
 def test_similarity_choices_and_bad_config():
     for similarity in ("cosine", "l1"):
-        model = tiny(similarity=similarity)
+        model = tiny(block={"similarity": similarity})
         src, tgt = torch.randint(3, 20, (2, 5)), torch.randint(3, 20, (2, 4))
         assert model(src, tgt).shape == (2, 4, 20)
     with pytest.raises(ValueError, match="share_embeddings"):
-        TransformerConfig(10, 12, share_embeddings=True)
+        TransformerConfig(src_vocab_size=10, tgt_vocab_size=12, share_embeddings=True)
     with pytest.raises(ValueError, match="divisible by n_head"):
-        TransformerConfig(10, 10, d_model=30, n_head=4)
+        TransformerConfig(src_vocab_size=10, tgt_vocab_size=10,
+                          block={"d_model": 30, "n_head": 4})
     with pytest.raises(ValueError, match="max_len=4"):
         tiny(positions="learned", max_len=4)(torch.ones(1, 5, dtype=torch.long),
                                              torch.ones(1, 2, dtype=torch.long))

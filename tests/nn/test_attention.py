@@ -118,26 +118,25 @@ def test_kv_cache_matches_full_causal(use_rope):
 
 def test_cross_attention_cache_keeps_memory():
     torch.manual_seed(0)
-    m = MultiHeadAttention(8, 2, is_cross=True, layer_index=3).eval()
+    m = MultiHeadAttention(8, 2, is_cross=True).eval()
     x, memory = torch.randn(1, 3, 8), torch.randn(1, 5, 8)
     cache = m.new_cache(1, 5)
     first = m(x[:, :1], memory, cache=cache)
     later = m(x[:, 1:], cache=cache)
     assert torch.allclose(torch.cat((first, later), 1), m(x, memory), atol=1e-6)
-    assert m.is_cross and m.layer_index == 3
+    assert m.is_cross
     with pytest.raises(ValueError, match="key"):
         m(x)
 
 
-def test_capture_weights_and_similarities():
+def test_returned_weights_and_similarities():
     torch.manual_seed(0)
     x = torch.randn(2, 4, 8)
     for similarity in ("cosine", "l1", "l2", "mahalanobis"):
         m = MultiHeadAttention(8, 2, similarity=similarity)
-        m.capture_weights = True
-        out = m(x)
+        out, weights = m(x, return_weights=True)
         assert out.shape == (2, 4, 8)
-        assert torch.allclose(m.last_weights.sum(-1), torch.ones(2, 2, 4))
+        assert torch.allclose(weights.sum(-1), torch.ones(2, 2, 4))
     assert m.metric.shape == (2, 4, 4)
     out.sum().backward()
     assert m.metric.grad is not None

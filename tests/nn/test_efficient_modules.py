@@ -18,7 +18,7 @@ def kind_module(kind, d_model=16, n_head=4, n_kv_head=2, is_cross=False):
     torch.manual_seed(0)
     return build_attention(
         kind, d_model=d_model, n_head=n_head, n_kv_head=n_kv_head, bias=True, dropout=0.0,
-        similarity="dot", rope=None, is_cross=is_cross, layer_index=3,
+        similarity="dot", rope=None, is_cross=is_cross,
     ).double().eval()
 
 
@@ -30,7 +30,7 @@ def inputs(b=2, n=11, d=16, seed=0):
 def test_kinds_are_registered():
     assert {"linear", "linear_favor", "retention"} <= set(ATTENTION_KINDS)
     m = kind_module("retention")
-    assert isinstance(m, Retention) and m.layer_index == 3 and m.is_cross is False
+    assert isinstance(m, Retention) and m.is_cross is False
 
 
 def test_linear_module_is_projections_around_the_core():
@@ -139,13 +139,14 @@ def test_weights_score_mods_and_masks_refused():
         LinearAttention(16, 4, feature_map="favor", num_features=0)
     with pytest.raises(ValueError, match="similarity must be 'dot'"):
         build_attention("linear", d_model=16, n_head=4, n_kv_head=None, bias=True, dropout=0.0,
-                        similarity="l2", rope=None, is_cross=False, layer_index=0)
+                        similarity="l2", rope=None, is_cross=False)
 
 
 def tiny_gpt(kind, positions="learned", dtype=torch.float64):
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=23, block_size=32, n_layer=2, n_head=4, d_model=16,
-                       n_kv_head=2, positions=positions, attention=kind)
+    config = GPTConfig(vocab_size=23, block_size=32, n_layer=2,
+                       block={"n_head": 4, "d_model": 16, "n_kv_head": 2, "attention": kind},
+                       positions={"kind": positions})
     return GPT(config).to(dtype)
 
 
@@ -194,8 +195,8 @@ def test_gpt_with_alibi_refused_clearly():
 @pytest.mark.parametrize("kind", KINDS)
 def test_encoder_trains_and_ignores_padding(kind):
     torch.manual_seed(0)
-    config = EncoderConfig(vocab_size=20, num_classes=3, max_len=16, n_layer=2, n_head=4,
-                           d_model=16, dropout=0.0, attention=kind)
+    config = EncoderConfig(vocab_size=20, num_classes=3, max_len=16, n_layer=2,
+                           block={"n_head": 4, "d_model": 16, "dropout": 0.0, "attention": kind})
     model = Encoder(config).double()
     ids = torch.randint(1, 20, (2, 9), generator=torch.Generator().manual_seed(2))
     ids[1, 6:] = 0
@@ -208,9 +209,9 @@ def test_encoder_trains_and_ignores_padding(kind):
 
 def test_transformer_with_linear_attention_generates_cached_equals_uncached():
     torch.manual_seed(0)
-    config = TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, d_model=16, n_head=4,
-                               n_encoder_layers=1, n_decoder_layers=2, d_ff=32, dropout=0.0,
-                               max_len=32, attention="linear")
+    block = {"d_model": 16, "n_head": 4, "d_ff": 32, "dropout": 0.0, "attention": "linear"}
+    config = TransformerConfig(src_vocab_size=20, tgt_vocab_size=20, block=block,
+                               n_encoder_layers=1, n_decoder_layers=2, max_len=32)
     model = Transformer(config).double()
     src = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(3))
     lengths = torch.tensor([7, 4])

@@ -9,31 +9,32 @@ from qkv.models import GPT, GPTConfig
 from qkv.nn import (
     ATTENTION_KINDS,
     BlockConfig,
-    FeedForward,
     MultiHeadAttention,
     RMSNorm,
-    TransformerBlock,
+    feed_forward,
     register_attention_kind,
+    transformer_block,
 )
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "swiglu"])
 def test_feedforward_formulas(activation):
     torch.manual_seed(0)
-    ffn = FeedForward(6, 10, activation)
+    ffn = feed_forward(activation, 6, 10)
     x = torch.randn(2, 3, 6)
-    h = x @ ffn.linear1.weight.T + ffn.linear1.bias
+    first = ffn.gate_proj if activation == "swiglu" else ffn.up_proj
+    h = x @ first.weight.T + first.bias
     h = {
         "relu": lambda: h.clamp(min=0),
         "gelu": lambda: 0.5 * h * (1 + torch.erf(h / 2**0.5)),
         "gelu_tanh": lambda: 0.5 * h * (
             1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3))
         ),
-        "swiglu": lambda: F.silu(h) * (x @ ffn.gate.weight.T + ffn.gate.bias),
+        "swiglu": lambda: F.silu(h) * (x @ ffn.up_proj.weight.T + ffn.up_proj.bias),
     }[activation]()
-    assert torch.allclose(ffn(x), h @ ffn.linear2.weight.T + ffn.linear2.bias, atol=1e-6)
-    with pytest.raises(ValueError, match="activation"):
-        FeedForward(6, 10, "tanh")
+    assert torch.allclose(ffn(x), h @ ffn.down_proj.weight.T + ffn.down_proj.bias, atol=1e-6)
+    with pytest.raises(ValueError, match="ffn must be one of"):
+        feed_forward("tanh", 6, 10)
 
 
 def test_rmsnorm_formula():
@@ -48,8 +49,8 @@ def test_rmsnorm_formula():
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_block_post_and_pre_norm(norm_first):
     torch.manual_seed(0)
-    cfg = BlockConfig(d_model=8, n_head=2, d_ff=16, norm_first=norm_first)
-    block = TransformerBlock(cfg, 0).eval()
+    cfg = BlockConfig(d_model=8, n_head=2, d_ff=16, norm_first=norm_first, ffn="relu")
+    block = transformer_block(cfg).eval()
     x = torch.randn(2, 5, 8)
     attn, ffn = block.self_attn, block.ffn
     n1, n2 = block.attn_sublayer.norm, block.ffn_sublayer.norm
@@ -64,7 +65,8 @@ def test_block_post_and_pre_norm(norm_first):
 
 def test_residual_dropout_only_in_training():
     torch.manual_seed(0)
-    block = TransformerBlock(BlockConfig(d_model=8, n_head=2, d_ff=16, dropout=0.5), 0)
+    block = transformer_block(BlockConfig(d_model=8, n_head=2, d_ff=16, dropout=0.5,
+                                          norm_first=False, ffn="relu"))
     x = torch.randn(2, 5, 8)
     assert not torch.allclose(block(x), block(x))
     block.eval()
@@ -76,25 +78,29 @@ class ScaledSoftmax(MultiHeadAttention):
 
 
 def test_registered_kind_is_built_by_config_string():
-    def factory(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
-                layer_index):
-        return ScaledSoftmax(d_model, n_head, n_kv_head=n_kv_head, bias=bias, scale=0.1,
-                             rope=rope, is_cross=is_cross, layer_index=layer_index)
+    built = []
 
+    def factory(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross):
+        built.append(ScaledSoftmax(d_model, n_head, n_kv_head=n_kv_head, bias=bias, scale=0.1,
+                                   rope=rope, is_cross=is_cross))
+        return built[-1]
+
+    block = {"n_head": 2, "d_model": 8, "attention": "scaled-test"}
     register_attention_kind("scaled-test", factory)
     try:
-        model = GPT(GPTConfig(20, 8, 2, 2, 8, attention="scaled-test"))
+        model = GPT(GPTConfig(vocab_size=20, block_size=8, n_layer=2, block=block))
         kinds = [m for m in model.modules() if isinstance(m, ScaledSoftmax)]
-        assert [m.layer_index for m in kinds] == [0, 1]
+        assert kinds == built and len(built) == 2  # the builder is called once per layer
         model.generate(torch.tensor([[1, 2]]), 3, temperature=0)
     finally:
         del ATTENTION_KINDS["scaled-test"]
-    with pytest.raises(ValueError, match="attention must be one of"):
-        GPTConfig(20, 8, 2, 2, 8, attention="scaled-test")
+    with pytest.raises(ValueError, match="attention: expected one of"):
+        GPTConfig(vocab_size=20, block_size=8, n_layer=2, block=block)
 
 
 def test_score_modifiers_pass_through_blocks():
     torch.manual_seed(0)
-    block = TransformerBlock(BlockConfig(d_model=8, n_head=2, d_ff=16), 0).eval()
+    cfg = BlockConfig(d_model=8, n_head=2, d_ff=16, norm_first=False, ffn="relu")
+    block = transformer_block(cfg).eval()
     x = torch.randn(1, 4, 8)
     assert not torch.allclose(block(x, score_mod=qkv.softcap(0.5)), block(x))

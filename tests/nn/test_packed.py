@@ -35,9 +35,10 @@ def test_packed_linear_is_bf16_weights_with_float_accumulation(rows, bias):
 
 def test_pack_linears_keeps_a_gpt_close_and_generating_the_same():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, d_model=64,
-                          n_kv_head=2, positions="rope", norm="rmsnorm", ffn="swiglu",
-                          bias=False)).eval()
+    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
+             "bias": False}
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
+                          positions={"kind": "rope"})).eval()
     idx = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         want = model(idx)

@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.nn import Positions, RotaryEmbedding, sinusoidal_encoding
+from qkv.nn import (
+    ALiBiPositions,
+    LearnedPositions,
+    PositionsConfig,
+    RelativePositions,
+    RotaryEmbedding,
+    RotaryPositions,
+    make_positions,
+    sinusoidal_encoding,
+)
 
 
 def test_sinusoid_is_the_papers_closed_form():
@@ -46,9 +55,9 @@ def test_rope_per_row_positions_and_zero_is_identity():
 
 
 def test_alibi_and_relative_come_as_score_modifiers():
-    alibi = Positions("alibi", d_model=8, n_head=4, head_dim=2, max_len=16)
-    relative = Positions("relative", d_model=8, n_head=4, head_dim=2, max_len=16)
-    assert alibi.embed(torch.arange(3)) is None and alibi.rope is None
+    alibi = ALiBiPositions(n_head=4)
+    relative = RelativePositions(n_head=4)
+    assert alibi.embed(torch.arange(3)) is None and alibi.rotary() is None
     q = torch.randn(1, 4, 5, 2)
     ref = qkv.attention(q, q, q, score_mod=qkv.alibi(4))
     assert torch.allclose(qkv.attention(q, q, q, score_mod=alibi.score_mod()), ref)
@@ -59,10 +68,18 @@ def test_alibi_and_relative_come_as_score_modifiers():
 
 
 def test_learned_table_limit_is_named():
-    learned = Positions("learned", d_model=8, n_head=2, head_dim=4, max_len=6)
+    learned = LearnedPositions(max_len=6, d_model=8)
     assert learned.embed(torch.arange(6)).shape == (6, 8)
     with pytest.raises(ValueError, match="max_len=6"):
         learned.check_length(7)
-    Positions("rope", d_model=8, n_head=2, head_dim=4, max_len=6).check_length(10_000)
-    with pytest.raises(ValueError, match="positions must be one of"):
-        Positions("absolute", d_model=8, n_head=2, head_dim=4, max_len=6)
+    RotaryPositions(head_dim=4).check_length(10_000)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        PositionsConfig(kind="absolute")
+
+
+def test_make_positions_builds_the_configured_scheme():
+    sizes = dict(d_model=8, n_head=2, head_dim=4, max_len=6)
+    learned = make_positions(PositionsConfig(kind="learned"), **sizes)
+    assert isinstance(learned, LearnedPositions) and learned.max_len == 6
+    rope = make_positions(PositionsConfig(kind="rope"), **sizes)
+    assert isinstance(rope, RotaryPositions) and rope.rotary() is rope.rope

@@ -13,11 +13,11 @@ from .conftest import losses, tiny_lm
 # Similarities, position schemes that are score modifiers (ALiBi, T5's relative bias) and a
 # sliding-window mask, each on a causal LM; mahalanobis brings a learned metric.
 VARIANTS = {
-    "l1": ["model.similarity=l1"],
-    "l2_alibi": ["model.similarity=l2", "model.positions=alibi"],
-    "cosine_relative": ["model.similarity=cosine", "model.positions=relative"],
-    "mahalanobis_window": ["model.similarity=mahalanobis", "model.window=3"],
-    "dot_alibi_window": ["model.positions=alibi", "model.window=5"],
+    "l1": ["model.block.similarity=l1"],
+    "l2_alibi": ["model.block.similarity=l2", "model.positions.kind=alibi"],
+    "cosine_relative": ["model.block.similarity=cosine", "model.positions.kind=relative"],
+    "mahalanobis_window": ["model.block.similarity=mahalanobis", "model.window=3"],
+    "dot_alibi_window": ["model.positions.kind=alibi", "model.window=5"],
 }
 
 

@@ -13,11 +13,11 @@ def lm():
 
 def test_defaults_preset_file_and_overrides_in_order(lm, tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[train]\nsteps = 7\nlr = 0.01\n[model]\npositions = "rope"\n')
+    path.write_text('[train]\nsteps = 7\nlr = 0.01\n[model.positions]\nkind = "rope"\n')
     cfg = resolve(lm.schema, "lm", lm.presets["tiny"], read_config_file(path),
                   ["train.lr=3e-4", "train.compile=true", "data.tokenizer=bpe"])
     assert cfg.train.steps == 7 and cfg.train.lr == 3e-4 and cfg.train.compile is True
-    assert cfg.model["positions"] == "rope" and cfg.model["d_model"] == 32
+    assert cfg.model["positions"]["kind"] == "rope" and cfg.model["block"]["d_model"] == 32
     assert cfg.data.tokenizer == "bpe" and cfg.train.batch_size == 8
 
 
@@ -31,7 +31,7 @@ def test_the_written_config_round_trips(lm):
 def test_unknown_key_lists_close_matches(lm):
     with pytest.raises(ConfigError, match=r"unknown config key 'train.setps'.*train.steps"):
         resolve(lm.schema, "lm", {}, None, ["train.setps=5"])
-    with pytest.raises(ConfigError, match="model.n_head"):
+    with pytest.raises(ConfigError, match="model.block.n_head"):
         resolve(lm.schema, "lm", {}, None, ["model.n_heads=5"])
     with pytest.raises(ConfigError, match="unknown config key 'trian'"):
         resolve(lm.schema, "lm", {}, {"trian": {"steps": 1}}, [])
@@ -41,7 +41,9 @@ def test_unknown_key_lists_close_matches(lm):
     ("train.steps=abc", "train.steps: expected int, got 'abc'"),
     ("train.steps=1.5", "expected int"),
     ("train.compile=1", "expected bool"),
-    ("model.n_kv_head=two", "model.n_kv_head: expected int | None"),
+    ("model.block.n_kv_head=two", "model.block.n_kv_head: expected int | None"),
+    ("model.n_head=4", "model.n_head has moved: the model config keeps it in a section now; "
+                       "set model.block.n_head"),
     ("model.vocab_size=9", "set from the data"),
     ("trainsteps=1", "section.key=value"),
 ])
@@ -81,9 +83,9 @@ def test_config_file_for_another_task(lm, tmp_path):
     ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),
     ("lm", "train.lr=nan", "train.lr: expected a finite number, got nan"),
     ("lm", "eval.top_p=0", "eval.top_p: expected a value in (0, 1], got 0.0"),
-    ("lm", "model.norm=batchnorm", "model.norm: expected one of layernorm, rmsnorm"),
-    ("lm", "model.dropout=1", "model.dropout: expected a value in [0, 1), got 1.0"),
-    ("lm", "model.n_head=3", "model: GPTConfig: d_model=32 must be divisible by n_head=3"),
+    ("lm", "model.block.norm=batchnorm", "model.block.norm: expected one of layernorm, rmsnorm"),
+    ("lm", "model.block.dropout=1", "model.block.dropout: expected a value in [0, 1), got 1.0"),
+    ("lm", "model.block.n_head=3", "model: BlockConfig: d_model=32 must be divisible by n_head=3"),
     ("vit", "model.patch_size=[2, 0]", "model.patch_size: expected a value in [1, inf), got 0"),
     ("vit", "model.pooling=max", "model.pooling: expected one of cls, mean, got 'max'"),
     ("translate", "data.tokenizer=word", "data.tokenizer: expected one of bpe, char"),

@@ -59,10 +59,10 @@ def test_init_run_starts_from_the_checkpoint_and_keeps_its_tokenizer(
     stored = json.loads((run_dir / "config.json").read_text())
     assert stored["train"]["init"] == str(llama_dir)
     assert stored["train"]["lr"] == pytest.approx(1e-4)  # the fine-tuning default
-    model_cfg = stored["model"]
-    assert (model_cfg["positions"], model_cfg["norm"], model_cfg["ffn"]) == (
+    model_cfg, block = stored["model"], stored["model"]["block"]
+    assert (model_cfg["positions"]["kind"], block["norm"], block["ffn"]) == (
         "rope", "rmsnorm", "swiglu")
-    assert (model_cfg["n_kv_head"], model_cfg["window"], model_cfg["block_size"]) == (2, 8, 32)
+    assert (block["n_kv_head"], model_cfg["window"], model_cfg["block_size"]) == (2, 8, 32)
     tokenizer = json.loads((run_dir / "tokenizer.json").read_text())
     assert tokenizer["kind"] == "pretrained" and tokenizer["eos"] == "</s>"
     # The run's model is the checkpoint's at step 0: rebuild it and compare weights.
@@ -80,9 +80,11 @@ def test_init_run_starts_from_the_checkpoint_and_keeps_its_tokenizer(
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--set", "model.d_model=64"], "model.d_model cannot change on a pretrained checkpoint"),
+    (["--set", "model.block.d_model=64"],
+     "model.block.d_model cannot change on a pretrained checkpoint"),
     (["--set", "model.block_size=500"], "exceeds the checkpoint's context of 128"),
-    (["--set", "model.similarity=mahalanobis"], "adds parameters"),
+    (["--set", "model.block.similarity=mahalanobis"],
+     "model.block.similarity='mahalanobis' adds parameters"),
     (["--resume"], "--init starts a new run"),
 ])
 def test_init_refusals_are_one_line(llama_dir, text_file, tmp_path, capsys, extra, message):

@@ -15,7 +15,7 @@ from .conftest import losses, tiny_lm
 from .test_resume import wait_for_step
 
 # Checkpoints only at the end: everything the interrupted run keeps is the interrupt's save.
-STEPS = ["--set", "train.checkpoint_every=1000", "--set", "model.dropout=0.1"]
+STEPS = ["--set", "train.checkpoint_every=1000", "--set", "model.block.dropout=0.1"]
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -33,7 +33,7 @@ def wait_for_step(run_dir, proc, step: int, timeout: float = 120.0) -> None:
 
 
 def test_resume_after_kill_matches_uninterrupted(tmp_path):
-    steps = ["--set", "train.checkpoint_every=10", "--set", "model.dropout=0.1"]
+    steps = ["--set", "train.checkpoint_every=10", "--set", "model.block.dropout=0.1"]
     assert main(tiny_lm(tmp_path / "whole", 80, *steps)) == 0
 
     crashed = tmp_path / "crashed"

@@ -39,10 +39,10 @@ def error_line(capsys) -> str:
 
 def test_a_resume_that_changes_the_model_is_refused_before_writing(whole, capsys):
     before = snapshot(whole)
-    argv = tiny_lm(whole, 12, "--resume", "--set", "model.d_model=64")
+    argv = tiny_lm(whole, 12, "--resume", "--set", "model.block.d_model=64")
     assert main(argv) == 2
-    assert "--resume cannot change model.d_model (the run was trained with 32)" in error_line(
-        capsys)
+    assert "--resume cannot change model.block.d_model (the run was trained with 32)" in (
+        error_line(capsys))
     assert main(tiny_lm(whole, 12, "--resume", "--set", "data.tokenizer=bpe")) == 2
     assert "--resume cannot change data.tokenizer" in error_line(capsys)
     assert snapshot(whole) == before

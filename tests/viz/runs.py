@@ -10,15 +10,16 @@ import torch
 
 from qkv.data.tokenizers import CharTokenizer, save_tokenizer
 from qkv.models import GPT, GPTConfig, Transformer, TransformerConfig, ViT, ViTConfig
-from qkv.train import checkpoint, config, run
+from qkv.train import checkpoint, config
+from qkv.train.rundir import get_task
 from qkv.train.tasks.common import build
 
 TEXT = "the cat sat"
 
 
 def start_run(run_dir, task, overrides=()):
-    cfg = config.resolve(run.get_task(task).schema, task, run.get_task(task).presets["tiny"],
-                         None, list(overrides))
+    cfg = config.resolve(get_task(task).schema, task, get_task(task).presets["tiny"], None,
+                         list(overrides))
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict()))
     return cfg

@@ -103,33 +103,40 @@ def test_head_weights_from_the_fused_engines_log_sum_exp():
     torch.testing.assert_close(got, want[:, [1, 3]], rtol=1e-5, atol=1e-6)
 
 
-def _gpt(**kw):
-    cfg = dict(vocab_size=20, block_size=16, n_layer=2, n_head=4, d_model=32)
+def _gpt(positions="learned", block=None, **kw):
+    cfg = dict(vocab_size=20, block_size=16, n_layer=2,
+               block={"n_head": 4, "d_model": 32, **(block or {})}, positions={"kind": positions})
     cfg.update(kw)
     return GPT(GPTConfig(**cfg)).eval()
 
 
 @pytest.mark.parametrize("positions", ["alibi", "rope"])
 def test_capture_matches_the_layers_own_weights_and_leaves_outputs_unchanged(positions):
-    model = _gpt(positions=positions, n_kv_head=2).double()
+    model = _gpt(positions=positions, block={"n_kv_head": 2}).double()
     idx = torch.randint(0, 20, (2, 9))
     plain = model(idx)
     with capture(model, layers=[1], heads=[0, 3]) as maps:
         captured = model(idx)
     assert torch.equal(plain, captured)
-    assert model.blocks[1].self_attn.weights_observer is None
-    # The slow path that computes every head's weights, for comparison only.
     layer = model.blocks[1].self_attn
-    layer.capture_weights = True
+    assert "attend" not in layer.__dict__  # the class's own attend again
+    # The slow path that computes every head's weights, for comparison only: the layer's call
+    # in the forward pass, repeated with return_weights.
+    seen = {}
+    hook = layer.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(args=args, kwargs=kwargs), with_kwargs=True)
     model(idx)
-    torch.testing.assert_close(maps[1], layer.last_weights[:, [0, 3]], rtol=1e-10, atol=1e-12)
+    hook.remove()
+    _, weights = layer(*seen["args"], **seen["kwargs"], return_weights=True)
+    torch.testing.assert_close(maps[1], weights[:, [0, 3]], rtol=1e-10, atol=1e-12)
     assert maps[-1].shape == (2, 2, 9, 9)
     assert [s.name for s in maps] == ["blocks.1.self_attn"]
 
 
 def test_capture_encoder_decoder_self_and_cross_with_padding():
-    cfg = TransformerConfig(src_vocab_size=15, tgt_vocab_size=17, d_model=32, n_head=4,
-                            n_encoder_layers=2, n_decoder_layers=1, d_ff=64, dropout=0.0)
+    cfg = TransformerConfig(src_vocab_size=15, tgt_vocab_size=17,
+                            block={"d_model": 32, "n_head": 4, "d_ff": 64, "dropout": 0.0},
+                            n_encoder_layers=2, n_decoder_layers=1)
     model = Transformer(cfg).eval()
     src, tgt = torch.randint(3, 15, (2, 7)), torch.randint(3, 17, (2, 5))
     lengths = torch.tensor([7, 4])
@@ -154,8 +161,9 @@ def test_capture_records_each_call_of_incremental_decoding():
 
 
 def test_capture_encoder_with_padding_and_a_window_feeds_rollout():
-    model = Encoder(EncoderConfig(vocab_size=12, num_classes=2, max_len=8, n_layer=2, n_head=2,
-                                  d_model=16, dropout=0.0, similarity="cosine", window=2)).eval()
+    block = {"n_head": 2, "d_model": 16, "dropout": 0.0, "similarity": "cosine"}
+    model = Encoder(EncoderConfig(vocab_size=12, num_classes=2, max_len=8, n_layer=2,
+                                  block=block, window=2)).eval()
     ids = torch.randint(1, 12, (2, 6))
     plain = model(ids, lengths=torch.tensor([6, 3]))
     with capture(model) as maps:
@@ -168,8 +176,8 @@ def test_capture_encoder_with_padding_and_a_window_feeds_rollout():
 
 
 def test_capture_vit_keeps_only_asked_heads():
-    model = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, d_model=16,
-                          n_layer=2, n_head=2)).eval()
+    model = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, n_layer=2,
+                          block={"d_model": 16, "n_head": 2})).eval()
     with capture(model, layers=0, heads=[1]) as maps:
         model(torch.randn(1, 1, 8, 8))
     assert maps[0].shape == (1, 1, 5, 5)
@@ -193,10 +201,8 @@ def test_bad_requests_name_the_valid_range():
 
 @pytest.mark.parametrize("kind", ["linear", "retention"])
 def test_attention_without_weights_is_refused_clearly(kind):
-    import qkv.nn.linear_attention  # noqa: F401  (registers the kinds)
-    import qkv.nn.retention  # noqa: F401
-
-    model = _gpt(attention=kind, positions="rope" if kind == "retention" else "learned")
+    model = _gpt(block={"attention": kind},
+                 positions="rope" if kind == "retention" else "learned")
     with pytest.raises(ValueError, match="no attention weights"):
         with capture(model):
             pass
@@ -210,7 +216,7 @@ def test_nested_captures_both_record():
             model(idx)
         model(idx)
     assert len(inner.get(1).calls) == 1 and len(outer.get(1).calls) == 2
-    assert model.blocks[1].self_attn.weights_observer is None
+    assert "attend" not in model.blocks[1].self_attn.__dict__
 
 
 def test_observers_are_removed_when_the_forward_pass_fails():
@@ -218,4 +224,4 @@ def test_observers_are_removed_when_the_forward_pass_fails():
     with pytest.raises(ValueError):
         with capture(model):
             model(torch.randint(0, 20, (1, 40)))  # longer than block_size
-    assert all(b.self_attn.weights_observer is None for b in model.blocks)
+    assert all("attend" not in b.self_attn.__dict__ for b in model.blocks)

@@ -84,10 +84,8 @@ def test_run_directories_without_a_model(tmp_path, capsys):
 
 
 def test_linear_attention_run_says_it_has_no_weights(tmp_path, capsys):
-    import qkv.nn.linear_attention  # noqa: F401  (registers attention="linear")
-
     run_dir = tmp_path / "linear"
-    make_lm_run(run_dir, ["model.attention=linear"])
+    make_lm_run(run_dir, ["model.block.attention=linear"])
     assert main(["viz", str(run_dir), "--text", "cat", "-o", str(tmp_path / "a.html")]) == 2
     assert "no attention weights" in capsys.readouterr().err
 

@@ -23,8 +23,10 @@ SIMILARITIES = ["dot", "cosine", "l2", "l1", "mahalanobis"]
 
 def _gpt(similarity="dot", positions="alibi", seed=0):
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=23, block_size=24, n_layer=2, n_head=4, n_kv_head=2,
-                    d_model=32, similarity=similarity, positions=positions, dropout=0.0)
+    block = {"n_head": 4, "n_kv_head": 2, "d_model": 32, "similarity": similarity,
+             "dropout": 0.0}
+    cfg = GPTConfig(vocab_size=23, block_size=24, n_layer=2, block=block,
+                    positions={"kind": positions})
     return GPT(cfg).eval()
 
 

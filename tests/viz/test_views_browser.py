@@ -57,8 +57,8 @@ def test_translate_encoder_rollout_in_the_matrix_view(browser, translate_page):
 
 
 def test_vit_run_every_view(browser, tmp_path):
+    from qkv.train.rundir import load_run
     from qkv.train.tasks.vit import load
-    from qkv.viz.runs import load_run
 
     make_vit_run(tmp_path / "run")
     page = tmp_path / "v.html"

@@ -7,11 +7,11 @@ from .errors import DataError
 from .images import ImageSet, digits, load_images
 from .numbers import number_splits
 from .text import read_pairs_tsv, read_text_file
-from .tokenizers import BPETokenizer, CharTokenizer, load_tokenizer, save_tokenizer, train_tokenizer
+from .tokenizers import BPETokenizer, CharTokenizer, read_tokenizer, save_tokenizer, train_tokenizer
 
 __all__ = [
     "BPETokenizer", "CharTokenizer", "DataError", "ImageSet", "digits", "load_images",
-    "load_tokenizer", "number_splits", "read_pairs_tsv", "read_text_file", "save_tokenizer",
+    "read_tokenizer", "number_splits", "read_pairs_tsv", "read_text_file", "save_tokenizer",
     "stdlib_docstrings", "train_tokenizer", "write_atomic", "write_bytes_atomic",
     "write_json_atomic", "write_text_atomic",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from .errors import DataError
@@ -47,8 +48,6 @@ def split_pairs(
     pairs: list[tuple[str, str]], test_fraction: float, seed: int
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """A fixed, seeded split of the user's pairs into (train, held-out); at least one of each."""
-    import random
-
     if len(pairs) < 2:
         raise DataError(f"need at least 2 sentence pairs to split train/held-out, got {len(pairs)}")
     order = list(range(len(pairs)))

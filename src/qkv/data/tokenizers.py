@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .atomic import write_json_atomic
 from .errors import DataError
+from .pretrained_tokenizer import PretrainedTokenizer
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -111,16 +112,15 @@ def tokenizer_from_json(data: dict, where: str = "tokenizer"):
 
             return BPETokenizer(Tokenizer.from_str(json.dumps(data["tokenizer"])))
         if kind == "pretrained":  # a checkpoint's tokenizer, kept by a run started from it
-            from ..models.pretrained.tokenizer import PretrainedTokenizer
-
             return PretrainedTokenizer.from_json(data)
     except Exception as e:  # the Hugging Face parser raises a bare Exception on a bad file
         raise DataError(f"{where} is not a readable {kind} tokenizer: {e}") from None
     raise DataError(f"{where} is not a qkv tokenizer file (kind {kind!r})")
 
 
-def load_tokenizer(path: str | Path):
-    """A tokenizer saved by ``save_tokenizer``; a missing or corrupt file is named."""
+def read_tokenizer(path: str | Path):
+    """A tokenizer saved by ``save_tokenizer`` (a run's ``tokenizer*.json``); a missing or
+    corrupt file is named. A checkpoint's tokenizer: ``qkv.models.load_tokenizer``."""
     where = repr(str(path))
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))

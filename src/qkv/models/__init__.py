@@ -1,11 +1,13 @@
 """The four model families: the encoder-decoder Transformer, GPT, Encoder and ViT."""
 
-from .encoder import Encoder, EncoderConfig
+from .configs import EncoderConfig, GPTConfig, TransformerConfig, ViTConfig
+from .encoder import Encoder
 from .generation import ModelCache, beam_search, choose_next, filter_logits, sample
-from .gpt import GPT, GPTConfig
-from .pretrained import load_pretrained, load_tokenizer
-from .transformer import Transformer, TransformerConfig
-from .vit import ViT, ViTConfig
+from .gpt import GPT
+from .loading import load_pretrained
+from .pretrained import load_tokenizer
+from .transformer import Transformer
+from .vit import ViT
 
 __all__ = [
     "GPT", "Encoder", "EncoderConfig", "GPTConfig", "ModelCache", "Transformer",

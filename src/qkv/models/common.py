@@ -1,32 +1,9 @@
-"""Pieces the four models share: config checks, initialization, positions and padding."""
+"""Pieces the four models share: initialization, token checks, positions and padding."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-
-from ..nn.kinds import ATTENTION_KINDS
-from ..nn.positions import POSITION_KINDS
-
-
-def check_config(
-    name: str, *, d_model: int, n_head: int, n_kv_head: int | None = None,
-    positions: str | None = None, attention: str = "softmax",
-) -> None:
-    """Raise ValueError for head counts that cannot split d_model, or unknown choices."""
-    for field, value in (("d_model", d_model), ("n_head", n_head)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}: {field} must be a positive int; got {value!r}")
-    if d_model % n_head:
-        raise ValueError(f"{name}: d_model={d_model} must be divisible by n_head={n_head}")
-    if n_kv_head is not None and (n_kv_head <= 0 or n_head % n_kv_head):
-        raise ValueError(f"{name}: n_head={n_head} must be divisible by n_kv_head={n_kv_head}")
-    if positions is not None and positions not in POSITION_KINDS:
-        raise ValueError(f"{name}: positions must be one of {POSITION_KINDS}; got {positions!r}")
-    if attention not in ATTENTION_KINDS:
-        raise ValueError(
-            f"{name}: attention must be one of {sorted(ATTENTION_KINDS)}; got {attention!r}"
-        )
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

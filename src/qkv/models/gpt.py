@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from ..core import causal, padding, sliding_window
 from ..distributed.context import active as active_context_parallel
-from ..nn.blocks import BlockConfig, TransformerBlock
+from ..nn.blocks import transformer_block
 from ..nn.norms import make_norm
-from ..nn.positions import Positions
+from ..nn.positions import make_positions
 from .common import (
-    check_config,
     check_ids,
     check_lengths,
     init_weights,
@@ -21,48 +18,9 @@ from .common import (
     place_after,
     token_positions,
 )
+from .configs import GPTConfig
 from .generation import ModelCache, decode, eval_mode, stepper
-
-
-@dataclass
-class GPTConfig:
-    """A GPT. ``block_size`` is the longest sequence (the learned position table's size and
-    the longest generation); d_ff defaults to 4 * d_model; ffn "gelu_tanh" is GPT-2's.
-    ``window``: local causal attention, each token sees itself and the ``window`` before it
-    (None: all earlier tokens)."""
-
-    vocab_size: int
-    block_size: int
-    n_layer: int
-    n_head: int
-    d_model: int
-    n_kv_head: int | None = None
-    d_ff: int | None = None
-    dropout: float = 0.0
-    positions: str = "learned"
-    norm: str = "layernorm"
-    ffn: str = "gelu"
-    similarity: str = "dot"
-    attention: str = "softmax"
-    bias: bool = True
-    tie_embeddings: bool = True
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    window: int | None = None
-
-    def __post_init__(self):
-        check_config(
-            "GPTConfig", d_model=self.d_model, n_head=self.n_head, n_kv_head=self.n_kv_head,
-            positions=self.positions, attention=self.attention,
-        )
-
-    def block(self) -> BlockConfig:
-        return BlockConfig(
-            d_model=self.d_model, n_head=self.n_head, d_ff=self.d_ff or 4 * self.d_model,
-            n_kv_head=self.n_kv_head, dropout=self.dropout, norm=self.norm,
-            norm_eps=self.norm_eps, norm_first=True, ffn=self.ffn, bias=self.bias,
-            similarity=self.similarity, attention=self.attention,
-        )
+from .pretrained import gpt_from_pretrained
 
 
 class GPT(nn.Module):
@@ -71,17 +29,18 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = c = config
-        self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
-        self.positions = Positions(
-            c.positions, d_model=c.d_model, n_head=c.n_head, head_dim=c.d_model // c.n_head,
-            max_len=c.block_size, bidirectional=False, rope_base=c.rope_base,
+        b = c.block
+        self.tok_emb = nn.Embedding(c.vocab_size, b.d_model)
+        self.positions = make_positions(
+            c.positions, d_model=b.d_model, n_head=b.n_head, head_dim=b.head_dim,
+            max_len=c.block_size, bidirectional=False,
         )
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = nn.Dropout(b.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(c.block(), i, self.positions.rope) for i in range(c.n_layer)
+            transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
-        self.norm = make_norm(c.norm, c.d_model, c.norm_eps, c.bias)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.norm = make_norm(b.norm, b.d_model, b.norm_eps, b.bias)
+        self.lm_head = nn.Linear(b.d_model, c.vocab_size, bias=False)
         init_weights(self)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -120,9 +79,11 @@ class GPT(nn.Module):
         if left_pad is not None:
             mask = mask & ~padding(left_pad)
         score_mod = self.positions.score_mod()
+        layer_positions = self.positions.for_layers(positions)
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
-            x = block(x, mask=mask, score_mod=score_mod, positions=positions, cache=layer_cache)
+            x = block(x, mask=mask, score_mod=score_mod, positions=layer_positions,
+                      cache=layer_cache)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.lm_head(self.norm(x))
@@ -174,6 +135,4 @@ class GPT(nn.Module):
         """Load a Hugging Face GPT-2 or LLaMA-family directory (config.json +
         model.safetensors, sharded too), a LLaMA-architecture ``.gguf`` file, or the short
         name ``smollm2``. Reads safetensors and GGUF only; pickle checkpoints are refused."""
-        from .pretrained import load_gpt
-
-        return load_gpt(path)
+        return gpt_from_pretrained(cls, path)

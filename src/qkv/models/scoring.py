@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..bars import bar
+
 
 def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
               progress: bool = False) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) of a token stream ids (N,) under a GPT, and the
     number of tokens scored. The stream is cut into non-overlapping windows of ``window``
     tokens; each window's first token is context only. ``progress``: a bar on a terminal."""
-    from ..bars import bar
-
     if window < 2:
         raise ValueError(f"window must be >= 2 tokens; got {window}")
     pieces = [ids[s:s + window + 1] for s in range(0, len(ids) - 1, window)]

@@ -39,17 +39,23 @@ def transformer_from_torch(cls, config_cls, m, src_embedding, tgt_embedding, out
     if (m.encoder.norm is None) != (m.decoder.norm is None):
         raise ValueError("from_torch: the encoder and decoder must both have, or both lack, a "
                          "final norm")
+    block = dict(
+        d_model=enc0.self_attn.embed_dim, n_head=enc0.self_attn.num_heads,
+        d_ff=enc0.linear1.out_features, dropout=enc0.dropout.p, norm_first=enc0.norm_first,
+        ffn=_activation(enc0), norm="layernorm", norm_eps=enc0.norm1.eps,
+        bias=enc0.linear1.bias is not None,
+    )
     settings = dict(
         src_vocab_size=src_embedding.num_embeddings, tgt_vocab_size=tgt.num_embeddings,
-        d_model=enc0.self_attn.embed_dim, n_head=enc0.self_attn.num_heads,
         n_encoder_layers=len(m.encoder.layers), n_decoder_layers=len(m.decoder.layers),
-        d_ff=enc0.linear1.out_features, dropout=enc0.dropout.p, norm_first=enc0.norm_first,
-        final_norm=m.encoder.norm is not None, ffn=_activation(enc0), norm="layernorm",
-        norm_eps=enc0.norm1.eps, bias=enc0.linear1.bias is not None,
-        share_embeddings=tgt is src_embedding, tie_output=output is None,
+        final_norm=m.encoder.norm is not None, share_embeddings=tgt is src_embedding,
+        tie_output=output is None,
     )
+    # Keywords of the config (max_len, positions={"kind": ...}, ...); a block dict adds to
+    # what the torch model decides.
+    block.update(overrides.pop("block", {}))
     settings.update(overrides)
-    model = cls(config_cls(**settings))
+    model = cls(config_cls(**settings, block=block))
     with torch.no_grad():
         model.src_emb.weight.copy_(src_embedding.weight)
         model.tgt_emb.weight.copy_(tgt.weight)
@@ -59,15 +65,15 @@ def transformer_from_torch(cls, config_cls, m, src_embedding, tgt_embedding, out
             model.out_proj.weight.copy_(output.weight)
     for ours, theirs in zip(model.encoder, m.encoder.layers, strict=True):
         _copy(ours.self_attn, MultiHeadAttention.from_torch(theirs.self_attn))
-        _copy(ours.ffn.linear1, theirs.linear1)
-        _copy(ours.ffn.linear2, theirs.linear2)
+        _copy(ours.ffn.up_proj, theirs.linear1)
+        _copy(ours.ffn.down_proj, theirs.linear2)
         _copy(ours.attn_sublayer.norm, theirs.norm1)
         _copy(ours.ffn_sublayer.norm, theirs.norm2)
     for ours, theirs in zip(model.decoder, m.decoder.layers, strict=True):
         _copy(ours.self_attn, MultiHeadAttention.from_torch(theirs.self_attn))
         _copy(ours.cross_attn, MultiHeadAttention.from_torch(theirs.multihead_attn))
-        _copy(ours.ffn.linear1, theirs.linear1)
-        _copy(ours.ffn.linear2, theirs.linear2)
+        _copy(ours.ffn.up_proj, theirs.linear1)
+        _copy(ours.ffn.down_proj, theirs.linear2)
         _copy(ours.attn_sublayer.norm, theirs.norm1)
         _copy(ours.cross_sublayer.norm, theirs.norm2)
         _copy(ours.ffn_sublayer.norm, theirs.norm3)

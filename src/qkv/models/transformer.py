@@ -3,80 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..core import causal, padding
-from ..nn.blocks import BlockConfig, DecoderBlock, TransformerBlock
+from ..nn.blocks import decoder_block, transformer_block
 from ..nn.norms import make_norm
-from ..nn.positions import Positions
-from .common import (
-    check_config,
-    check_ids,
-    check_lengths,
-    init_weights,
-    key_mask,
-    token_positions,
-)
+from ..nn.positions import PositionScheme, make_positions
+from .common import check_ids, check_lengths, init_weights, key_mask, token_positions
+from .configs import TransformerConfig
 from .generation import ModelCache, decode, eval_mode, stepper
 from .torch_transformer import transformer_from_torch
-
-
-@dataclass
-class TransformerConfig:
-    """The defaults are the paper's base model: d_model 512, 8 heads, 6 + 6 layers, d_ff 2048,
-    dropout 0.1, post-norm, sinusoidal positions, embeddings scaled by √d_model and the output
-    projection tied to the target embedding.
-
-    ``final_norm`` adds a norm after each stack (None: only with norm_first, where pre-norm
-    needs it; torch.nn.Transformer always has one). ``max_len`` bounds "learned" positions."""
-
-    src_vocab_size: int
-    tgt_vocab_size: int
-    d_model: int = 512
-    n_head: int = 8
-    n_encoder_layers: int = 6
-    n_decoder_layers: int = 6
-    d_ff: int = 2048
-    dropout: float = 0.1
-    max_len: int = 512
-    pad_id: int = 0
-    bos_id: int = 1
-    eos_id: int = 2
-    share_embeddings: bool = False
-    tie_output: bool = True
-    scale_embeddings: bool = True
-    norm_first: bool = False
-    final_norm: bool | None = None
-    positions: str = "sinusoidal"
-    similarity: str = "dot"
-    attention: str = "softmax"
-    norm: str = "layernorm"
-    ffn: str = "relu"
-    n_kv_head: int | None = None
-    bias: bool = True
-    norm_eps: float = 1e-5
-
-    def __post_init__(self):
-        check_config(
-            "TransformerConfig", d_model=self.d_model, n_head=self.n_head,
-            n_kv_head=self.n_kv_head, positions=self.positions, attention=self.attention,
-        )
-        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
-            raise ValueError(
-                "TransformerConfig: share_embeddings needs src_vocab_size == tgt_vocab_size; got "
-                f"{self.src_vocab_size} and {self.tgt_vocab_size}"
-            )
-
-    def block(self) -> BlockConfig:
-        return BlockConfig(
-            d_model=self.d_model, n_head=self.n_head, d_ff=self.d_ff, n_kv_head=self.n_kv_head,
-            dropout=self.dropout, norm=self.norm, norm_eps=self.norm_eps,
-            norm_first=self.norm_first, ffn=self.ffn, bias=self.bias,
-            similarity=self.similarity, attention=self.attention,
-        )
 
 
 class Transformer(nn.Module):
@@ -86,39 +24,41 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = c = config
-        head_dim = c.d_model // c.n_head
-        self.src_emb = nn.Embedding(c.src_vocab_size, c.d_model)
+        b = c.block
+        self.src_emb = nn.Embedding(c.src_vocab_size, b.d_model)
         self.tgt_emb = self.src_emb if c.share_embeddings else nn.Embedding(
-            c.tgt_vocab_size, c.d_model
+            c.tgt_vocab_size, b.d_model
         )
         self.src_positions, self.tgt_positions = (
-            Positions(c.positions, d_model=c.d_model, n_head=c.n_head, head_dim=head_dim,
-                      max_len=c.max_len, bidirectional=bidirectional)
+            make_positions(c.positions, d_model=b.d_model, n_head=b.n_head,
+                           head_dim=b.head_dim, max_len=c.max_len, bidirectional=bidirectional)
             for bidirectional in (True, False)
         )
-        self.drop = nn.Dropout(c.dropout)
-        block = c.block()
+        self.drop = nn.Dropout(b.dropout)
         self.encoder = nn.ModuleList(
-            TransformerBlock(block, i, self.src_positions.rope) for i in range(c.n_encoder_layers)
+            transformer_block(b, self.src_positions.rotary()) for _ in range(c.n_encoder_layers)
         )
         self.decoder = nn.ModuleList(
-            DecoderBlock(block, i, self.tgt_positions.rope) for i in range(c.n_decoder_layers)
+            decoder_block(b, self.tgt_positions.rotary()) for _ in range(c.n_decoder_layers)
         )
-        final = c.norm_first if c.final_norm is None else c.final_norm
-        self.encoder_norm = make_norm(c.norm, c.d_model, c.norm_eps, c.bias) if final else None
-        self.decoder_norm = make_norm(c.norm, c.d_model, c.norm_eps, c.bias) if final else None
-        self.out_proj = nn.Linear(c.d_model, c.tgt_vocab_size, bias=False)
+        final = b.norm_first if c.final_norm is None else c.final_norm
+        norm = lambda: make_norm(b.norm, b.d_model, b.norm_eps, b.bias)  # noqa: E731
+        self.encoder_norm = norm() if final else None
+        self.decoder_norm = norm() if final else None
+        self.out_proj = nn.Linear(b.d_model, c.tgt_vocab_size, bias=False)
+        self.embedding_scale = math.sqrt(b.d_model) if c.scale_embeddings else None
         init_weights(self)
         for emb in {self.src_emb, self.tgt_emb}:
             # √d_model scaling then gives unit-variance embeddings, like the positions' scale.
-            nn.init.normal_(emb.weight, 0.0, c.d_model**-0.5)
+            nn.init.normal_(emb.weight, 0.0, b.d_model**-0.5)
         if c.tie_output:
             self.out_proj.weight = self.tgt_emb.weight
 
-    def _embed(self, ids: Tensor, emb: nn.Embedding, positions: Positions, pos: Tensor) -> Tensor:
+    def _embed(self, ids: Tensor, emb: nn.Embedding, positions: PositionScheme,
+               pos: Tensor) -> Tensor:
         x = emb(ids)
-        if self.config.scale_embeddings:
-            x = x * math.sqrt(self.config.d_model)
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
         pe = positions.embed(pos)
         return self.drop(x if pe is None else x + pe.to(x.dtype))
 
@@ -138,8 +78,9 @@ class Transformer(nn.Module):
         x = self._embed(src, self.src_emb, self.src_positions, pos)
         mask = key_mask(keep)
         score_mod = self.src_positions.score_mod()
+        layer_positions = self.src_positions.for_layers(pos)
         for block in self.encoder:
-            x = block(x, mask=mask, score_mod=score_mod, positions=pos)
+            x = block(x, mask=mask, score_mod=score_mod, positions=layer_positions)
         return (x if self.encoder_norm is None else self.encoder_norm(x)), keep
 
     def decode(
@@ -159,10 +100,11 @@ class Transformer(nn.Module):
         mask = causal() if lengths is None else causal() & padding(lengths)
         memory_mask = key_mask(keep)
         score_mod = self.tgt_positions.score_mod()
+        layer_positions = self.tgt_positions.for_layers(pos)
         for i, block in enumerate(self.decoder):
             x = block(
                 x, memory, mask=mask, memory_mask=memory_mask, score_mod=score_mod,
-                positions=pos, cache=None if cache is None else cache.layers[i],
+                positions=layer_positions, cache=None if cache is None else cache.layers[i],
             )
         if cache is not None:
             cache.length += tgt.shape[1]

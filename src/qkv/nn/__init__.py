@@ -1,25 +1,41 @@
 """Layers: multi-head attention, positions, feed-forward, norms and Transformer blocks."""
 
-from . import linear_attention, retention  # noqa: F401  (register "linear", "retention" kinds)
 from .attention import KVCache, MultiHeadAttention
-from .blocks import BlockConfig, DecoderBlock, Sublayer, TransformerBlock
-from .feedforward import ACTIVATIONS, FeedForward
+from .blocks import (
+    BlockConfig,
+    DecoderBlock,
+    Sublayer,
+    TransformerBlock,
+    attention_layer,
+    decoder_block,
+    transformer_block,
+)
+from .feedforward import ACTIVATIONS, MLP, GatedMLP, feed_forward
 from .kinds import ATTENTION_KINDS, build_attention, register_attention_kind
 from .linear_attention import LinearAttention, StateCache
 from .norms import NORMS, RMSNorm, make_norm
 from .positions import (
     POSITION_KINDS,
+    ALiBiPositions,
     LearnedPositions,
-    Positions,
+    NoPositions,
+    PositionScheme,
+    PositionsConfig,
+    RelativePositions,
     RotaryEmbedding,
+    RotaryPositions,
+    SinusoidalPositions,
+    make_positions,
     sinusoidal_encoding,
 )
 from .retention import Retention
 
 __all__ = [
-    "LinearAttention", "Retention", "StateCache",
-    "ACTIVATIONS", "ATTENTION_KINDS", "BlockConfig", "DecoderBlock", "FeedForward", "KVCache",
-    "LearnedPositions", "MultiHeadAttention", "NORMS", "POSITION_KINDS", "Positions", "RMSNorm",
-    "RotaryEmbedding", "Sublayer", "TransformerBlock", "build_attention", "make_norm",
-    "register_attention_kind", "sinusoidal_encoding",
+    "ACTIVATIONS", "ATTENTION_KINDS", "ALiBiPositions", "BlockConfig", "DecoderBlock",
+    "GatedMLP", "KVCache", "LearnedPositions", "LinearAttention", "MLP", "MultiHeadAttention",
+    "NORMS", "NoPositions", "POSITION_KINDS", "PositionScheme", "PositionsConfig",
+    "RMSNorm", "RelativePositions", "Retention", "RotaryEmbedding", "RotaryPositions",
+    "SinusoidalPositions", "StateCache", "Sublayer", "TransformerBlock", "attention_layer",
+    "build_attention", "decoder_block", "feed_forward", "make_norm", "make_positions",
+    "register_attention_kind", "sinusoidal_encoding", "transformer_block",
 ]

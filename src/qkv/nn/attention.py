@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..core.api import attention, attention_result
+from ..core.api import attention
 from ..core.similarity import Similarity, get_similarity
 from ..distributed.context import active as active_context_parallel
 from .positions import RotaryEmbedding
@@ -22,8 +22,9 @@ class KVCache:
         self, batch: int, kv_heads: int, max_len: int, head_dim: int, value_dim: int, *,
         device=None, dtype=torch.float32,
     ):
-        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros(batch, kv_heads, max_len, value_dim, device=device, dtype=dtype)
+        # Only [0, length) is ever read, so the buffers need no zeros.
+        self.k = torch.empty(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.empty(batch, kv_heads, max_len, value_dim, device=device, dtype=dtype)
         self.length = 0
 
     @property
@@ -72,14 +73,11 @@ class MultiHeadAttention(nn.Module):
             initialized to the identity, and a user similarity's ``nn.Parameter``s join the
             module's parameters.
         rope: a shared RotaryEmbedding applied to q and k (self-attention only).
-        is_cross: True for encoder-decoder attention (keys come from a memory).
-        layer_index: which block of its stack this layer is (for capture tools).
+        is_cross: True for encoder-decoder attention (keys come from a memory, which a cache
+            keeps after the first call).
 
-    Set ``capture_weights = True`` to keep the last call's weights (B, H, Nq, Nk), detached,
-    in ``last_weights``. ``weights_observer``, when set, is called on every forward as
-    ``observer(module, q, k, mask=..., score_mod=..., lse=...)`` with the q (B, H, Nq, D) and k
-    (B, Hkv, Nk, D) that reach ``qkv.attention`` (``qkv.viz.capture`` uses it to recompute only
-    the heads it was asked for, while the call itself keeps its fast engine).
+    Every call reaches ``qkv.attention`` through ``attend``, the layer's one call point
+    (``qkv.viz.capture`` wraps it to record attention maps).
     """
 
     def __init__(
@@ -87,7 +85,7 @@ class MultiHeadAttention(nn.Module):
         kdim: int | None = None, vdim: int | None = None, bias: bool = True,
         dropout: float = 0.0, similarity: str | Similarity = "dot", scale: float | None = None,
         head_dim: int | None = None, rope: RotaryEmbedding | None = None,
-        is_cross: bool = False, layer_index: int | None = None,
+        is_cross: bool = False,
     ):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -105,7 +103,7 @@ class MultiHeadAttention(nn.Module):
         # A registered name or a qkv.Similarity, resolved now so that a wrong name fails here.
         resolved = get_similarity(similarity)
         self.similarity, self.scale, self.dropout = similarity, scale, dropout
-        self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
+        self.rope, self.is_cross = rope, is_cross
         self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
@@ -118,9 +116,6 @@ class MultiHeadAttention(nn.Module):
         if resolved.needs_metric:
             eye = torch.eye(self.head_dim).expand(n_head, -1, -1).clone()
             self.metric = nn.Parameter(eye)
-        self.capture_weights = False
-        self.last_weights: Tensor | None = None
-        self.weights_observer = None
 
     @staticmethod
     def _check_width(name: str, x: Tensor | None, width: int) -> None:
@@ -144,9 +139,10 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None, return_weights: bool = False,
     ):
         """query (B, Nq, d_model); key (B, Nk, kdim) and value (B, Nk, vdim), default: the
-        query (self-attention) and the key. positions (Nq,) or (B, Nq) for rope, default
-        cache.length + arange(Nq). A cross-attention cache holds the projected memory after
-        the first call, so later calls may pass key=None.
+        query (self-attention) and the key. positions (Nq,) or (B, Nq) for rope (or their
+        ``RotaryEmbedding.rotation``), default cache.length + arange(Nq). A cross-attention
+        cache holds the projected memory after the first call, so later calls may pass
+        key=None.
 
         Returns out (B, Nq, d_model), or (out, weights (B, H, Nq, Nk))."""
         self._check_width("query", query, self.d_model)
@@ -169,33 +165,31 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rope(q, positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)
-        want_weights = return_weights or self.capture_weights
         kwargs = dict(
             mask=mask, score_mod=score_mod, similarity=self.similarity, scale=self.scale,
-            metric=self.metric, return_weights=want_weights,
+            metric=self.metric, return_weights=return_weights,
             dropout_p=self.dropout if self.training else 0.0,
         )
         split = active_context_parallel()
-        if split is not None and not self.is_cross and cache is None and not want_weights:
+        if split is not None and not self.is_cross and cache is None and not return_weights:
             # One sequence split across ranks (qkv.distributed.context_parallel).
             if kwargs.pop("dropout_p"):
                 raise ValueError("context parallel attention has no attention dropout (it "
                                  "would need whole rows); set the model's dropout to 0")
             kwargs.pop("return_weights")
             out, weights = split.attention(q, k, v, **kwargs), None
-        elif self.weights_observer is None:
-            result = attention(q, k, v, **kwargs)
-            out, weights = result if want_weights else (result, None)
         else:
-            # The call keeps its engine; a saved log-sum-exp lets the observer rebuild the
-            # chosen heads' weights without another pass over the keys.
-            result = attention_result(q, k, v, **kwargs)
-            self.weights_observer(self, q, k, mask=mask, score_mod=score_mod, lse=result.lse)
-            out, weights = result.out, result.weights
-        if self.capture_weights:
-            self.last_weights = weights.detach()
+            out, weights = self.attend(q, k, v, **kwargs)
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         return (out, weights) if return_weights else out
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
+        """The layer's one call to ``qkv.attention``: q (B, H, Nq, D), k (B, Hkv, Nk, D) and
+        v (B, Hkv, Nk, Dv) as the engine sees them (after RoPE and the KV cache), with
+        attention's keywords. Returns out (B, H, Nq, Dv) and the weights (B, H, Nq, Nk) when
+        ``return_weights``, else None."""
+        result = attention(q, k, v, **kwargs)
+        return result if kwargs["return_weights"] else (result, None)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:

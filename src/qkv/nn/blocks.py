@@ -12,46 +12,102 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .feedforward import FeedForward
-from .kinds import build_attention
-from .norms import make_norm
+from ..core.similarity import SIMILARITIES
+from ..limits import check_limits, limited
+from .feedforward import ACTIVATIONS, feed_forward
+from .kinds import ATTENTION_KINDS
+from .norms import NORMS, make_norm
 from .positions import RotaryEmbedding
 
 
 @dataclass
 class BlockConfig:
-    """Everything one block needs; models build it from their own config."""
+    """One Transformer block: its width and heads, its attention and feed-forward sublayers,
+    and how they are normalized. Every model config holds one (``config.block``).
 
-    d_model: int
-    n_head: int
-    d_ff: int
-    n_kv_head: int | None = None
-    dropout: float = 0.0
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    norm_first: bool = False
-    ffn: str = "relu"
+    ``n_kv_head``: key/value heads for grouped-query attention (None: n_head); ``d_ff``: the
+    feed-forward width (None: 4 * d_model); ``norm_first``: pre-norm (True) or the paper's
+    post-norm; ``similarity`` and ``attention`` name a registered similarity and an attention
+    kind (``qkv.nn.kinds``)."""
+
+    d_model: int = limited(512, "[1, inf)")
+    n_head: int = limited(8, "[1, inf)")
+    n_kv_head: int | None = limited(None, "[1, inf)")
+    d_ff: int | None = limited(None, "[1, inf)")
+    dropout: float = limited(0.0, "[0, 1)")
+    norm: str = limited("layernorm", choices=NORMS)
+    norm_eps: float = limited(1e-5, "(0, inf)")
+    norm_first: bool = True
+    ffn: str = limited("gelu", choices=ACTIVATIONS)
     bias: bool = True
-    similarity: str = "dot"
-    attention: str = "softmax"
+    similarity: str = limited("dot", choices=lambda: tuple(SIMILARITIES))
+    attention: str = limited("softmax", choices=lambda: tuple(ATTENTION_KINDS))
+
+    def __post_init__(self):
+        for name in ("d_model", "n_head"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"BlockConfig: {name} must be a positive int; got {value!r}")
+        check_limits(self, "BlockConfig")
+        if self.d_model % self.n_head:
+            raise ValueError(f"BlockConfig: d_model={self.d_model} must be divisible by "
+                             f"n_head={self.n_head}")
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            raise ValueError(f"BlockConfig: n_head={self.n_head} must be divisible by "
+                             f"n_kv_head={self.n_kv_head}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ff_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
 
 
-def _attention(cfg: BlockConfig, rope, is_cross: bool, layer_index: int) -> nn.Module:
-    return build_attention(
-        cfg.attention, d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head,
-        bias=cfg.bias, dropout=cfg.dropout, similarity=cfg.similarity, rope=rope,
-        is_cross=is_cross, layer_index=layer_index,
+def attention_layer(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
+                    is_cross: bool = False) -> nn.Module:
+    """The attention layer of kind ``cfg.attention`` (``qkv.nn.kinds``)."""
+    if cfg.attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got "
+                         f"{cfg.attention!r}")
+    return ATTENTION_KINDS[cfg.attention](
+        d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, bias=cfg.bias,
+        dropout=cfg.dropout, similarity=cfg.similarity, rope=rope, is_cross=is_cross,
+    )
+
+
+def sublayer(cfg: BlockConfig) -> Sublayer:
+    return Sublayer(make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias), cfg.dropout,
+                    cfg.norm_first)
+
+
+def transformer_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None) -> TransformerBlock:
+    """A self-attention block built from ``cfg`` (``rope``: the stack's shared rotation)."""
+    return TransformerBlock(
+        attention_layer(cfg, rope),
+        feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
+        sublayer(cfg), sublayer(cfg),
+    )
+
+
+def decoder_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None) -> DecoderBlock:
+    """A decoder block built from ``cfg``: self-attention, cross-attention, feed-forward."""
+    return DecoderBlock(
+        attention_layer(cfg, rope), attention_layer(cfg, None, is_cross=True),
+        feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
+        sublayer(cfg), sublayer(cfg), sublayer(cfg),
     )
 
 
 class Sublayer(nn.Module):
     """A residual connection around one sublayer, with its norm placed before or after."""
 
-    def __init__(self, cfg: BlockConfig):
+    def __init__(self, norm: nn.Module, dropout: float, norm_first: bool):
         super().__init__()
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.norm_first = cfg.norm_first
+        self.norm = norm
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
 
     def forward(self, x: Tensor, fn) -> Tensor:
         if self.norm_first:
@@ -62,14 +118,13 @@ class Sublayer(nn.Module):
 class TransformerBlock(nn.Module):
     """Self-attention then feed-forward: the encoder layer, and GPT's layer under a causal mask.
 
-    x (B, N, d_model) -> (B, N, d_model)."""
+    x (B, N, d_model) -> (B, N, d_model). ``transformer_block`` builds one from a config."""
 
-    def __init__(self, cfg: BlockConfig, layer_index: int, rope: RotaryEmbedding | None = None):
+    def __init__(self, self_attn: nn.Module, ffn: nn.Module, attn_sublayer: Sublayer,
+                 ffn_sublayer: Sublayer):
         super().__init__()
-        self.self_attn = _attention(cfg, rope, False, layer_index)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.ffn, cfg.dropout, cfg.bias)
-        self.attn_sublayer = Sublayer(cfg)
-        self.ffn_sublayer = Sublayer(cfg)
+        self.self_attn, self.ffn = self_attn, ffn
+        self.attn_sublayer, self.ffn_sublayer = attn_sublayer, ffn_sublayer
         # Activation checkpointing (set by ``checkpoint_blocks``): training keeps only the
         # block's input and recomputes the rest in the backward pass.
         self.checkpoint = False
@@ -99,16 +154,15 @@ class DecoderBlock(nn.Module):
     """Masked self-attention, attention over the encoder memory, then feed-forward.
 
     x (B, T, d_model), memory (B, S, d_model) -> (B, T, d_model). ``cache`` is a pair
-    (self-attention cache, cross-attention cache) from ``new_cache``."""
+    (self-attention cache, cross-attention cache) from ``new_cache``. ``decoder_block``
+    builds one from a config."""
 
-    def __init__(self, cfg: BlockConfig, layer_index: int, rope: RotaryEmbedding | None = None):
+    def __init__(self, self_attn: nn.Module, cross_attn: nn.Module, ffn: nn.Module,
+                 attn_sublayer: Sublayer, cross_sublayer: Sublayer, ffn_sublayer: Sublayer):
         super().__init__()
-        self.self_attn = _attention(cfg, rope, False, layer_index)
-        self.cross_attn = _attention(cfg, None, True, layer_index)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.ffn, cfg.dropout, cfg.bias)
-        self.attn_sublayer = Sublayer(cfg)
-        self.cross_sublayer = Sublayer(cfg)
-        self.ffn_sublayer = Sublayer(cfg)
+        self.self_attn, self.cross_attn, self.ffn = self_attn, cross_attn, ffn
+        self.attn_sublayer, self.cross_sublayer = attn_sublayer, cross_sublayer
+        self.ffn_sublayer = ffn_sublayer
 
     def new_cache(self, batch: int, max_len: int, memory_len: int, **kwargs):
         return (

@@ -1,42 +1,82 @@
-"""The position-wise feed-forward network: ReLU (the paper's), GELU, or SwiGLU."""
+"""The position-wise feed-forward network: an MLP (ReLU, the paper's, or GELU) or a gated MLP
+(SwiGLU). Projections are named as Hugging Face and torchtune name them."""
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+# The activation of each plain MLP kind, built once per layer by ``feed_forward``.
+MLP_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,  # the exact erf form
+    "gelu_tanh": functools.partial(nn.GELU, approximate="tanh"),  # GPT-2's approximation
+}
+ACTIVATIONS = (*MLP_ACTIVATIONS, "swiglu")
 
 
-class FeedForward(nn.Module):
-    """FFN(x) = linear2(dropout(act(linear1(x)))), applied to each position independently.
+def _renamed(old_to_new: dict[str, str]):
+    """A load_state_dict pre-hook that reads weights saved under the layer's former names."""
+    def hook(module, state_dict, prefix, *args) -> None:
+        for old, new in old_to_new.items():
+            for key in [k for k in state_dict if k.startswith(prefix + old + ".")]:
+                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+    return hook
 
-    ``activation`` is "relu" (max(0, xW1 + b1)W2 + b2, the paper's), "gelu" (exact erf form),
-    "gelu_tanh" (GPT-2's tanh approximation) or "swiglu" (linear2(silu(linear1 x) * gate x),
-    Shazeer 2020). x: (..., d_model) -> (..., d_model).
-    """
 
-    def __init__(
-        self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0,
-        bias: bool = True,
-    ):
+class MLP(nn.Module):
+    """down_proj(dropout(activation(up_proj(x)))), for each position independently.
+
+    x (..., d_model) -> (..., d_model)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: nn.Module, dropout: float = 0.0,
+                 bias: bool = True):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"ffn activation must be one of {ACTIVATIONS}; got {activation!r}")
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
         self.activation = activation
-        self.linear1 = nn.Linear(d_model, d_ff, bias=bias)
-        self.gate = nn.Linear(d_model, d_ff, bias=bias) if activation == "swiglu" else None
-        self.linear2 = nn.Linear(d_ff, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        # Checkpoints written before the projections took Hugging Face's names.
+        self.register_load_state_dict_pre_hook(
+            _renamed({"linear1": "up_proj", "linear2": "down_proj"}))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.linear1(x)
-        if self.activation == "relu":
-            h = F.relu(h)
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        elif self.activation == "gelu_tanh":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = F.silu(h) * self.gate(x)
-        return self.linear2(self.dropout(h))
+        return self.down_proj(self.dropout(self.activation(self.up_proj(x))))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down_proj(dropout(silu(gate_proj(x)) * up_proj(x))).
+
+    x (..., d_model) -> (..., d_model)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.activation = nn.SiLU()
+        self.dropout = nn.Dropout(dropout)
+        self.register_load_state_dict_pre_hook(
+            _renamed({"linear1": "gate_proj", "gate": "up_proj", "linear2": "down_proj"}))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(self.dropout(self.activation(gate) * up))
+        # Without autograd nothing keeps the gate's values, so its buffer takes the product:
+        # the same operations, two (N, d_ff) tensors fewer to allocate and fault in.
+        return self.down_proj(self.dropout(F.silu(gate, inplace=True).mul_(up)))
+
+
+def feed_forward(kind: str, d_model: int, d_ff: int, dropout: float = 0.0,
+                 bias: bool = True) -> nn.Module:
+    """The feed-forward layer ``kind`` names (one of ACTIVATIONS): "swiglu" is a GatedMLP,
+    the others an MLP with that activation."""
+    if kind == "swiglu":
+        return GatedMLP(d_model, d_ff, dropout, bias)
+    if kind not in MLP_ACTIVATIONS:
+        raise ValueError(f"ffn must be one of {ACTIVATIONS}; got {kind!r}")
+    return MLP(d_model, d_ff, MLP_ACTIVATIONS[kind](), dropout, bias)

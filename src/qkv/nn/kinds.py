@@ -1,15 +1,16 @@
-"""The registry of attention kinds a block can use, chosen by a config string.
+"""The attention kinds a block can use, chosen by a config string (``BlockConfig.attention``).
 
-``ATTENTION_KINDS`` maps a name (``attention="softmax"`` in a model config) to a factory.
+``ATTENTION_KINDS`` lists every built-in kind explicitly: a name maps to a builder, called
+once per layer when a block is built (``register_attention_kind`` adds a user's own).
 A kind must implement this protocol:
 
-Constructor (the factory), called once per layer with keywords only:
-    factory(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
-            layer_index) -> nn.Module
+Constructor (the builder), keywords only:
+    builder(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross)
+        -> nn.Module
     ``rope`` is a shared ``RotaryEmbedding`` or None (self-attention only); ``is_cross`` is
-    True for encoder-decoder attention; ``layer_index`` is the block's index in its stack.
-    The module must keep ``is_cross`` and ``layer_index`` as attributes (capture tools read
-    them). A kind that cannot honour an argument (say, a similarity) raises ValueError there.
+    True for encoder-decoder attention, whose keys come from a memory (a block names that
+    layer ``cross_attn``; the viewer reads layers from such module paths). A kind that
+    cannot honour an argument (say, a similarity) raises ValueError there.
 
 Forward:
     module(x, memory=None, *, mask=None, score_mod=None, positions=None, cache=None)
@@ -35,17 +36,25 @@ from collections.abc import Callable
 from torch import nn
 
 from .attention import MultiHeadAttention
+from .linear_attention import linear_kind
+from .retention import retention_kind
 
 
-def _softmax(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
-             layer_index) -> nn.Module:
+def softmax_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
+                 is_cross) -> MultiHeadAttention:
+    """The builder of attention kind "softmax": ``qkv.attention`` with the block's similarity."""
     return MultiHeadAttention(
         d_model, n_head, n_kv_head=n_kv_head, bias=bias, dropout=dropout,
-        similarity=similarity, rope=rope, is_cross=is_cross, layer_index=layer_index,
+        similarity=similarity, rope=rope, is_cross=is_cross,
     )
 
 
-ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {"softmax": _softmax}
+ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {
+    "softmax": softmax_kind,
+    "linear": linear_kind("elu", "linear"),
+    "linear_favor": linear_kind("favor", "linear_favor"),
+    "retention": retention_kind,
+}
 
 
 def register_attention_kind(name: str, factory: Callable[..., nn.Module]) -> None:
@@ -58,7 +67,7 @@ def register_attention_kind(name: str, factory: Callable[..., nn.Module]) -> Non
 
 
 def build_attention(kind: str, **kwargs) -> nn.Module:
-    """One attention layer of the registered ``kind`` (keywords as in the protocol)."""
+    """One attention layer of ``kind`` (keywords as in the protocol)."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got {kind!r}")
     return ATTENTION_KINDS[kind](**kwargs)

@@ -1,7 +1,7 @@
 """``LinearAttention``: multi-head linear attention as a block's attention kind.
 
-Registered as ``attention="linear"`` (elu+1 features) and ``attention="linear_favor"``
-(FAVOR+ random features) for every model config; see ``qkv.nn.kinds`` for the protocol.
+The kinds ``attention="linear"`` (elu+1 features) and ``attention="linear_favor"`` (FAVOR+
+random features) of every model config; see ``qkv.nn.kinds`` for the protocol.
 Generation keeps a ``StateCache``: the running sums Σφ(k)vᵀ and Σφ(k), O(1) in length.
 """
 
@@ -30,7 +30,6 @@ from ..core.masks import (
     TensorMask,
     as_mask,
 )
-from .kinds import register_attention_kind
 from .positions import RotaryEmbedding
 
 
@@ -124,7 +123,6 @@ class LinearAttention(nn.Module):
         chunk_size: chunk length of the causal form.
         rope: a shared RotaryEmbedding applied to q and k before the feature map.
         is_cross: attention over an encoder memory (kept as Σφ(k)vᵀ after the first call).
-        layer_index: the block's index in its stack.
 
     Masks: ``qkv.causal()`` selects the causal form; key padding masks are honoured. There
     are no attention weights (so no dropout on them, and ``return_weights`` is refused).
@@ -135,7 +133,6 @@ class LinearAttention(nn.Module):
         feature_map: str = "elu", num_features: int | None = None,
         redraw_interval: int | None = 1000, chunk_size: int = 64, eps: float = 1e-6,
         rope: RotaryEmbedding | None = None, is_cross: bool = False,
-        layer_index: int | None = None,
     ):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -156,7 +153,7 @@ class LinearAttention(nn.Module):
         self.feature_map, self.eps = feature_map, eps
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.redraw_interval, self.calls_since_redraw = redraw_interval, 0
-        self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
+        self.rope, self.is_cross = rope, is_cross
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
@@ -256,17 +253,14 @@ def _check_dot(similarity: str, kind: str) -> None:
         )
 
 
-def _factory(feature_map: str, kind: str):
-    def build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
-              layer_index) -> LinearAttention:
+def linear_kind(feature_map: str, kind: str):
+    """The builder of attention kind ``kind`` (see ``qkv.nn.kinds``)."""
+    def build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
+              is_cross) -> LinearAttention:
         _check_dot(similarity, kind)
         return LinearAttention(
             d_model, n_head, n_kv_head=n_kv_head, bias=bias, feature_map=feature_map, rope=rope,
-            is_cross=is_cross, layer_index=layer_index,
+            is_cross=is_cross,
         )
 
     return build
-
-
-register_attention_kind("linear", _factory("elu", "linear"))
-register_attention_kind("linear_favor", _factory("favor", "linear_favor"))

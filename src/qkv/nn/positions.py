@@ -1,25 +1,42 @@
 """Positional information: added to embeddings, rotated into q and k, or added to scores.
 
-``Positions(kind, ...)`` bundles one scheme for a model:
-- "sinusoidal" (the paper's fixed encoding) and "learned" (a table) are added to embeddings;
-- "rope" rotates q and k inside every self-attention layer (``Positions.rope``);
-- "alibi" and "relative" (T5 bias) are score modifiers (``Positions.score_mod()``);
-- "none" adds nothing.
-Positions are integer tensors (N,) or (B, N); under a KV cache they continue from the cache
-length, and with left padding they start at each row's first real token.
+Each scheme is its own module with the same three questions answered:
+- ``embed(positions)``: what to add to the token embeddings (sinusoidal, learned), or None;
+- ``score_mod()``: the score modifier every attention layer adds (ALiBi, T5's relative bias),
+  or None;
+- ``rotary()``: the RotaryEmbedding every self-attention layer applies to q and k (RoPE), or
+  None.
+``make_positions`` builds one from a ``PositionsConfig``. Positions are integer tensors (N,)
+or (B, N); under a KV cache they continue from the cache length, and with left padding they
+start at each row's first real token.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ..core import ScoreMod, alibi, relative_bias
 from ..core.scores import alibi_slopes
+from ..limits import check_limits, limited
 
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
+
+
+@dataclass
+class PositionsConfig:
+    """How a model encodes positions: ``kind`` (one of POSITION_KINDS); ``rope_base`` is
+    RoPE's frequency base."""
+
+    kind: str = limited("learned", choices=POSITION_KINDS)
+    rope_base: float = limited(10000.0, "(0, inf)")
+
+    def __post_init__(self):
+        check_limits(self, "PositionsConfig")
 
 
 def sinusoidal_encoding(positions: Tensor, d_model: int) -> Tensor:
@@ -35,16 +52,13 @@ def sinusoidal_encoding(positions: Tensor, d_model: int) -> Tensor:
     return pe.to(torch.float32)
 
 
-class LearnedPositions(nn.Module):
-    """A learned table of ``max_len`` position vectors (GPT-2's wpe)."""
+class Rotation(NamedTuple):
+    """RoPE's rotation at some positions, computed once for a whole stack of layers:
+    ``cos`` (..., N, D) holds cos θ for both halves, ``sin`` (..., N, D) holds (-sin θ, sin θ),
+    so that rotating x is x · cos + swap_halves(x) · sin."""
 
-    def __init__(self, max_len: int, d_model: int):
-        super().__init__()
-        self.max_len = max_len
-        self.table = nn.Embedding(max_len, d_model)
-
-    def forward(self, positions: Tensor) -> Tensor:
-        return self.table(positions)
+    cos: Tensor
+    sin: Tensor
 
 
 class RotaryEmbedding(nn.Module):
@@ -60,51 +74,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, H, N, D), positions (N,) or (B, N) -> x rotated, same shape and dtype."""
+    def rotation(self, positions: Tensor) -> Rotation:
+        """positions (N,) or (B, N) -> their Rotation, (N, D) or (B, 1, N, D) float32."""
         angles = positions.to(self.inv_freq.dtype).unsqueeze(-1) * self.inv_freq  # (.., N, D/2)
         if angles.dim() == 3:  # (B, N, D/2) -> (B, 1, N, D/2): the same positions for all heads
             angles = angles.unsqueeze(1)
         cos, sin = angles.cos(), angles.sin()
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+        return Rotation(torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1))
+
+    def forward(self, x: Tensor, positions: Tensor | Rotation) -> Tensor:
+        """x (B, H, N, D), positions (N,) or (B, N), or their ``rotation`` -> x rotated, same
+        shape and dtype."""
+        rotation = positions if isinstance(positions, Rotation) else self.rotation(positions)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * rotation.cos + swapped * rotation.sin).to(x.dtype)
 
 
-class Positions(nn.Module):
-    """One positional scheme for one stack of layers (see the module docstring).
+class PositionScheme(nn.Module):
+    """What every scheme answers (see the module docstring); this base adds nothing."""
 
-    Args:
-        kind: one of POSITION_KINDS.
-        d_model: embedding width (for "sinusoidal" and "learned").
-        n_head: heads (for "alibi" slopes and the "relative" bias table).
-        head_dim: per-head width (for "rope").
-        max_len: size of the "learned" table; the other kinds have no length limit.
-        bidirectional: for "relative": buckets for keys on both sides (encoder) or only the
-            past (causal decoder).
-    """
-
-    def __init__(
-        self, kind: str, *, d_model: int, n_head: int, head_dim: int, max_len: int,
-        bidirectional: bool = True, rope_base: float = 10000.0, num_buckets: int = 32,
-        max_distance: int = 128,
-    ):
-        super().__init__()
-        if kind not in POSITION_KINDS:
-            raise ValueError(f"positions must be one of {POSITION_KINDS}; got {kind!r}")
-        self.kind, self.d_model = kind, d_model
-        self.learned = LearnedPositions(max_len, d_model) if kind == "learned" else None
-        self.rope = RotaryEmbedding(head_dim, rope_base) if kind == "rope" else None
-        if kind == "alibi":
-            self.register_buffer("slopes", alibi_slopes(n_head), persistent=False)
-        if kind == "relative":
-            self.bias_table = nn.Parameter(0.02 * torch.randn(num_buckets, n_head))
-            self.bucket_args = (num_buckets, max_distance, bidirectional)
-
-    @property
-    def max_len(self) -> int | None:
-        """The longest sequence this scheme can encode, or None when unbounded."""
-        return self.learned.max_len if self.learned is not None else None
+    max_len: int | None = None  # the longest sequence it encodes; None: unbounded
 
     def check_length(self, length: int) -> None:
         if self.max_len is not None and length > self.max_len:
@@ -115,17 +106,111 @@ class Positions(nn.Module):
 
     def embed(self, positions: Tensor) -> Tensor | None:
         """What to add to the token embeddings at ``positions`` (..., N): (..., N, d_model)."""
-        if self.kind == "sinusoidal":
-            return sinusoidal_encoding(positions, self.d_model)
-        if self.learned is not None:
-            return self.learned(positions)
         return None
 
     def score_mod(self) -> ScoreMod | None:
         """The score modifier every attention layer of the stack adds, or None."""
-        if self.kind == "alibi":
-            return alibi(slopes=self.slopes)
-        if self.kind == "relative":
-            num_buckets, max_distance, bidirectional = self.bucket_args
-            return relative_bias(self.bias_table, num_buckets, max_distance, bidirectional)
         return None
+
+    def rotary(self) -> RotaryEmbedding | None:
+        """The rotation every self-attention layer of the stack applies to q and k, or None."""
+        return None
+
+    def for_layers(self, positions: Tensor) -> Tensor | Rotation:
+        """What the stack's layers receive as ``positions``: the positions, or for RoPE their
+        rotation, computed here once instead of in every layer."""
+        return positions
+
+
+class NoPositions(PositionScheme):
+    """No positional information ("none")."""
+
+
+class SinusoidalPositions(PositionScheme):
+    """The paper's fixed encoding, added to the embeddings."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+
+    def embed(self, positions: Tensor) -> Tensor:
+        return sinusoidal_encoding(positions, self.d_model)
+
+
+class LearnedPositions(PositionScheme):
+    """A learned table of ``max_len`` position vectors (GPT-2's wpe), added to the embeddings."""
+
+    def __init__(self, max_len: int, d_model: int):
+        super().__init__()
+        self.max_len = max_len
+        self.table = nn.Embedding(max_len, d_model)
+        # Checkpoints written when the table sat inside a Positions wrapper.
+        self.register_load_state_dict_pre_hook(_moved_table)
+
+    def embed(self, positions: Tensor) -> Tensor:
+        return self.table(positions)
+
+
+def _moved_table(module, state_dict, prefix, *args) -> None:
+    old = prefix + "learned.table.weight"
+    if old in state_dict:
+        state_dict[prefix + "table.weight"] = state_dict.pop(old)
+
+
+class RotaryPositions(PositionScheme):
+    """RoPE: q and k rotated in every self-attention layer (shared by the stack)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        self.rope = RotaryEmbedding(head_dim, base)
+
+    def rotary(self) -> RotaryEmbedding:
+        return self.rope
+
+    def for_layers(self, positions: Tensor) -> Rotation:
+        return self.rope.rotation(positions)
+
+
+class ALiBiPositions(PositionScheme):
+    """ALiBi (Press et al., 2022): a per-head linear penalty on distance, added to scores."""
+
+    def __init__(self, n_head: int):
+        super().__init__()
+        self.register_buffer("slopes", alibi_slopes(n_head), persistent=False)
+
+    def score_mod(self) -> ScoreMod:
+        return alibi(slopes=self.slopes)
+
+
+class RelativePositions(PositionScheme):
+    """T5's learned relative bias: one value per (distance bucket, head), added to scores.
+    ``bidirectional``: buckets for keys on both sides (encoder) or only the past (causal)."""
+
+    def __init__(self, n_head: int, bidirectional: bool = True, num_buckets: int = 32,
+                 max_distance: int = 128):
+        super().__init__()
+        self.bias_table = nn.Parameter(0.02 * torch.randn(num_buckets, n_head))
+        self.num_buckets, self.max_distance = num_buckets, max_distance
+        self.bidirectional = bidirectional
+
+    def score_mod(self) -> ScoreMod:
+        return relative_bias(self.bias_table, self.num_buckets, self.max_distance,
+                             self.bidirectional)
+
+
+def make_positions(config: PositionsConfig, *, d_model: int, n_head: int, head_dim: int,
+                   max_len: int, bidirectional: bool = True) -> PositionScheme:
+    """The scheme ``config.kind`` names, for a stack of width ``d_model`` with ``n_head``
+    heads of ``head_dim``; ``max_len`` sizes a learned table, ``bidirectional`` a relative
+    bias."""
+    builders = {
+        "sinusoidal": lambda: SinusoidalPositions(d_model),
+        "learned": lambda: LearnedPositions(max_len, d_model),
+        "rope": lambda: RotaryPositions(head_dim, config.rope_base),
+        "alibi": lambda: ALiBiPositions(n_head),
+        "relative": lambda: RelativePositions(n_head, bidirectional),
+        "none": NoPositions,
+    }
+    if config.kind not in builders:
+        raise ValueError(f"positions must be one of {POSITION_KINDS}; got {config.kind!r}")
+    return builders[config.kind]()

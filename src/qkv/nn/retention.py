@@ -2,7 +2,7 @@
 
     MSR(X) = (swish(X W_G) ⊙ GroupNorm(retention_h(X W_Q, X W_K, X W_V; γ_h))) W_O
 
-Registered as ``attention="retention"`` for every model config (see ``qkv.nn.kinds``).
+The kind ``attention="retention"`` of every model config (see ``qkv.nn.kinds``).
 Training runs the chunkwise form; generation carries the recurrent state (B, H, D, D) in a
 ``StateCache``, O(1) per token. Under ``qkv.causal()`` retention is causal; without it
 (encoders) it is bidirectional, γ^|n-m|.
@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from ..core.linear import check_positive_int, no_weights_error
 from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
-from .kinds import register_attention_kind
 from .linear_attention import StateCache, causal_and_key_mask, split_heads
 from .positions import RotaryEmbedding
 
@@ -32,7 +31,6 @@ class Retention(nn.Module):
         norm_eps: epsilon of the per-head group norm.
         rope: a shared RotaryEmbedding applied to q and k (RetNet's xPos rotation, without
             its extra decay, which γ already provides).
-        layer_index: the block's index in its stack.
 
     Masks: ``qkv.causal()`` and key padding masks. Retention is self-attention over a
     sequence: ``is_cross=True`` is refused. There are no attention weights;
@@ -43,7 +41,7 @@ class Retention(nn.Module):
     def __init__(
         self, d_model: int, n_head: int, *, n_kv_head: int | None = None, bias: bool = True,
         chunk_size: int = 64, norm_eps: float = 1e-5, rope: RotaryEmbedding | None = None,
-        is_cross: bool = False, layer_index: int | None = None,
+        is_cross: bool = False,
     ):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -59,7 +57,7 @@ class Retention(nn.Module):
             )
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d_model // n_head
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
-        self.rope, self.is_cross, self.layer_index = rope, is_cross, layer_index
+        self.rope, self.is_cross = rope, is_cross
         self.q_proj = nn.Linear(d_model, d_model, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
@@ -115,17 +113,13 @@ class Retention(nn.Module):
         return self.out_proj(F.silu(self.gate_proj(x)) * normed)
 
 
-def _build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross,
-           layer_index) -> Retention:
+def retention_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
+                   is_cross) -> Retention:
+    """The builder of attention kind "retention" (see ``qkv.nn.kinds``)."""
     if similarity != "dot":
         raise ValueError(
             f"attention='retention' uses q·k with a decay; similarity must be 'dot'; got "
             f"{similarity!r}"
         )
-    return Retention(
-        d_model, n_head, n_kv_head=n_kv_head, bias=bias, rope=rope, is_cross=is_cross,
-        layer_index=layer_index,
-    )
-
-
-register_attention_kind("retention", _build)
+    return Retention(d_model, n_head, n_kv_head=n_kv_head, bias=bias, rope=rope,
+                     is_cross=is_cross)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model, save_model
 
 from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
 
@@ -36,8 +37,6 @@ class Checkpoint:
 
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the saved weights into ``model`` (tied weights are restored as tied)."""
-        from safetensors.torch import load_model
-
         device = next(model.parameters()).device
         try:
             load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
@@ -62,8 +61,6 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: dict,
          keep: int) -> Path:
     """Write checkpoint ``step`` and delete all but the newest ``keep`` (>= 1) ones."""
-    from safetensors.torch import save_model
-
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint being written); got {keep}")
 

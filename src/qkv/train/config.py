@@ -2,10 +2,12 @@
 
 A run's configuration has four sections: ``data`` and ``eval`` (a dataclass per task),
 ``train`` (shared) and ``model`` (the fields of the task's model config dataclass, minus
-the ones the data decides, such as vocabulary sizes). Every key is checked when the
-configuration is built: an unknown key names its close matches, a value of the wrong type
-names the expected type, a value out of its field's range or choices names them (see
-``limited`` and ``model_limits``), and the model config's own cross-field checks run.
+the ones the data decides, such as vocabulary sizes; its ``block`` and ``positions``
+sections nest: ``model.block.n_head``). Every key is checked when the configuration is
+built: an unknown key names its close matches, a key of the old flat model configs names its
+new place, a value of the wrong type names the expected type, a value out of its field's
+range or choices names them (``qkv.limits``), and the model config's own cross-field checks
+run.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,39 +24,13 @@ from typing import Any
 import tomllib
 
 from ..data.errors import DataError
+from ..limits import Limit, limit_of, limited
+from ..models.configs import SECTIONS as MODEL_SECTIONS
+from ..models.configs import moved_key
 
 
 class ConfigError(ValueError):
     """A configuration key or value the user gave cannot be used."""
-
-
-@dataclass(frozen=True)
-class Limit:
-    """The values a field accepts: an interval such as "[1, inf)" or "(0, 1]" (applied to
-    each element of a list), and/or a tuple of choices. Floats must also be finite."""
-
-    interval: str | None = None
-    choices: tuple = ()
-
-    def problem(self, value) -> str | None:
-        """What is wrong with ``value`` (already of the field's type), or None."""
-        if isinstance(value, (list, tuple)):
-            return next(filter(None, (self.problem(v) for v in value)), None)
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"expected a finite number, got {value!r}"
-        if self.choices and value not in self.choices:
-            return f"expected one of {', '.join(map(str, self.choices))}, got {value!r}"
-        if self.interval is None or value is None or isinstance(value, (bool, str)):
-            return None
-        low, high = (float(x) for x in self.interval[1:-1].split(","))
-        above = value > low if self.interval[0] == "(" else value >= low
-        below = value < high if self.interval[-1] == ")" else value <= high
-        return None if above and below else f"expected a value in {self.interval}, got {value!r}"
-
-
-def limited(default, interval: str | None = None, choices: tuple = ()):
-    """A dataclass field whose values are checked (see Limit) when the configuration is built."""
-    return field(default=default, metadata={"limit": Limit(interval, choices)})
 
 
 SEEDS = "[0, 4294967295]"  # what numpy's and torch's generators all accept
@@ -98,25 +73,6 @@ class TrainConfig:
     # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
     # whose weights and tokenizer the run starts from; empty: train from scratch.
     init: str = ""
-
-
-def model_limits() -> dict[str, Limit]:
-    """The limits of the model sections' fields, by name (the model config classes check the
-    rules between fields, such as d_model divisible by n_head)."""
-    from ..core.similarity import SIMILARITIES
-    from ..nn import ACTIVATIONS, ATTENTION_KINDS, NORMS, POSITION_KINDS
-
-    positive, count = Limit("[1, inf)"), Limit("[0, inf)")
-    return {
-        "n_layer": positive, "n_encoder_layers": positive, "n_decoder_layers": positive,
-        "n_head": positive, "n_kv_head": positive, "d_model": positive, "d_ff": positive,
-        "block_size": positive, "patch_size": positive, "window": count,
-        "dropout": Limit("[0, 1)"), "norm_eps": Limit("(0, inf)"), "rope_base": Limit("(0, inf)"),
-        "positions": Limit(choices=POSITION_KINDS), "norm": Limit(choices=NORMS),
-        "ffn": Limit(choices=ACTIVATIONS), "similarity": Limit(choices=tuple(SIMILARITIES)),
-        "attention": Limit(choices=tuple(ATTENTION_KINDS)),
-        "pooling": Limit(choices=("cls", "mean")),
-    }
 
 
 SECTIONS = ("data", "model", "train", "eval")
@@ -208,22 +164,33 @@ class Schema:
         self.types: dict[str, Any] = {}
         self.limits: dict[str, Limit] = {}
         for section, cls in self.classes.items():
-            for f in dataclasses.fields(cls):
-                self.types[f"{section}.{f.name}"] = typing.get_type_hints(cls)[f.name]
-                if "limit" in f.metadata:
-                    self.limits[f"{section}.{f.name}"] = f.metadata["limit"]
-        limits = model_limits()
-        for name, hint in typing.get_type_hints(model_cls).items():
-            if name not in derived:
-                self.types[f"model.{name}"] = hint
-                if name in limits:
-                    self.limits[f"model.{name}"] = limits[name]
+            self._add(section, cls)
+        for f in dataclasses.fields(model_cls):
+            if f.name in MODEL_SECTIONS:  # model.block.n_head, model.positions.kind
+                self._add(f"model.{f.name}", MODEL_SECTIONS[f.name])
+            elif f.name not in derived:
+                self._add_field("model", f, typing.get_type_hints(model_cls)[f.name])
         self.derived = derived
+
+    def _add(self, prefix: str, cls) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            self._add_field(prefix, f, hints[f.name])
+
+    def _add_field(self, prefix: str, f: dataclasses.Field, hint) -> None:
+        key = f"{prefix}.{f.name}"
+        self.types[key] = hint
+        if limit_of(f) is not None:
+            self.limits[key] = limit_of(f)
 
     def check(self, key: str, value):
         if key.startswith("model.") and key[6:] in self.derived:
             raise ConfigError(f"{key} is set from the data and cannot be configured")
         if key not in self.types:
+            moved = moved_key(key[6:]) if key.startswith("model.") else None
+            if moved is not None and f"model.{moved}" in self.types:
+                raise ConfigError(f"{key} has moved: the model config keeps it in a section "
+                                  f"now; set model.{moved}")
             raise unknown_key(key, sorted(self.types))
         value = coerce(value, self.types[key], key)
         problem = self.limits[key].problem(value) if key in self.limits else None
@@ -248,11 +215,10 @@ class Schema:
             raise ConfigError(f"model: {e}") from None
 
     def build(self, task: str, values: dict[str, Any]) -> RunConfig:
-        """A RunConfig from flat ``section.name`` values (the dataclass defaults fill the rest)."""
-        sections: dict[str, dict] = {s: {} for s in SECTIONS}
-        for key, value in values.items():
-            section, name = key.split(".", 1)
-            sections[section][name] = self.check(key, value)
+        """A RunConfig from flat ``section.name`` values (the dataclass defaults fill the rest);
+        the model section nests its ``block`` and ``positions`` keys."""
+        sections = {s: {} for s in SECTIONS} | nest(
+            {key: self.check(key, value) for key, value in values.items()})
         self.check_model(sections["model"])
         return RunConfig(
             task=task,
@@ -264,7 +230,8 @@ class Schema:
 
 
 def flatten(tree: dict, where: str) -> dict[str, Any]:
-    """{"train": {"lr": 1}} -> {"train.lr": 1}; a top-level key outside the sections is an error."""
+    """{"train": {"lr": 1}, "model": {"block": {"n_head": 4}}} -> {"train.lr": 1,
+    "model.block.n_head": 4}; a top-level key outside the sections is an error."""
     flat = {}
     for section, body in tree.items():
         if section == "task":
@@ -273,8 +240,29 @@ def flatten(tree: dict, where: str) -> dict[str, Any]:
             raise unknown_key(section, list(SECTIONS))
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: section {section!r} must be a table of key = value")
-        for name, value in body.items():
-            flat[f"{section}.{name}"] = value
+        flat.update(_dotted(body, section))
+    return flat
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"model.block.n_head": 4} -> {"model": {"block": {"n_head": 4}}} (``flatten`` undone)."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, name = key.split(".")
+        target = tree
+        for part in path:
+            target = target.setdefault(part, {})
+        target[name] = value
+    return tree
+
+
+def _dotted(body: dict, prefix: str) -> dict[str, Any]:
+    flat = {}
+    for name, value in body.items():
+        if isinstance(value, dict):
+            flat.update(_dotted(value, f"{prefix}.{name}"))
+        else:
+            flat[f"{prefix}.{name}"] = value
     return flat
 
 

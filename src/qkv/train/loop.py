@@ -266,7 +266,7 @@ class Trainer:
         t, env = self.cfg.train, self.env
         model = self.wrapped_model()
         model.train()
-        d_model = getattr(self.model.config, "d_model", 512)
+        d_model = self.model.config.block.d_model
         if self.verbose and self.task.name == "lm":
             print(plan.plan_line(self.cfg, self.model, self.tokens_per_step(), self.sizing,
                                  self.step), file=sys.stderr, flush=True)

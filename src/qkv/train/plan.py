@@ -75,7 +75,7 @@ def peak_memory(params: int, config, tokens: int, checkpointing: bool) -> float:
     """Estimated peak bytes of a training step over ``tokens`` tokens of a GPT ``config``:
     weights, gradients and AdamW moments; the logits (three copies: values, log-softmax,
     gradient); the blocks' activations (only their inputs when checkpointing)."""
-    d, ff = config.d_model, config.d_ff or 4 * config.d_model
+    d, ff = config.block.d_model, config.block.ff_width
     per_block = tokens * (10 * d + 4 * ff) * 4  # one block's saved tensors, fp32
     blocks = config.n_layer * tokens * d * 4 + per_block if checkpointing \
         else config.n_layer * per_block
@@ -90,7 +90,7 @@ def plan_line(cfg: RunConfig, model: torch.nn.Module, tokens_per_step: int, note
     t = cfg.train
     params = n_parameters(model)
     flops = (8 if t.checkpointing else 6) * params * tokens_per_step  # forward 2, backward 4
-    rate = matmul_flops_per_second(model.config.d_model) * MATMUL_EFFICIENCY
+    rate = matmul_flops_per_second(model.config.block.d_model) * MATMUL_EFFICIENCY
     seconds = flops * (t.steps - first_step) / rate
     micro = tokens_per_step // t.accumulate
     memory = peak_memory(params, model.config, micro, t.checkpointing)

@@ -1,8 +1,6 @@
 """Run directories: start or resume a training run, and load a finished run for inference.
 
-A run directory holds everything needed to reproduce or use the run: ``config.json`` (the
-full configuration, usable as ``--config``), ``model.json`` (the model's config),
-the tokenizers (``tokenizer*.json``), ``metrics.jsonl`` and ``checkpoints/``.
+The files of a run directory, and reading them, are ``rundir``'s.
 
 A start that fails (bad data, a model the config cannot build, no intact checkpoint to
 resume) leaves the directory exactly as it was: nothing is written before it has succeeded.
@@ -10,42 +8,13 @@ resume) leaves the directory exactly as it was: nothing is written before it has
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from . import checkpoint, distributed
-from .config import ConfigError, RunConfig, flatten, parse_overrides, resolve
+from .config import ConfigError, RunConfig, flatten, parse_overrides
 from .loop import Trainer
-from .tasks import TASKS
-
-
-class RunError(ValueError):
-    """A run directory that cannot be used for what was asked."""
-
-
-def get_task(name: str):
-    if name not in TASKS:
-        raise ConfigError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    return TASKS[name]
-
-
-def read_run_config(run_dir: str | Path, expected_task: str | None = None,
-                    overrides: list[str] = ()) -> RunConfig:
-    """The RunConfig stored in ``RUN/config.json`` with ``--set`` style ``overrides``, checked
-    against the task's schema."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise RunError(f"{str(run_dir)!r} is not a qkv run directory (no config.json)")
-    try:
-        tree = json.loads(path.read_text())
-        task_name = tree["task"]
-    except (ValueError, KeyError):
-        raise RunError(f"{str(path)!r} is not a readable qkv run configuration") from None
-    if expected_task is not None and task_name != expected_task:
-        raise RunError(f"{str(run_dir)!r} holds a {task_name!r} run, not {expected_task!r}")
-    stored = flatten(tree, str(path))
-    return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
+from .rundir import RunError, get_task, read_run_config
 
 
 def adopt_checkpoint(task, cfg: RunConfig, explicit: set[str]) -> RunConfig:
@@ -65,13 +34,13 @@ def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunCo
     that data (and the tokenizers were learned from it)."""
     stored = read_run_config(run_dir, task)
     cfg = read_run_config(run_dir, task, overrides)
-    before, after = stored.to_dict(), cfg.to_dict()
-    for section in ("model", "data"):
-        for key in sorted(set(before[section]) | set(after[section])):
-            if before[section].get(key) != after[section].get(key):
-                raise ConfigError(
-                    f"--resume cannot change {section}.{key} (the run was trained with "
-                    f"{before[section].get(key)!r}); start a new --run-dir instead")
+    fixed = lambda c: flatten({s: c.to_dict()[s] for s in ("model", "data")}, "")  # noqa: E731
+    before, after = fixed(stored), fixed(cfg)
+    for key in sorted(set(before) | set(after)):
+        if before.get(key) != after.get(key):
+            raise ConfigError(
+                f"--resume cannot change {key} (the run was trained with "
+                f"{before.get(key)!r}); start a new --run-dir instead")
     return cfg
 
 

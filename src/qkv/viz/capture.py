@@ -4,12 +4,17 @@
         model(idx)
     maps[-1]            # (B, 2, N, N): the last layer's heads 0 and 2
 
-Each chosen ``MultiHeadAttention`` gets a ``weights_observer`` for the duration. The layer's
-own call is unchanged (same engine, SDPA or fused, same outputs); the observer recomputes the
-softmax rows of the chosen heads only, from the q and k the layer computed and the same mask,
-score modifier, similarity and scale (``qkv.viz.weights.head_weights``). No (Nq, Nk) tensor
-is formed or kept for heads nobody asked for. Weights are those of eval mode: attention
-dropout, if a training-mode call applies it, is not in them.
+Attention layers are found by their module paths: a block's ``self_attn`` and
+``cross_attn`` (``decoder.blocks.3.cross_attn`` is layer 3 of the stack ``decoder.blocks``,
+cross-attention), or the model itself when it is one ``MultiHeadAttention``.
+
+For the duration, each chosen layer's one call point, ``MultiHeadAttention.attend``, is
+wrapped. The call itself is unchanged (same engine, SDPA or fused, same outputs) and also
+hands back its log-sum-exp; from it the wrapper recomputes the softmax rows of the chosen
+heads only, from the q and k the layer computed and the same mask, score modifier,
+similarity and scale (``qkv.viz.weights.head_weights``). No (Nq, Nk) tensor is formed or kept
+for heads nobody asked for. Weights are those of eval mode: attention dropout, if a
+training-mode call applies it, is not in them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..core.api import attention_result
+from ..nn.attention import MultiHeadAttention
 from .weights import check_heads, head_weights
 
 
@@ -96,10 +103,25 @@ def stack_name(name: str) -> str:
     return ".".join(parts[: numbers[-1]]) if numbers else ".".join(parts[:-1])
 
 
+ATTENTION_NAMES = ("self_attn", "cross_attn")
+
+
 def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every attention layer of the model: modules with ``layer_index`` and ``is_cross``."""
+    """Every attention layer of the model, by module path: modules named ``self_attn`` or
+    ``cross_attn``, or the model itself when it is a ``MultiHeadAttention``."""
     return [(name, m) for name, m in model.named_modules()
-            if hasattr(m, "layer_index") and hasattr(m, "is_cross")]
+            if name.rsplit(".", 1)[-1] in ATTENTION_NAMES
+            or (not name and isinstance(m, MultiHeadAttention))]
+
+
+def is_cross_attention(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] == "cross_attn"
+
+
+def layer_number(name: str) -> int | None:
+    """'decoder.blocks.3.cross_attn' -> 3: the last number in the path, or None."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[-1] if numbers else None
 
 
 def _check_layers(layers, count: int, stack: str) -> set[int]:
@@ -122,7 +144,7 @@ def _check_layers(layers, count: int, stack: str) -> set[int]:
 
 
 def _check_no_weights(name: str, module: nn.Module) -> None:
-    if not hasattr(module, "weights_observer"):
+    if not isinstance(module, MultiHeadAttention):
         raise ValueError(
             f"{name} is {type(module).__name__}, an attention kind with no attention weights "
             "(linear attention and retention never form a softmax over keys), so there are no "
@@ -135,13 +157,14 @@ def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, Captured
         raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
     found = attention_layers(model)
     if not found:
-        raise ValueError(f"{type(model).__name__} has no attention layers (modules with "
-                         "layer_index and is_cross)")
+        raise ValueError(f"{type(model).__name__} has no attention layers (modules named "
+                         f"{' or '.join(ATTENTION_NAMES)})")
     # A decoder stack holds self- and cross-attention layers: group by both.
     groups: dict[tuple[str, bool], list[tuple[str, nn.Module]]] = {}
     for name, module in found:
-        if cross is None or module.is_cross == cross:
-            groups.setdefault((stack_name(name), bool(module.is_cross)), []).append((name, module))
+        if cross is None or is_cross_attention(name) == cross:
+            key = (stack_name(name), is_cross_attention(name))
+            groups.setdefault(key, []).append((name, module))
     if stacks is not None:
         wanted = [stacks] if isinstance(stacks, str) else list(stacks)
         known = sorted({stack for stack, _ in groups})
@@ -156,12 +179,13 @@ def _plan(model, layers, heads, stacks, cross) -> list[tuple[nn.Module, Captured
         kind = "cross-attention" if is_cross else "self-attention"
         picked = _check_layers(layers, len(members), f"{stack} {kind}")
         for position, (name, module) in enumerate(members):
-            layer = module.layer_index if module.layer_index is not None else position
+            number = layer_number(name)
+            layer = number if number is not None else position
             if layer not in picked:
                 continue
             _check_no_weights(name, module)
             chosen = check_heads(heads, module.n_head, name)
-            plan.append((module, CapturedMap(name, stack, layer, bool(module.is_cross), chosen)))
+            plan.append((module, CapturedMap(name, stack, layer, is_cross, chosen)))
     return plan
 
 
@@ -183,26 +207,24 @@ class ObservedCall:
 OnWeights = Callable[[CapturedMap, Tensor, ObservedCall], None]
 
 
-def _observer(site: CapturedMap, previous, on_weights: OnWeights | None,
-              row_bytes: int | None):
-    # ``lse``: a layer that can hand over its engine's saved log-sum-exp passes it, and the
-    # chosen heads' weights are then exp(score - lse), with no row reduction.
-    def observe(module, q: Tensor, k: Tensor, *, mask=None, score_mod=None, lse=None) -> None:
-        if previous is not None:  # an enclosing capture of the same layer
-            extra = {} if lse is None else {"lse": lse}
-            previous(module, q, k, mask=mask, score_mod=score_mod, **extra)
+def _observer(site: CapturedMap, on_weights: OnWeights | None, row_bytes: int | None):
+    # ``lse``: the engine's saved log-sum-exp (None from SDPA); with it the chosen heads'
+    # weights are exp(score - lse), with no row reduction.
+    def observe(module, q: Tensor, k: Tensor, lse: Tensor | None, kwargs: dict) -> None:
         q, k = q.detach(), k.detach()
+        lse = None if lse is None else lse.detach()
+        mask, score_mod = kwargs.get("mask"), kwargs.get("score_mod")
         nq, nk = q.shape[2], k.shape[2]
         # Streaming: at most row_bytes of float32 weights at once (per batch row).
         block = nq if on_weights is None or row_bytes is None else \
             max(1, row_bytes // (4 * len(site.heads) * nk))
+        metric = kwargs.get("metric")
         with torch.no_grad():
-            metric = None if module.metric is None else module.metric.detach()
             for start in range(0, nq, block):
                 weights = head_weights(
                     q, k, site.heads, mask=mask, score_mod=score_mod,
-                    similarity=module.similarity, scale=module.scale, metric=metric,
-                    lse=None if lse is None else lse.detach(),
+                    similarity=kwargs.get("similarity", "dot"), scale=kwargs.get("scale"),
+                    metric=None if metric is None else metric.detach(), lse=lse,
                     rows=(start, min(nq, start + block)),
                 )
                 if on_weights is None:
@@ -210,6 +232,36 @@ def _observer(site: CapturedMap, previous, on_weights: OnWeights | None,
                 else:
                     on_weights(site, weights, ObservedCall(module, q, k, mask, score_mod, start))
     return observe
+
+
+# The observers of each wrapped layer; a layer is wrapped while it has any (nested captures).
+_OBSERVERS: dict[nn.Module, list] = {}
+
+
+def _wrapped_attend(module: nn.Module, observers: list):
+    """The layer's ``attend`` while captured: the same call, whose saved log-sum-exp lets each
+    observer rebuild its heads' weights without another pass over the keys."""
+    def attend(q: Tensor, k: Tensor, v: Tensor, **kwargs):
+        result = attention_result(q, k, v, **kwargs)
+        for observe in observers:
+            observe(module, q, k, result.lse, kwargs)
+        return result.out, result.weights
+    return attend
+
+
+def _watch(module: nn.Module, observe) -> None:
+    observers = _OBSERVERS.setdefault(module, [])
+    if not observers:
+        module.attend = _wrapped_attend(module, observers)
+    observers.append(observe)
+
+
+def _unwatch(module: nn.Module, observe) -> None:
+    observers = _OBSERVERS[module]
+    observers.remove(observe)
+    if not observers:
+        del _OBSERVERS[module]
+        del module.attend  # the class's own method again
 
 
 @contextlib.contextmanager
@@ -222,7 +274,8 @@ def capture(
     """Record the post-softmax weights of chosen layers and heads during forward passes.
 
     Args:
-        model: any module whose attention layers keep ``layer_index`` and ``is_cross``.
+        model: any module whose attention layers sit at paths ``...self_attn`` or
+            ``...cross_attn`` (``attention_layers``).
         layers: layer indices within each stack (negative counts from the end); None: all.
         heads: query-head indices; None: all.
         stacks: limit to these stacks, e.g. "encoder" or "decoder" (the module path up to the
@@ -239,12 +292,14 @@ def capture(
     Yields:
         AttentionMaps, filled as the model runs.
     """
-    plan = _plan(model, layers, heads, stacks, cross)
-    previous = [module.weights_observer for module, _ in plan]
+    plan = [(module, site, _observer(site, on_weights, row_bytes))
+            for module, site in _plan(model, layers, heads, stacks, cross)]
+    watched = []
     try:
-        for (module, site), before in zip(plan, previous, strict=True):
-            module.weights_observer = _observer(site, before, on_weights, row_bytes)
-        yield AttentionMaps([site for _, site in plan])
+        for module, _, observe in plan:
+            _watch(module, observe)
+            watched.append((module, observe))
+        yield AttentionMaps([site for _, site, _ in plan])
     finally:
-        for (module, _), before in zip(plan, previous, strict=True):
-            module.weights_observer = before
+        for module, observe in watched:
+            _unwatch(module, observe)

@@ -26,12 +26,17 @@ import numpy as np
 import torch
 
 from ..data.atomic import write_text_atomic
+from ..data.text import read_nonempty_text
+from ..data.tokenizers import BOS_ID, EOS_ID
+from ..train.rundir import LoadedRun, load_run
+from ..train.tasks.translate import translate_batch
+from ..train.tasks.vit import load
 from .compact import cap_rows
 from .labels import token_labels
 from .page import PageImage, render_page
+from .pretrained import pretrained_scene
 from .record import NEURON_BUDGET
 from .rollout import patch_relevance
-from .runs import LoadedRun, load_run
 from .scene import Scene, encode_text, record_maps, without_head
 
 # The largest page written unless --max-per-row is given: a browser opens it in seconds.
@@ -90,9 +95,6 @@ def _lm_scene(run: LoadedRun, args) -> Scene:
 
 
 def _translate_scene(run: LoadedRun, args) -> Scene:
-    from ..data.tokenizers import BOS_ID, EOS_ID
-    from ..train.tasks.translate import translate_batch
-
     src_tok, tgt_tok, cfg = run.tokenizers["tokenizer_src"], run.tokenizers["tokenizer_tgt"], \
         run.config
     src_ids = encode_text(src_tok, args.text, cfg.data.max_len, "a translate run")
@@ -123,8 +125,6 @@ def _translate_scene(run: LoadedRun, args) -> Scene:
 
 
 def _vit_scene(run: LoadedRun, args) -> Scene:
-    from ..train.tasks.vit import load
-
     if args.text is not None:
         raise ValueError("vit runs show an image: pass --image N (a held-out image), not --text")
     _, test = load(run.config.data)
@@ -159,7 +159,7 @@ def write_pictures(scene: Scene, folder, suffix: str) -> list[Path]:
     """Per view and layer a grid of heads; cross-attention also as a head-mean alignment;
     for a ViT the rollout over the image. The pictures show the weights the page stores,
     under the page's token labels."""
-    from . import plots
+    from . import plots  # matplotlib, an optional dependency
 
     folder, written = Path(folder), []
     for view in scene.views:
@@ -229,8 +229,6 @@ def fit_budget(views, text: str, page: dict) -> str:
 def _scene(args) -> tuple[Scene, str]:
     """The scene to show and the page's title."""
     if args.model is not None:
-        from .pretrained import pretrained_scene
-
         return pretrained_scene(args), f"qkv attention: {args.model}"
     if args.run_dir is None:
         raise ValueError("give a run directory (from `qkv train`) or --model NAME_OR_PATH")
@@ -251,8 +249,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
                          f"such as {str(Path(args.output) / 'attention.html')!r}")
     if args.text_file is not None:
-        from ..data.text import read_nonempty_text
-
         args.text = read_nonempty_text(args.text_file, "--text-file")
     scene, title = _scene(args)
     page = dict(mode=scene.mode, image=scene.image, threshold=args.threshold,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from ..data.tokenizers import SPECIALS
+
 VISIBLE = {" ": "\u2423", "\n": "\u23ce", "\t": "\u21e5", "\r": "\u240d"}
 CONTINUATION = "\u00b7"  # a WordPiece token that continues the previous word
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -90,7 +92,6 @@ def _decoded_label(tokenizer, token_id: int) -> str:
     text = tokenizer.decode([token_id])
     if text:
         return visible(text)
-    from ..data.tokenizers import SPECIALS
 
     # qkv's own tokenizers reserve ids 0..3 for <pad> <bos> <eos> <unk>.
     return SPECIALS[token_id] if token_id < len(SPECIALS) else f"<unknown id {token_id}>"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import models
+from ..models import GPT
 from .labels import token_labels
 from .scene import Scene, encode_text, record_maps, without_head
 
@@ -31,11 +33,9 @@ def greedy_with_rows(model, ids: list[int], count: int, eos_id: int | None) -> l
 
 def pretrained_scene(args) -> Scene:
     """The Scene of ``args.model``."""
-    from ..models import GPT, load_pretrained
-
     if args.run_dir is not None:
         raise ValueError("give a run directory or --model, not both")
-    model, tokenizer = load_pretrained(args.model)
+    model, tokenizer = models.load_pretrained(args.model)
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer "
                          "(tokenizer.json), so --text cannot be read")

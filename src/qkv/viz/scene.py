@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bars import bar
 from .capture import AttentionMaps, capture
 from .page import PageImage, PageView
 from .record import NEURON_BUDGET, Recorder, neuron_layers_within
@@ -55,11 +56,11 @@ def _neuron_layers(args, model, count: int, tokens: int) -> list[int]:
                 raise ValueError(f"--neuron-layers: layer {layer} is not captured; --layers "
                                  f"captures {captured}")
         return sorted({layer % count for layer in args.neuron_layers})
-    cfg = model.config
-    heads = len(args.heads) if args.heads else cfg.n_head
-    kv_heads = min(heads, getattr(cfg, "n_kv_head", None) or cfg.n_head)
+    block = model.config.block
+    heads = len(args.heads) if args.heads else block.n_head
+    kv_heads = min(heads, block.n_kv_head or block.n_head)
     return neuron_layers_within(NEURON_BUDGET, captured, heads, kv_heads, tokens,
-                                cfg.d_model // cfg.n_head)
+                                block.head_dim)
 
 
 @contextlib.contextmanager
@@ -83,8 +84,6 @@ def record_maps(model, args, forward, *, layer_count: int, tokens: int,
     """Run ``forward`` under capture, streaming every call into a Recorder, with a progress bar
     over the rows of every captured layer. Without a rollout (which needs whole maps), a
     long call's weights come ``ROW_BYTES`` at a time: memory stays bounded at any length."""
-    from ..bars import bar
-
     recorder = Recorder(args.threshold, args.max_per_row,
                         _neuron_layers(args, model, layer_count, tokens),
                         rollout_stacks if args.layers is None else ())

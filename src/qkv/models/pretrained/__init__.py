@@ -2,9 +2,13 @@
 directories and GGUF files) as ``GPT``, BERT-family encoders as ``Encoder``, and their
 tokenizers.
 
-    model, tokenizer = load_pretrained("smollm2")       # or "minilm", or a path
-    GPT.from_pretrained("path/to/llama-dir")            # the model alone
-    load_tokenizer("path/to/model.gguf")                # the tokenizer alone
+    model, tokenizer = qkv.models.load_pretrained("smollm2")   # or "minilm", or a path
+    GPT.from_pretrained("path/to/llama-dir")                    # the model alone
+    load_tokenizer("path/to/model.gguf")                        # the tokenizer alone
+
+``gpt_from_pretrained`` and ``encoder_from_pretrained`` are what ``GPT.from_pretrained`` and
+``Encoder.from_pretrained`` call: the model class comes in as an argument, so this package
+reads checkpoints into configs and weights without importing the models.
 
 Only safetensors and GGUF are read; nothing is unpickled and nothing is downloaded.
 """
@@ -26,8 +30,8 @@ from .files import (
 from .gguf import GGUFFile
 from .tokenizer import PretrainedTokenizer, from_directory, from_gguf
 
-__all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "load_encoder", "load_gpt",
-           "load_gpt_config", "load_pretrained", "load_tokenizer", "resolve"]
+__all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "encoder_from_pretrained",
+           "gpt_from_pretrained", "is_encoder", "load_gpt_config", "load_tokenizer", "resolve"]
 
 DECODER_TYPES = ("gpt2", "llama")
 
@@ -69,12 +73,11 @@ def load_gpt_config(name_or_path):
     return (gpt2 if kind == "gpt2" else llama).config_from_hf(read_config(path))
 
 
-def load_gpt(name_or_path):
-    """A GPT from a GPT-2 or LLaMA-family directory, a ``.gguf`` file, or ``smollm2``."""
-    from ..gpt import GPT
-
+def gpt_from_pretrained(cls, name_or_path):
+    """``cls(config)`` (a GPT) with the weights of a GPT-2 or LLaMA-family directory, a
+    ``.gguf`` file, or ``smollm2``, in eval mode."""
     path = resolve(name_or_path)
-    model = GPT(load_gpt_config(path))
+    model = cls(load_gpt_config(path))
     kind, where = _model_type(path), str(path)
     if kind == "gguf":
         llama.load_weights(model, TensorSource(open_gguf(path).tensors(), where), gguf=True)
@@ -86,10 +89,9 @@ def load_gpt(name_or_path):
     return model.eval()
 
 
-def load_encoder(name_or_path):
-    """An Encoder (no head) from a BERT-family directory or ``minilm``."""
-    from ..encoder import Encoder
-
+def encoder_from_pretrained(cls, name_or_path):
+    """``cls(config)`` (an Encoder, no head) with the weights of a BERT-family directory or
+    ``minilm``, in eval mode."""
     path = resolve(name_or_path)
     kind = _model_type(path)
     if kind != "bert":
@@ -97,7 +99,7 @@ def load_encoder(name_or_path):
                               "expected 'bert'")
     config = bert.config_from_hf(read_config(path), *bert.sentence_pooling(path))
     tensors = {name.removeprefix("bert."): t for name, t in read_safetensors(path).items()}
-    model = Encoder(config)
+    model = cls(config)
     bert.load_weights(model, TensorSource(tensors, str(path)))
     return model.eval()
 
@@ -114,10 +116,11 @@ def load_tokenizer(name_or_path) -> PretrainedTokenizer:
     return from_directory(path)
 
 
-def load_pretrained(name_or_path):
-    """(model, tokenizer) of a checkpoint: a GPT for decoders, an Encoder for BERT. The
-    tokenizer is None when a directory holds none."""
+def is_encoder(name_or_path) -> bool:
+    """Whether the checkpoint is an encoder (BERT) rather than a decoder."""
+    return _model_type(resolve(name_or_path)) == "bert"
+
+
+def has_tokenizer(name_or_path) -> bool:
     path = resolve(name_or_path)
-    model = load_encoder(path) if _model_type(path) == "bert" else load_gpt(path)
-    has_tokenizer = _is_gguf(path) or (path / "tokenizer.json").is_file()
-    return model, (load_tokenizer(path) if has_tokenizer else None)
+    return _is_gguf(path) or (path / "tokenizer.json").is_file()

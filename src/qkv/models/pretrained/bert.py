@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from ...nn.blocks import BlockConfig
+from ...nn.positions import PositionsConfig
+from ..configs import EncoderConfig
 from .files import CheckpointError, TensorSource
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
@@ -23,13 +26,13 @@ LAYER_TENSORS = {
     "self_attn.v_proj": "attention.self.value",
     "self_attn.out_proj": "attention.output.dense",
     "attn_sublayer.norm": "attention.output.LayerNorm",
-    "ffn.linear1": "intermediate.dense",
-    "ffn.linear2": "output.dense",
+    "ffn.up_proj": "intermediate.dense",
+    "ffn.down_proj": "output.dense",
     "ffn_sublayer.norm": "output.LayerNorm",
 }
 MODEL_TENSORS = {
     "tok_emb": "embeddings.word_embeddings",
-    "positions.learned.table": "embeddings.position_embeddings",
+    "positions.table": "embeddings.position_embeddings",
     "type_emb": "embeddings.token_type_embeddings",
     "embed_norm": "embeddings.LayerNorm",
 }
@@ -56,8 +59,6 @@ def sentence_pooling(directory: Path) -> tuple[str, bool]:
 
 
 def config_from_hf(hf: dict, pooling: str, normalize: bool):
-    from ..encoder import EncoderConfig
-
     if hf.get("model_type") != "bert":
         raise CheckpointError(f"expected model_type 'bert'; got {hf.get('model_type')!r}")
     heads = [a for a in hf.get("architectures") or [] if a != "BertModel"]
@@ -72,12 +73,16 @@ def config_from_hf(hf: dict, pooling: str, normalize: bool):
         raise CheckpointError(f"hidden_act {act!r} is not supported; expected one of "
                               f"{sorted(ACTIVATIONS)}")
     try:
+        block = BlockConfig(
+            d_model=hf["hidden_size"], n_head=hf["num_attention_heads"],
+            d_ff=hf["intermediate_size"], dropout=hf.get("hidden_dropout_prob", 0.1),
+            norm="layernorm", norm_first=False, ffn=ACTIVATIONS[act],
+            norm_eps=hf.get("layer_norm_eps", 1e-12),
+        )
         return EncoderConfig(
             vocab_size=hf["vocab_size"], num_classes=0, max_len=hf["max_position_embeddings"],
-            n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
-            d_model=hf["hidden_size"], d_ff=hf["intermediate_size"], pooling=pooling,
-            dropout=hf.get("hidden_dropout_prob", 0.1), positions="learned", norm="layernorm",
-            norm_first=False, ffn=ACTIVATIONS[act], norm_eps=hf.get("layer_norm_eps", 1e-12),
+            n_layer=hf["num_hidden_layers"], block=block,
+            positions=PositionsConfig(kind="learned"), pooling=pooling,
             pad_id=hf.get("pad_token_id", 0), type_vocab_size=hf.get("type_vocab_size", 2),
             embed_norm=True, normalize=normalize,
         )

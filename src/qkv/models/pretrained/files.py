@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import Tensor
 
 from ...cache import cache_dir
@@ -160,9 +162,6 @@ def read_config(directory: Path) -> dict:
 
 def read_safetensors(directory: Path) -> dict[str, Tensor]:
     """Every tensor of ``model.safetensors``, or of the shards its index names."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     def load(path: Path) -> dict[str, Tensor]:
         try:
             return load_file(str(path))

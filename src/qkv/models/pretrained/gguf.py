@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...bars import bar
 from .files import CheckpointError
 
 
@@ -121,7 +122,5 @@ class GGUFFile:
 
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor, dequantized (seconds for SmolLM2: a progress bar on a terminal)."""
-        from ...bars import bar
-
         return {name: self.tensor(name)
                 for name in bar(self._tensors, desc=f"loading {self.path.name}", unit="tensor")}

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ...nn.blocks import BlockConfig
+from ...nn.positions import PositionsConfig
+from ..configs import GPTConfig
 from .files import CheckpointError, TensorSource
 
 # Hugging Face activation names -> qkv FeedForward activations.
@@ -17,8 +20,6 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 def config_from_hf(hf: dict):
     """A Hugging Face GPT-2 config dict -> GPTConfig; refuses options qkv does not compute."""
-    from ..gpt import GPTConfig
-
     if hf.get("model_type") != "gpt2":
         raise CheckpointError(f"expected model_type 'gpt2'; got {hf.get('model_type')!r}")
     for key, required in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
@@ -31,12 +32,15 @@ def config_from_hf(hf: dict):
                               f"one of {sorted(ACTIVATIONS)}")
     try:
         d_model = hf["n_embd"]
+        block = BlockConfig(
+            d_model=d_model, n_head=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d_model,
+            ffn=ACTIVATIONS[activation], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm="layernorm", bias=True,
+        )
         return GPTConfig(
             vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-            n_head=hf["n_head"], d_model=d_model, d_ff=hf.get("n_inner") or 4 * d_model,
-            ffn=ACTIVATIONS[activation], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True), positions="learned",
-            norm="layernorm", bias=True,
+            tie_embeddings=hf.get("tie_word_embeddings", True), block=block,
+            positions=PositionsConfig(kind="learned"),
         )
     except KeyError as missing:
         raise CheckpointError(f"config.json lacks {missing}") from None
@@ -49,7 +53,7 @@ def normalize_names(tensors: dict) -> dict:
 
 def _tensor_names(config) -> dict[str, str]:
     """qkv parameter name -> Hugging Face tensor name (without the 'transformer.' prefix)."""
-    names = {"tok_emb.weight": "wte.weight", "positions.learned.table.weight": "wpe.weight",
+    names = {"tok_emb.weight": "wte.weight", "positions.table.weight": "wpe.weight",
              "norm.weight": "ln_f.weight", "norm.bias": "ln_f.bias"}
     for i in range(config.n_layer):
         h, b = f"h.{i}.", f"blocks.{i}."
@@ -60,10 +64,10 @@ def _tensor_names(config) -> dict[str, str]:
             b + "ffn_sublayer.norm.bias": h + "ln_2.bias",
             b + "self_attn.out_proj.weight": h + "attn.c_proj.weight",
             b + "self_attn.out_proj.bias": h + "attn.c_proj.bias",
-            b + "ffn.linear1.weight": h + "mlp.c_fc.weight",
-            b + "ffn.linear1.bias": h + "mlp.c_fc.bias",
-            b + "ffn.linear2.weight": h + "mlp.c_proj.weight",
-            b + "ffn.linear2.bias": h + "mlp.c_proj.bias",
+            b + "ffn.up_proj.weight": h + "mlp.c_fc.weight",
+            b + "ffn.up_proj.bias": h + "mlp.c_fc.bias",
+            b + "ffn.down_proj.weight": h + "mlp.c_proj.weight",
+            b + "ffn.down_proj.bias": h + "mlp.c_proj.bias",
         })
     if not config.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
@@ -71,7 +75,7 @@ def _tensor_names(config) -> dict[str, str]:
 
 
 def load_weights(model, source: TensorSource) -> None:
-    config, d = model.config, model.config.d_model
+    config, d = model.config, model.config.block.d_model
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for ours, theirs in _tensor_names(config).items():

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...nn.blocks import BlockConfig
+from ...nn.positions import PositionsConfig
+from ..configs import GPTConfig
 from .files import CheckpointError, TensorSource
 
 # qkv parameter (after "blocks.{i}.") -> (Hugging Face name after "model.layers.{i}.", GGUF
@@ -21,9 +24,9 @@ LAYER_TENSORS = {
     "self_attn.v_proj.weight": ("self_attn.v_proj.weight", "attn_v.weight"),
     "self_attn.out_proj.weight": ("self_attn.o_proj.weight", "attn_output.weight"),
     "ffn_sublayer.norm.weight": ("post_attention_layernorm.weight", "ffn_norm.weight"),
-    "ffn.linear1.weight": ("mlp.gate_proj.weight", "ffn_gate.weight"),
-    "ffn.gate.weight": ("mlp.up_proj.weight", "ffn_up.weight"),
-    "ffn.linear2.weight": ("mlp.down_proj.weight", "ffn_down.weight"),
+    "ffn.gate_proj.weight": ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    "ffn.up_proj.weight": ("mlp.up_proj.weight", "ffn_up.weight"),
+    "ffn.down_proj.weight": ("mlp.down_proj.weight", "ffn_down.weight"),
 }
 MODEL_TENSORS = {
     "tok_emb.weight": ("model.embed_tokens.weight", "token_embd.weight"),
@@ -32,10 +35,14 @@ MODEL_TENSORS = {
 }
 
 
-def _gpt_config(**fields):
-    from ..gpt import GPTConfig
-
-    return GPTConfig(positions="rope", norm="rmsnorm", ffn="swiglu", bias=False, **fields)
+def _gpt_config(*, vocab_size, block_size, n_layer, tie_embeddings, rope_base, **block):
+    """LLaMA's GPT: rotary positions, RMSNorm, SwiGLU and no biases."""
+    return GPTConfig(
+        vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
+        tie_embeddings=tie_embeddings,
+        block=BlockConfig(norm="rmsnorm", ffn="swiglu", bias=False, **block),
+        positions=PositionsConfig(kind="rope", rope_base=rope_base),
+    )
 
 
 def config_from_hf(hf: dict):
@@ -112,6 +119,7 @@ def unpermute_rows(w: Tensor, heads: int) -> Tensor:
 def load_weights(model, source: TensorSource, gguf: bool) -> None:
     """Copy every parameter of a LLaMA-shaped ``model`` from ``source`` (HF or GGUF names)."""
     c = model.config
+    heads, kv_heads = c.block.n_head, c.block.n_kv_head or c.block.n_head
     params = dict(model.named_parameters())
     which = 1 if gguf else 0
     with torch.no_grad():
@@ -126,9 +134,9 @@ def load_weights(model, source: TensorSource, gguf: bool) -> None:
                 target = params[f"blocks.{i}.{ours}"]
                 t = source.take(prefix + names[which], tuple(target.shape))
                 if gguf and ours == "self_attn.q_proj.weight":
-                    t = unpermute_rows(t, c.n_head)
+                    t = unpermute_rows(t, heads)
                 elif gguf and ours == "self_attn.k_proj.weight":
-                    t = unpermute_rows(t, c.n_kv_head or c.n_head)
+                    t = unpermute_rows(t, kv_heads)
                 target.copy_(t)
             source.discard(f"{prefix}self_attn.rotary_emb.inv_freq")  # older writers saved it
     source.finish()

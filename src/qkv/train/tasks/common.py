@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...data.tokenizers import load_tokenizer, tokenizer_from_json, train_tokenizer
+from ...data.tokenizers import read_tokenizer, tokenizer_from_json, train_tokenizer
 from .. import distributed
 
 
@@ -15,7 +15,7 @@ def run_tokenizer(run_dir: Path | None, name: str, env, kind: str, texts, vocab_
     rank uses a byte-identical vocabulary; it is added to ``new_files`` (file name -> JSON)
     for the start to write once everything else has succeeded."""
     if run_dir is not None:
-        return load_tokenizer(run_dir / f"{name}.json")
+        return read_tokenizer(run_dir / f"{name}.json")
     tree = train_tokenizer(kind, texts(), vocab_size).to_json() if env.is_main else None
     tree = distributed.broadcast_object(env, tree)
     new_files[f"{name}.json"] = tree

@@ -7,6 +7,7 @@ UTF-8 text file.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,11 @@ import torch.nn.functional as F
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
 from ...distributed import shard
+from ...models import GPT, GPTConfig, load_tokenizer
+from ...models.pretrained import load_gpt_config
+from ...models.pretrained.usage import TextStream
 from ...models.scoring import token_nll
-from ..config import ConfigError, Schema, limited
+from ..config import ConfigError, Schema, flatten, limited, nest
 from ..plan import FINE_TUNE_TOKENS_PER_STEP
 from .common import build, run_tokenizer
 
@@ -47,15 +51,16 @@ PRESETS = {
     # nanoGPT's small CPU configuration (shakespeare_char on a laptop): 4 layers, 4 heads,
     # d_model 128, context 64, batch 12, 2000 steps, lr 1e-3 decaying to 1e-4.
     "default": {
-        "model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 64,
-        "model.dropout": 0.0,
+        "model.n_layer": 4, "model.block_size": 64, "model.block.n_head": 4,
+        "model.block.d_model": 128, "model.block.dropout": 0.0,
         "train.steps": 2000, "train.batch_size": 12, "train.lr": 1e-3, "train.warmup": 100,
         "train.beta2": 0.99, "train.eval_every": 500, "train.checkpoint_every": 500,
         "train.log_every": 50, "train.threads": 1,
     },
     "tiny": {
         "data.max_chars": 20_000, "eval.max_tokens": 1000, "eval.max_new_tokens": 20,
-        "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32, "model.block_size": 16,
+        "model.n_layer": 1, "model.block_size": 16, "model.block.n_head": 2,
+        "model.block.d_model": 32,
         "train.steps": 6, "train.batch_size": 8, "train.warmup": 2,
         "train.checkpoint_every": 3, "train.log_every": 2,
     },
@@ -101,7 +106,7 @@ def corpus(data: LMData) -> tuple[str, str]:
 
 # What a run may change on a pretrained checkpoint: options that add no parameters.
 # block_size is the training window (at most the checkpoint's context).
-CHANGEABLE_ON_CHECKPOINT = ("window", "dropout", "similarity", "block_size")
+CHANGEABLE_ON_CHECKPOINT = ("window", "block.dropout", "block.similarity", "block_size")
 DEFAULT_INIT_BLOCK = 256
 # A fine-tune's train settings unless the user sets them: a pretrained model forgets at the
 # from-scratch preset's 1e-3; every core (its matrices are large enough to share); a line per
@@ -125,10 +130,6 @@ class LMTask:
         changeable options the user set (``explicit``: section.name keys); any other model key
         is refused. The train and eval settings the user did not set get a fine-tune's
         (``FINE_TUNE_TRAIN``, ``FINE_TUNE_EVAL``; the steps once the data is read)."""
-        import dataclasses
-
-        from ...models.pretrained import load_gpt_config
-
         explicit_model = {key[6:] for key in explicit if key.startswith("model.")}
         fixed = sorted(explicit_model - set(CHANGEABLE_ON_CHECKPOINT))
         if fixed:
@@ -136,15 +137,18 @@ class LMTask:
                 f"model.{fixed[0]} cannot change on a pretrained checkpoint (--init); a run "
                 f"may set model.{', model.'.join(CHANGEABLE_ON_CHECKPOINT)}")
         base = dataclasses.asdict(load_gpt_config(cfg.train.init))
-        model = {k: v for k, v in base.items() if k != "vocab_size"}
-        model["block_size"] = min(base["block_size"], DEFAULT_INIT_BLOCK)
-        model.update({key: cfg.model[key] for key in explicit_model})
+        chosen = flatten({"model": cfg.model}, "config")
+        model = flatten({"model": base}, "checkpoint config")
+        del model["model.vocab_size"]
+        model["model.block_size"] = min(base["block_size"], DEFAULT_INIT_BLOCK)
+        model.update({f"model.{key}": chosen[f"model.{key}"] for key in explicit_model})
+        model = nest(model)["model"]
         if model["block_size"] > base["block_size"]:
             raise ConfigError(f"model.block_size={model['block_size']} exceeds the checkpoint's "
                               f"context of {base['block_size']} tokens")
-        if model["similarity"] == "mahalanobis":
-            raise ConfigError("model.similarity='mahalanobis' adds parameters a pretrained "
-                              "checkpoint does not have")
+        if model["block"]["similarity"] == "mahalanobis":
+            raise ConfigError("model.block.similarity='mahalanobis' adds parameters a "
+                              "pretrained checkpoint does not have")
         block = model["block_size"]
         train = {k: v for k, v in FINE_TUNE_TRAIN.items() if f"train.{k}" not in explicit}
         if "train.batch_size" not in explicit:
@@ -157,9 +161,7 @@ class LMTask:
 
     def initialize(self, model, init: str) -> None:
         """Copy the weights of checkpoint ``init`` into ``model`` (built from its config)."""
-        from ...models.pretrained import load_gpt
-
-        weights = load_gpt(init).state_dict()
+        weights = GPT.from_pretrained(init).state_dict()
         vocab = weights["tok_emb.weight"].shape[0]
         if vocab != model.config.vocab_size:
             raise ConfigError(f"{init}: the model's vocabulary ({vocab}) and its tokenizer's "
@@ -168,15 +170,12 @@ class LMTask:
 
     @property
     def schema(self) -> Schema:
-        from ...models import GPTConfig
-
         return Schema(LMData, LMEval, GPTConfig, {"vocab_size": 256})
 
     def prepare(self, cfg, run_dir: Path | None, env, train: bool = True) -> TextData:
         train_text, test_text = corpus(cfg.data)
         new_files = {}
         if cfg.train.init and run_dir is None:  # a new run keeps its checkpoint's tokenizer
-            from ...models import load_tokenizer
 
             tok = load_tokenizer(cfg.train.init)
             new_files["tokenizer.json"] = tok.to_json()
@@ -187,8 +186,6 @@ class LMTask:
                         new_files)
 
     def build_model(self, cfg, data: TextData):
-        from ...models import GPT, GPTConfig
-
         return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
@@ -226,8 +223,6 @@ class LMTask:
         the run's eval sampling settings; past the context length, the model sees the most
         recent half of its context window while it writes the next half. ``write(text)``
         receives the text as it is sampled (with beam search: once, at the end)."""
-        from ...models.pretrained.usage import TextStream
-
         e = cfg.eval
         max_new_tokens = e.max_new_tokens if max_new_tokens is None else max_new_tokens
         ids = data.tokenizer.encode(prompt)[-data.block :] or [data.tokenizer.unk_id]
@@ -249,6 +244,6 @@ class LMTask:
             write(text)
         return text
 
-    def report(self, model, data: TextData, cfg, run_dir: Path, out) -> None:
+    def report(self, model, data: TextData, cfg, run_dir: Path, out, heatmap=None) -> None:
         sample = self.generate(model, data, cfg, "Return the", 120)
         print(f"sample: Return the{sample}", file=out)

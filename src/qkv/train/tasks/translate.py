@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ...data.numbers import pairs, split_numbers
 from ...data.text import read_pairs_tsv, split_pairs
 from ...data.tokenizers import BOS_ID, EOS_ID, PAD_ID
+from ...models import Transformer, TransformerConfig
 from ..config import SEEDS, Schema, limited
 from .common import build, run_tokenizer
 
@@ -48,9 +49,9 @@ class TranslateEval:
 
 PRESETS = {
     "default": {
-        "model.d_model": 128, "model.n_head": 4, "model.n_encoder_layers": 2,
-        "model.n_decoder_layers": 2, "model.d_ff": 512, "model.dropout": 0.0,
-        "model.norm_first": True,
+        "model.block.d_model": 128, "model.block.n_head": 4, "model.n_encoder_layers": 2,
+        "model.n_decoder_layers": 2, "model.block.d_ff": 512, "model.block.dropout": 0.0,
+        "model.block.norm_first": True,
         "train.steps": 500, "train.batch_size": 128, "train.lr": 2e-3, "train.warmup": 100,
         "train.label_smoothing": 0.1, "train.eval_every": 250, "train.checkpoint_every": 100,
         "train.log_every": 25,
@@ -61,8 +62,8 @@ PRESETS = {
     "tiny": {
         "data.train_size": 400, "data.test_size": 16, "data.src_vocab_size": 60,
         "data.tgt_vocab_size": 60, "eval.beam_size": 2, "eval.max_examples": 8,
-        "model.d_model": 32, "model.n_head": 2, "model.n_encoder_layers": 1,
-        "model.n_decoder_layers": 1, "model.d_ff": 64, "model.dropout": 0.0,
+        "model.block.d_model": 32, "model.block.n_head": 2, "model.n_encoder_layers": 1,
+        "model.n_decoder_layers": 1, "model.block.d_ff": 64, "model.block.dropout": 0.0,
         "train.steps": 6, "train.batch_size": 16, "train.warmup": 2,
         "train.checkpoint_every": 3, "train.log_every": 2,
     },
@@ -140,8 +141,6 @@ class TranslateTask:
 
     @property
     def schema(self) -> Schema:
-        from ...models import TransformerConfig
-
         derived = {"src_vocab_size": 100, "tgt_vocab_size": 100, "pad_id": PAD_ID,
                    "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": 66}
         return Schema(TranslateData, TranslateEval, TransformerConfig, derived)
@@ -162,8 +161,6 @@ class TranslateTask:
                         new_files)
 
     def build_model(self, cfg, data: PairData):
-        from ...models import Transformer, TransformerConfig
-
         derived = {
             "src_vocab_size": data.src_tok.vocab_size, "tgt_vocab_size": data.tgt_tok.vocab_size,
             "pad_id": PAD_ID, "bos_id": BOS_ID, "eos_id": EOS_ID, "max_len": cfg.data.max_len + 2,
@@ -218,21 +215,23 @@ class TranslateTask:
         return (f"held-out exact match {r['exact_match']:.1f}% | chrF {r['chrf']:.1f} | {bleu} "
                 f"({r['examples']} examples, beam {r['beam_size']})")
 
-    def report(self, model, data: PairData, cfg, run_dir: Path, out) -> None:
-        """Five held-out translations and a cross-attention heatmap of the first one."""
-        from ...viz.heatmap import cross_attention_png
-
+    def report(self, model, data: PairData, cfg, run_dir: Path, out, heatmap=None) -> None:
+        """Five held-out translations and, with ``heatmap`` (``qkv.viz.heatmap``'s
+        ``cross_attention_png``, passed in by the command: ``train`` does not import the
+        viewer), a cross-attention heatmap of the first one."""
         pairs = data.test_pairs[:5]
         hyps = self.translate(model, data, cfg, [s for s, _ in pairs], cfg.eval.beam_size)
         for (src, ref), hyp in zip(pairs, hyps, strict=True):
             mark = "ok " if hyp == ref else "ERR"
             print(f"  {mark} {src} -> {hyp}" + ("" if hyp == ref else f"   (expected {ref})"),
                   file=out)
-        kind = getattr(model.config, "attention", "softmax")
+        if heatmap is None:
+            return
+        kind = model.config.block.attention
         if kind != "softmax":
             print(f"no cross-attention heatmap: attention={kind!r} forms no attention weights",
                   file=out)
             return
-        path = cross_attention_png(model, data.src_tok, data.tgt_tok, pairs[0][0], hyps[0],
+        path = heatmap(model, data.src_tok, data.tgt_tok, pairs[0][0], hyps[0],
                                    run_dir / "cross_attention.png")
         print(f"cross-attention heatmap: {path}", file=out)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...data import images
+from ...models import ViT, ViTConfig
 from ..config import SEEDS, Schema, limited
 from .common import build
 
@@ -37,14 +38,16 @@ class VitEval:
 
 PRESETS = {
     "default": {
-        "model.patch_size": 2, "model.d_model": 64, "model.n_layer": 4, "model.n_head": 4,
-        "model.pooling": "mean", "model.dropout": 0.0,
+        "model.patch_size": 2, "model.n_layer": 4, "model.block.d_model": 64,
+        "model.block.n_head": 4,
+        "model.pooling": "mean", "model.block.dropout": 0.0,
         "train.steps": 1000, "train.batch_size": 128, "train.lr": 3e-3, "train.warmup": 100,
         "train.weight_decay": 0.05, "train.label_smoothing": 0.1, "train.eval_every": 400,
         "train.checkpoint_every": 400, "train.threads": 1,
     },
     "tiny": {
-        "model.patch_size": 4, "model.d_model": 16, "model.n_layer": 1, "model.n_head": 2,
+        "model.patch_size": 4, "model.n_layer": 1, "model.block.d_model": 16,
+        "model.block.n_head": 2,
         "train.steps": 6, "train.batch_size": 16, "train.warmup": 2,
         "train.checkpoint_every": 3, "train.log_every": 2,
     },
@@ -99,8 +102,6 @@ class VitTask:
 
     @property
     def schema(self) -> Schema:
-        from ...models import ViTConfig
-
         # The stand-in image is one patch, so the divisibility check passes until the data
         # gives the real size.
         derived = {"image_size": lambda model: model["patch_size"], "in_channels": 1,
@@ -112,8 +113,6 @@ class VitTask:
         return ImageData(train_set, test_set, cfg.data.shift)
 
     def build_model(self, cfg, data: ImageData):
-        from ...models import ViT, ViTConfig
-
         _, c, h, _ = data.test_images.shape
         derived = {"image_size": h, "in_channels": c, "num_classes": len(data.classes)}
         return build(ViT, ViTConfig, derived, cfg.model)
@@ -142,7 +141,7 @@ class VitTask:
     def summary(self, result: dict) -> str:
         return f"held-out accuracy {result['accuracy']:.2f}% ({result['images']} images)"
 
-    def report(self, model, data: ImageData, cfg, run_dir: Path, out) -> None:
+    def report(self, model, data: ImageData, cfg, run_dir: Path, out, heatmap=None) -> None:
         result = self.evaluate(model, data, cfg, final=True)
         width = max(len(c) for c in result["classes"]) + 1
         print("confusion matrix (rows: true class, columns: predicted):", file=out)

@@ -13,6 +13,7 @@ import torch
 from ...problem import Problem
 from ..kernelgen.graph import CompileError
 from .terms import MAX_HEAD_DIM, kernel_id
+from .variant import trace_variant
 
 __all__ = ["MAX_HEAD_DIM", "kernel_id", "plan", "unsupported"]
 
@@ -39,8 +40,6 @@ def unsupported(p: Problem) -> str | None:
     dims = (p.q.shape[-1], p.v.shape[-1])
     if max(dims) > MAX_HEAD_DIM:
         return f"head dims up to {MAX_HEAD_DIM} are supported; got D={dims[0]}, Dv={dims[1]}"
-    from .variant import trace_variant  # imports triton
-
     if torch.compiler.is_compiling():
         return None
     try:
