@@ -278,3 +278,12 @@ def test_compiled_training_step_on_the_default_backend_matches_eager():
     assert abs(eager_loss - compiled_loss) <= 1e-5
     assert max((a - b).abs().max() for a, b in zip(eager_grads, compiled_grads,
                                                     strict=True)) <= 1e-4
+
+
+def test_last_only_gives_the_last_positions_logits():
+    model = tiny("rope")
+    idx = torch.randint(0, 37, (2, 7))
+    with torch.no_grad():
+        full, last = model(idx), model(idx, last_only=True)
+    assert last.shape == (2, 1, 37)
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-6, atol=1e-6)

@@ -50,13 +50,16 @@ class GPT(nn.Module):
         return ModelCache([block.new_cache(batch, max_len) for block in self.blocks])
 
     def forward(
-        self, idx: Tensor, *, left_pad: Tensor | None = None, cache: ModelCache | None = None
+        self, idx: Tensor, *, left_pad: Tensor | None = None, cache: ModelCache | None = None,
+        last_only: bool = False,
     ) -> Tensor:
-        """idx (B, N) token ids -> logits (B, N, V).
+        """idx (B, N) token ids -> logits (B, N, V), or (B, 1, V) with ``last_only``.
 
         left_pad (B,): rows start with that many padding tokens, which no query attends to;
         positions count from each row's first real token. cache: continue after the
-        ``cache.length`` positions it holds (incremental decoding)."""
+        ``cache.length`` positions it holds (incremental decoding). last_only: the logits of
+        the last position alone, which is what generation reads (over a long prompt, the LM
+        head on every position is the largest single matmul of the prefill)."""
         check_ids("idx", idx, self.config.vocab_size)
         offset = 0 if cache is None else cache.length
         split = active_context_parallel()
@@ -86,7 +89,7 @@ class GPT(nn.Module):
                       cache=layer_cache)
         if cache is not None:
             cache.length += idx.shape[1]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x[:, -1:] if last_only else x))
 
     @torch.no_grad()
     def generate(
@@ -120,7 +123,7 @@ class GPT(nn.Module):
             left_pad = None if left_pad is None else left_pad.repeat_interleave(beam_size, 0)
         cache = self.new_cache(aligned.shape[0], n + max_new_tokens) if use_cache else None
         step, reorder = stepper(
-            lambda tokens, c: self(tokens, left_pad=left_pad, cache=c), cache
+            lambda tokens, c: self(tokens, left_pad=left_pad, cache=c, last_only=True), cache
         )
         with eval_mode(self):
             new = decode(
