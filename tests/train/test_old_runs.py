@@ -103,11 +103,20 @@ def test_a_flat_key_given_now_names_its_new_place(key, new_place, tmp_path, caps
     assert f"set {new_place}" in err and not (tmp_path / "run").exists()
 
 
-def test_a_flat_key_in_a_config_file_is_refused_too():
+def test_a_config_file_of_the_flat_form_still_loads():
+    """An old run's config.json is a --config file: its flat model keys move to their
+    sections (the sectioned form wins where a file gives both)."""
     task = TASKS["lm"]
+    nested = config.resolve(task.schema, "lm", task.presets["tiny"],
+                            {"model": {"block": {"d_model": 64}, "positions": {"kind": "rope"}}},
+                            [])
+    assert nested.model["block"] == {"n_head": 2, "d_model": 64}
+    assert nested.model["positions"] == {"kind": "rope"}
+    old = config.resolve(task.schema, "lm", task.presets["tiny"],
+                         {"model": {"d_model": 64, "positions": "rope"}}, [])
+    assert old.model == nested.model
+    both = config.resolve(task.schema, "lm", task.presets["tiny"],
+                          {"model": {"d_model": 48, "block": {"d_model": 64}}}, [])
+    assert both.model["block"]["d_model"] == 64
     with pytest.raises(ConfigError, match="model.d_model has moved.*set model.block.d_model"):
-        config.resolve(task.schema, "lm", task.presets["tiny"], {"model": {"d_model": 64}}, [])
-    cfg = config.resolve(task.schema, "lm", task.presets["tiny"],
-                         {"model": {"block": {"d_model": 64}, "positions": {"kind": "rope"}}}, [])
-    assert cfg.model["block"] == {"n_head": 2, "d_model": 64}
-    assert cfg.model["positions"] == {"kind": "rope"}
+        config.resolve(task.schema, "lm", task.presets["tiny"], None, ["model.d_model=64"])

@@ -36,7 +36,9 @@ def upgrade_flat(values: dict) -> dict:
     for key, value in values.items():
         if key in _FLAT and not isinstance(value, dict):
             section, name = _FLAT[key]
-            out.setdefault(section, {})[name] = value
+            out.setdefault(section, {}).setdefault(name, value)
+        elif key in SECTIONS and isinstance(value, dict):
+            out.setdefault(key, {}).update(value)  # the sectioned form wins over a flat key
         else:
             out[key] = value
     return out

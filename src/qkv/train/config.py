@@ -26,7 +26,7 @@ import tomllib
 from ..data.errors import DataError
 from ..limits import Limit, limit_of, limited
 from ..models.configs import SECTIONS as MODEL_SECTIONS
-from ..models.configs import moved_key
+from ..models.configs import moved_key, upgrade_flat
 
 
 class ConfigError(ValueError):
@@ -231,7 +231,12 @@ class Schema:
 
 def flatten(tree: dict, where: str) -> dict[str, Any]:
     """{"train": {"lr": 1}, "model": {"block": {"n_head": 4}}} -> {"train.lr": 1,
-    "model.block.n_head": 4}; a top-level key outside the sections is an error."""
+    "model.block.n_head": 4}; a top-level key outside the sections is an error.
+
+    A file (a config file, a run's config.json) written before the model configs had
+    sections keeps its model keys flat; they move to their sections here, so such files
+    still load. A flat key typed now (``--set model.n_head``) is refused by ``Schema.check``
+    with its new place."""
     flat = {}
     for section, body in tree.items():
         if section == "task":
@@ -240,7 +245,7 @@ def flatten(tree: dict, where: str) -> dict[str, Any]:
             raise unknown_key(section, list(SECTIONS))
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: section {section!r} must be a table of key = value")
-        flat.update(_dotted(body, section))
+        flat.update(_dotted(upgrade_flat(body) if section == "model" else body, section))
     return flat
 
 

@@ -46,10 +46,7 @@ def read_run_config(run_dir: str | Path, expected_task: str | None = None,
         raise RunError(f"{str(path)!r} is not a readable qkv run configuration") from None
     if expected_task is not None and task_name != expected_task:
         raise RunError(f"{str(run_dir)!r} holds a {task_name!r} run, not {expected_task!r}")
-    # Runs written before the model configs had sections hold their model keys flat.
-    if isinstance(tree.get("model"), dict):
-        tree["model"] = upgrade_flat(tree["model"])
-    stored = flatten(tree, str(path))
+    stored = flatten(tree, str(path))  # flat model keys of older runs move to their sections
     return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
 
 
