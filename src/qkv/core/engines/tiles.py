@@ -56,6 +56,7 @@ class TileSpec:
     block_k: int
     span_k: int = 0  # the widest merged key span; 0 means block_k
     loops: native.TileLoops | None = None  # the pairwise term's C loops, when it has them
+    mod_loops: object = None  # the score modifier's C loops (``kernelgen.c_mod.ModLoops``)
 
     @property
     def offset(self) -> int:
@@ -122,12 +123,14 @@ def group_heads(t: Tensor, groups: int) -> Tensor:
 @dataclass
 class TileIndex:
     """Broadcastable index tensors of one tile: b (B,1,1,1), h (1,H,1,1), q (1,1,bq,1),
-    kv (1,1,1,bk)."""
+    kv (1,1,1,bk); q0 and k0 are the first query and key positions."""
 
     b: Tensor
     h: Tensor
     q: Tensor
     kv: Tensor
+    q0: int
+    k0: int
 
 
 def tile_index(spec: TileSpec, q0: int, q1: int, k0: int, k1: int, device) -> TileIndex:
@@ -136,6 +139,7 @@ def tile_index(spec: TileSpec, q0: int, q1: int, k0: int, k1: int, device) -> Ti
         _arange(0, spec.heads, device).view(1, -1, 1, 1),
         _arange(q0, q1, device).view(1, 1, -1, 1),
         _arange(k0, k1, device).view(1, 1, 1, -1),
+        q0, k0,
     )
 
 
@@ -179,9 +183,22 @@ def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
     return like.new_empty(spec.batch * spec.heads * spec.block_q * max(spec.span_k, spec.block_k))
 
 
+def mod_tile(spec: TileSpec, raw: Tensor, idx: TileIndex, out: Tensor) -> Tensor:
+    """Scale and score modifier of one contiguous tile (B, H, bq, bk) by the modifier's C
+    loops, into ``out`` (which may be ``raw``)."""
+    scale = 1.0 if spec.scale is None else spec.scale
+    return spec.mod_loops.scores(raw, out, idx.q0, idx.k0, spec.offset, scale)
+
+
 def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:
     """``scores.modified_scores`` on one tile (B, H, bq, bk): scale, score modifier, and the
-    mask when the tile is ``masked``; in place outside autograd."""
+    mask when the tile is ``masked``; in place outside autograd, where a modifier with C
+    loops runs them."""
+    if spec.mod_loops is not None and not torch.is_grad_enabled():
+        raw = raw.contiguous()
+        raw = mod_tile(spec, raw, idx, raw)
+        return modified_scores(raw, (idx.b, idx.h, idx.q, idx.kv), spec.offset,
+                               mask=spec.mask if masked else None, inplace=True)
     return modified_scores(raw, (idx.b, idx.h, idx.q, idx.kv), spec.offset, scale=spec.scale,
                            score_mod=spec.score_mod, mask=spec.mask if masked else None,
                            inplace=not torch.is_grad_enabled())
@@ -241,8 +258,9 @@ def run_split(task, plan) -> list:
 
 def elementwise_needs_grad(spec: TileSpec) -> bool:
     """Whether the elementwise part of the scores (scale, modifier) has anything to
-    differentiate, so the backward pass runs it under autograd."""
-    return spec.score_mod is not None or isinstance(spec.scale, Tensor)
+    differentiate by autograd: not when the modifier's C loops give its gradients."""
+    return spec.mod_loops is None and (spec.score_mod is not None or
+                                       isinstance(spec.scale, Tensor))
 
 
 def grad_sums(tensors, count: int) -> list[Tensor | None]:
@@ -283,7 +301,7 @@ def draw_seed(dropout_p: float) -> int:
 
 
 def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, seed: int,
-              loops=None) -> TileSpec:
+              loops=None, mod_loops=None) -> TileSpec:
     """The call as the tile loops (and the graph engine's chunks) see it, for features
     fq (B, H, Nq, D) and fk (B, Hk, Nk, D). The mask's checks run here too, at run time,
     so a compiled call refuses bad values with the same message as an eager one."""
@@ -298,7 +316,7 @@ def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, se
     return TileSpec(
         pair=variant.pair, scale=scale, score_mod=variant.score_mod, mask=variant.mask,
         batch=batch, heads=heads, nq=nq, nk=nk, dropout_p=dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops,
+        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops, mod_loops=mod_loops,
     )
 
 
@@ -319,11 +337,14 @@ def features(p: Problem):
 
 def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:
     """The tensors besides q, k, v that the tile loops give gradients to, once each: the
-    wanted ones, except that compiled loops read the tensors their trace captured, which
-    stand in for the term's own."""
+    wanted ones, except that compiled loops (a term's, a score modifier's) read the tensors
+    their trace captured, which stand in for the term's or modifier's own."""
     traced = spec.loops is not None and spec.loops.tensors
-    term = {id(t) for t in spec.pair.tensors()} if traced else set()
-    extras = [*(spec.loops.tensors if traced else ()),
-              *(t for t in wanted if id(t) not in term)]
+    covered = {id(t) for t in spec.pair.tensors()} if traced else set()
+    mod = spec.mod_loops.tensors if spec.mod_loops is not None else ()
+    if spec.mod_loops is not None:
+        covered |= {id(t) for t in spec.score_mod.tensors()}
+    extras = [*(spec.loops.tensors if traced else ()), *mod,
+              *(t for t in wanted if id(t) not in covered)]
     unique = {id(t): t for t in extras if t.is_floating_point() and t.requires_grad}
     return list(unique.values())
