@@ -230,8 +230,11 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 s = modify_scores(spec, raw, idx, masked)
         else:  # the mask goes to _probabilities, not into the scores
             raw = tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape)
-            s = (modify_scores(spec, raw, idx, False) if spec.mod_loops is None
-                 else mod_tile(spec, raw, idx, scratch[2][: raw.numel()].view(shape)))
+            if spec.mod_loops is None:
+                s = modify_scores(spec, raw, idx, False)
+            else:  # in place unless the modifier's gradient reads the raw scores
+                out = scratch[2][: raw.numel()].view(shape) if len(scratch) > 2 else raw
+                s = mod_tile(spec, raw, idx, out)
         graph = by_autograd or elementwise_grad
         allowed = tile_mask(spec, idx) if masked and not graph else None
         p = _probabilities(s, lse_t, copy=graph, allowed=allowed)
@@ -282,7 +285,8 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
 
     def rows(blocks):
         sums = grad_sums((fk, v), len(extras))
-        scratch = [scratch_for(spec, fq) for _ in range(2 if spec.mod_loops is None else 3)]
+        needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
+        scratch = [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)]
         with torch.no_grad():
             for i in blocks:
                 _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras,

@@ -38,7 +38,11 @@ from ...cache import cache_dir
 from ..similarity import DOT, NEG_L1, NEG_SQDIST
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+# -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
+# keep each libm call, division or select that could set errno or trap under its condition,
+# which keeps such loops from vectorizing.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+          "-fPIC", "-shared"]
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 

@@ -30,6 +30,7 @@ from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = "row[j] * scale, b, h, q, k0 + j, offset, A0, A1, A2, A3"
+_INT = {torch.float32: "int32_t", torch.float64: "int64_t"}  # a float's bits, as an integer
 _ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads b, h, q only
 _SIGNATURES = {
     "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
@@ -58,6 +59,14 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> s
 _LOOPS = """
 /* Rows r = (b * heads + h) * bq + i of a tile (batch, heads, bq, bk) of query positions
  * q0 + i and key positions k0 + j. */
+/* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
+ * the derivative's computation, which keeps the loop from vectorizing. */
+static inline {T} keep({T} v, int keep) {{
+    union {{ {T} f; {I} i; }} u = {{v}};
+    u.i &= -({I})keep;
+    return u.f;
+}}
+
 #define ROWS for (int64_t b = 0; b < batch; b++) for (int64_t h = 0; h < heads; h++) \\
     for (int64_t i = 0; i < bq; i++)
 
@@ -83,8 +92,8 @@ void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq
         {T} *g = ds + r * bk;{SCATTER}{DECLS}
         _Pragma("omp simd{REDUCE}")
         for (int64_t j = 0; j < bk; j++) {{
-            const {T} gj = g[j];{UPDATES}
-            g[j] = gj != 0 ? gj * mod_ds({ARGS}) * scale : 0;
+            const {T} gj = g[j], dm = mod_ds({ARGS});{UPDATES}
+            g[j] = keep(gj * dm * scale, gj != 0);
         }}{STORES}
     }}
 }}
@@ -106,19 +115,20 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
         parts.append(_function(f"mod_d{n}", d_load, ctype, fsuffix))
         parts.append(_function(f"mod_i{n}", lambda e, load=load: flat_offset(e, load), ctype,
                                fsuffix, INT))
-        grad = f"(double)(gj * mod_d{n}({_ARGS}))"
         if any(depends_on(i, {"kv_idx", "score"}) for i in index):  # a slot element per pair
             scatter += (f"\n        for (int64_t j = 0; j < bk; j++) if (g[j] != 0) "
-                        f"{{ const {ctype} gj = g[j]; G{slot}[mod_i{n}({_ARGS})] += {grad}; }}")
+                        f"G{slot}[mod_i{n}({_ARGS})] += (double)(g[j] * mod_d{n}({_ARGS}));")
         else:  # one element per row: summed in registers, stored once
             decls += f"\n        double total_{n} = 0;"
             reduce += f" reduction(+:total_{n})"
-            updates += f"\n            total_{n} += gj != 0 ? {grad} : 0;"
+            updates += (f"\n            const {ctype} d{n} = mod_d{n}({_ARGS});"
+                        f"\n            total_{n} += (double)keep(gj * d{n}, gj != 0);")
             stores += f"\n        G{slot}[mod_i{n}({_ROW_ARGS})] += total_{n};"
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
-    parts.append(_LOOPS.format(T=ctype, ARGS=_ARGS, SLOTS=slots, GRADS=grads, SCATTER=scatter,
-                               DECLS=decls, REDUCE=reduce, UPDATES=updates, STORES=stores))
+    parts.append(_LOOPS.format(T=ctype, I=_INT[dtype], ARGS=_ARGS, SLOTS=slots, GRADS=grads,
+                               SCATTER=scatter, DECLS=decls, REDUCE=reduce, UPDATES=updates,
+                               STORES=stores))
     return "\n\n".join(parts)
 
 
@@ -127,8 +137,9 @@ class ModLoops:
     need a gradient, as autograd sees them (``grads`` returns one sum per tensor)."""
 
     def __init__(self, functions, slots: list[Tensor], values: list[Tensor],
-                 grad_slots: list[int]):
+                 grad_slots: list[int], needs_raw: bool):
         self._scores, self._grads = functions
+        self.needs_raw = needs_raw  # whether ``grads`` reads the raw scores (softcap: yes)
         self._values = values  # the C loops read their memory
         self.tensors = tuple(slots[i] for i in grad_slots)
         self._grad_slots, self._grad_values = grad_slots, [values[i] for i in grad_slots]
@@ -152,8 +163,9 @@ class ModLoops:
 
     def grads(self, src: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
               scale: float) -> tuple[Tensor, ...]:
-        """ds (d loss / d modified scores) <- d loss / d raw scores src, in place; returns the
-        gradients of ``tensors`` (float64)."""
+        """ds (d loss / d modified scores) <- d loss / d raw scores, in place, for the raw
+        scores src (read only when ``needs_raw``); returns the gradients of ``tensors``
+        (float64)."""
         sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in self._grad_values]
         by_slot = dict(zip(self._grad_slots, sums, strict=True))
         sink = torch.zeros(1, dtype=torch.float64)
@@ -185,4 +197,8 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     if functions is None:
         return None
     values = [t.detach().to(dtype).contiguous() for t in graph.slots]
-    return ModLoops(functions, graph.slots, values, grad_slots)
+    derivatives = [derivative(root, graph.leaf("score", FLOAT), {})] + [
+        derivative(root, load, {}) for load in loads_in(root, {}).values()
+        if load.args[0] in grad_slots]
+    needs_raw = any(depends_on(d, {"score"}) for d in derivatives)
+    return ModLoops(functions, graph.slots, values, grad_slots, needs_raw)
