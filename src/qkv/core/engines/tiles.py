@@ -31,6 +31,11 @@ BLOCK_Q = 128
 # a span: each tile costs a few dozen Python-level calls, which two workers share one GIL for.
 BLOCK_K = 128
 SPAN_K = 512
+# Without a mask every tile is full: square tiles of DENSE queries by DENSE keys, the same
+# size as 128 x 512, ran 4-8% faster forward+backward on two workers (N=4096, 8 heads): the
+# gradient matmuls contract over 256 rows instead of 128. A mask keeps the narrow query blocks,
+# whose spans follow it more closely (a sliding window of 256 took 1.5x as long on 256 x 256).
+DENSE = 256
 # Cap on the elements of one (B, H, block_q, block_k) score tile: many heads get smaller tiles.
 MAX_TILE_ELEMENTS = 1 << 23
 
@@ -66,10 +71,11 @@ class TileSpec:
         return i * self.block_q, min(self.nq, (i + 1) * self.block_q)
 
 
-def block_sizes(batch: int, heads: int, nq: int, nk: int) -> tuple[int, int, int]:
-    """(block_q, block_k, span_k): the defaults, shrunk for small N and for many
-    (batch, head) pairs."""
-    block_q, span_k = min(BLOCK_Q, nq), min(SPAN_K, nk)
+def block_sizes(batch: int, heads: int, nq: int, nk: int,
+                dense: bool = False) -> tuple[int, int, int]:
+    """(block_q, block_k, span_k): the defaults (``DENSE`` square tiles when there is no
+    mask), shrunk for small N and for many (batch, head) pairs."""
+    block_q, span_k = min(DENSE if dense else BLOCK_Q, nq), min(DENSE if dense else SPAN_K, nk)
     while batch * heads * block_q * span_k > MAX_TILE_ELEMENTS and block_q > 16:
         block_q //= 2
     while batch * heads * block_q * span_k > MAX_TILE_ELEMENTS and span_k > 64:
@@ -309,7 +315,7 @@ def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, se
     nk = fk.shape[2]
     if variant.mask is not None:
         variant.mask.check(batch, heads, nq, nk)
-    block_q, block_k, span_k = block_sizes(batch, heads, nq, nk)
+    block_q, block_k, span_k = block_sizes(batch, heads, nq, nk, variant.mask is None)
     scale = variant.scale
     if isinstance(scale, Tensor) and scale.dim() == 1:
         scale = scale.view(1, -1, 1, 1)
