@@ -143,8 +143,8 @@ class ModLoops:
         self._values = values  # the C loops read their memory
         self.tensors = tuple(slots[i] for i in grad_slots)
         self._grad_slots, self._grad_values = grad_slots, [values[i] for i in grad_slots]
-        dummy = values[0] if values else torch.zeros(1, dtype=torch.float64)
-        self._pointers = [v.data_ptr() for v in values] + [dummy.data_ptr()] * (
+        self._dummy = torch.zeros(1, dtype=torch.float64)  # fills unused slots (never read)
+        self._pointers = [v.data_ptr() for v in values] + [self._dummy.data_ptr()] * (
             MAX_SLOTS - len(values))
 
     @staticmethod
