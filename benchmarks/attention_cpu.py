@@ -10,6 +10,7 @@ Ratios are baseline time / qkv time, so > 1 means qkv is faster.
     python benchmarks/attention_cpu.py --causal-65536   # causal forward+backward at N=65536
     python benchmarks/attention_cpu.py --dispatch       # qkv.attention's overhead over SDPA
     python benchmarks/attention_cpu.py --user-similarity --no-table   # a user L1 vs built-in
+    python benchmarks/attention_cpu.py --vs-sdpa --no-table --n 4096 16384   # engine vs SDPA
 """
 
 from __future__ import annotations
@@ -423,6 +424,37 @@ def user_similarity_report(n: int, repeat: int) -> None:
           f"{reference / ours:.2f} (target >= 3)", flush=True)
 
 
+# --vs-sdpa: the fused engine on every variant against SDPA's plain (and causal) attention.
+VS_SDPA = ["dot", "causal", "cosine", "l2", "mahalanobis", "alibi", "l1", "softcap"]
+
+
+def vs_sdpa_report(n: int, repeat: int) -> None:
+    """Forward+backward of each variant on the fused engine as a multiple of SDPA's plain
+    (and, for causal, causal) forward+backward. Every case runs once per round, the rounds
+    repeat, and each case keeps its fastest round: load that drifts hits all cases alike."""
+    cases = {"sdpa plain": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+             "sdpa causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
+                                                                           is_causal=True)}
+    for name in VS_SDPA:
+        cases[f"{name} (fused)" if name in ("dot", "causal") else name] = _qkv(
+            make_case(name, n).kwargs, "fused")
+    cases["user l1"] = _qkv({"similarity": USER_L1}, "fused")
+    runs = {label: forward_backward(attn, n) for label, attn in cases.items()}
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for run in runs.values():
+        run()  # warm-up: C loops built, thread pool started
+    for _ in range(max(repeat, 1)):
+        for label, run in runs.items():
+            times[label].append(_once(run))
+    best = {label: min(t) for label, t in times.items()}
+    print(f"\nFused engine, forward+backward, N={n}, fastest of {max(repeat, 1)} rounds:")
+    print("| variant | fwd+bwd ms | × sdpa plain | × sdpa causal |")
+    print("| --- | --- | --- | --- |")
+    for label, t in best.items():
+        causal = f"{t / best['sdpa causal']:.2f}" if "causal" in label else "—"
+        print(f"| {label} | {t * 1e3:.0f} | {t / best['sdpa plain']:.2f} | {causal} |", flush=True)
+
+
 def causal_65536() -> None:
     n = 65536
     run = forward_backward(_qkv({"mask": qkv.causal()}, "fused"), n)
@@ -443,9 +475,11 @@ def _parse(argv):
     parser.add_argument("--dispatch", action="store_true", help="dispatch overhead over SDPA")
     parser.add_argument("--user-similarity", action="store_true",
                         help="a user-defined L1 against the built-in L1 and the reference")
+    parser.add_argument("--vs-sdpa", action="store_true",
+                        help="each variant's fused fwd+bwd as a multiple of SDPA's plain time")
     parser.add_argument("--no-table", action="store_true",
-                        help="only the --large/--dispatch/--causal-65536/--user-similarity "
-                             "reports")
+                        help="only the --large/--dispatch/--causal-65536/--user-similarity/"
+                             "--vs-sdpa reports")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--peak-of", nargs=3, metavar=("CASE", "N", "BACKEND"),
                         help=argparse.SUPPRESS)  # the child process of peak_in_child
@@ -476,6 +510,9 @@ def main(argv=None) -> None:
     if args.user_similarity:
         for n in args.n:
             user_similarity_report(n, args.repeat)
+    if args.vs_sdpa:
+        for n in args.n:
+            vs_sdpa_report(n, args.repeat)
     if args.large:
         large_report(args.repeat)
     if args.causal_65536:

@@ -1,10 +1,10 @@
 /* The negative L1 kernel -sum_d |q_d - k_d| on CPU tiles, and its gradients.
  *
- * No matrix-multiply form exists for L1, so the work is O(m·n·d) elementwise. These loops
+ * No matrix-multiply form exists for L1, so the work is O(m·n·d) elementwise. The scores
  * put the key index innermost, on a transposed block of keys held in L1 cache, so the
  * compiler vectorizes them across keys with no per-pair horizontal sum (torch.cdist
- * vectorizes across d and reduces every pair). The gradient uses sign(0) = 0, as
- * torch.cdist's does.
+ * vectorizes across d and reduces every pair); the gradients vectorize across d with keys
+ * held in registers (see l1_grads). The gradient uses sign(0) = 0, as torch.cdist's does.
  *
  * Layout: batched row-major matrices, q (nb, m, d), k (nb, n, d), scores / ds (nb, m, n),
  * dq (nb, m, d), dk (nb, n, d), all contiguous. dq and dk are accumulated into (+=).
@@ -14,7 +14,9 @@
 
 #define BLOCK 64
 
-#define DEFINE_L1(T, SUFFIX, ABS)                                                           \
+#define KEYS 16 /* keys whose vectors the L1 gradient loop holds in registers at once */
+
+#define DEFINE_L1(T, I, SUFFIX, ABS)                                                        \
 static void transpose_block_##SUFFIX(const T *k, int64_t n0, int64_t cols, int64_t d,       \
                                      T *kt) {                                               \
     for (int64_t j = 0; j < cols; j++)                                                      \
@@ -49,41 +51,54 @@ void l1_scores_##SUFFIX(const T *q, const T *k, T *out, int64_t nb, int64_t m, i
 }                                                                                           \
                                                                                             \
 void l1_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_t nb,       \
-                       int64_t m, int64_t n, int64_t d, T *kt, T *dkt) {                    \
+                       int64_t m, int64_t n, int64_t d) {                                   \
+    /* d: a multiple of a vector (64 bytes). Per vector of dims and group of KEYS keys, the \
+     * keys' vectors and their dk sums stay in registers while the queries stream past, so  \
+     * every sum is lane-wise: no reduction across lanes, one load and store of dq per      \
+     * query for KEYS keys. Written with vector types: the loop vectorizer unrolls such     \
+     * short fixed loops first and then leaves them scalar. */                              \
+    typedef T vec __attribute__((vector_size(64)));                                         \
+    typedef I ivec __attribute__((vector_size(64)));                                        \
+    const int64_t lanes = sizeof(vec) / sizeof(T);                                          \
+    const ivec sign = (ivec){0} + ((I)1 << (8 * sizeof(I) - 1));                            \
     for (int64_t b = 0; b < nb; b++) {                                                      \
         const T *qb = q + b * m * d, *kb = k + b * n * d, *sb = ds + b * m * n;             \
         T *dqb = dq + b * m * d, *dkb = dk + b * n * d;                                     \
-        for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {                                         \
-            int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;                                 \
-            transpose_block_##SUFFIX(kb, n0, cols, d, kt);                                  \
-            memset(dkt, 0, sizeof(T) * BLOCK * d);                                          \
-            for (int64_t i = 0; i < m; i++) {                                               \
-                T g[BLOCK] = {0};                                                           \
-                memcpy(g, sb + i * n + n0, sizeof(T) * cols);                               \
-                const T *qi = qb + i * d;                                                   \
-                T *dqi = dqb + i * d;                                                       \
-                for (int64_t c = 0; c < d; c++) {                                           \
-                    const T x = qi[c], *row = kt + c * BLOCK;                               \
-                    T *drow = dkt + c * BLOCK, total = 0;                                   \
-                    _Pragma("omp simd reduction(+:total)")                                  \
-                    for (int64_t j = 0; j < BLOCK; j++) {                                   \
-                        T diff = x - row[j];                                                \
-                        T t = g[j] * (T)((diff > 0) - (diff < 0));                          \
-                        total += t;                                                         \
-                        drow[j] += t;                                                       \
-                    }                                                                       \
-                    dqi[c] -= total;                                                        \
-                }                                                                           \
+        for (int64_t c0 = 0; c0 < d; c0 += lanes)                                           \
+        for (int64_t j0 = 0; j0 < n; j0 += KEYS) {                                          \
+            const int64_t keys = n - j0 < KEYS ? n - j0 : KEYS;                             \
+            vec kc[KEYS], acc[KEYS], v;                                                     \
+            for (int64_t u = 0; u < KEYS; u++) {                                            \
+                kc[u] = acc[u] = (vec){0};                                                  \
+                if (u < keys) memcpy(&kc[u], kb + (j0 + u) * d + c0, sizeof(vec));          \
             }                                                                               \
-            for (int64_t j = 0; j < cols; j++)                                              \
-                for (int64_t c = 0; c < d; c++)                                             \
-                    dkb[(n0 + j) * d + c] += dkt[c * BLOCK + j];                            \
+            for (int64_t i = 0; i < m; i++) {                                               \
+                const T *gi = sb + i * n + j0;                                              \
+                vec qv, tq = {0};                                                           \
+                memcpy(&qv, qb + i * d + c0, sizeof(vec));                                  \
+                for (int64_t u = 0; u < KEYS; u++) {                                        \
+                    const ivec g = (ivec)((vec){0} + (u < keys ? gi[u] : 0));               \
+                    const vec diff = qv - kc[u];                                            \
+                    /* g sign(q - k): g, its sign flipped where diff < 0; 0 where diff = 0 */ \
+                    const vec t = (vec)((g ^ ((ivec)diff & sign)) & (ivec)(diff != 0));     \
+                    tq += t;                                                                \
+                    acc[u] += t;                                                            \
+                }                                                                           \
+                memcpy(&v, dqb + i * d + c0, sizeof(vec));                                  \
+                v -= tq;                                                                    \
+                memcpy(dqb + i * d + c0, &v, sizeof(vec));                                  \
+            }                                                                               \
+            for (int64_t u = 0; u < keys; u++) {                                            \
+                memcpy(&v, dkb + (j0 + u) * d + c0, sizeof(vec));                           \
+                v += acc[u];                                                                \
+                memcpy(dkb + (j0 + u) * d + c0, &v, sizeof(vec));                           \
+            }                                                                               \
         }                                                                                   \
     }                                                                                       \
 }
 
-DEFINE_L1(float, f32, __builtin_fabsf)
-DEFINE_L1(double, f64, __builtin_fabs)
+DEFINE_L1(float, int32_t, f32, __builtin_fabsf)
+DEFINE_L1(double, int64_t, f64, __builtin_fabs)
 
 /* One step of the online softmax over a tile of scores s (rows, cols), in place.
  *

@@ -30,6 +30,7 @@ from ..problem import Problem
 from ..result import Result
 from . import native, ops
 from .kernelgen import c as c_target
+from .kernelgen import c_mod
 from .tiles import (
     TileSpec,
     add_grads,
@@ -42,6 +43,7 @@ from .tiles import (
     features,
     grad_sums,
     group_heads,
+    mod_tile,
     modify_scores,
     run_split,
     scratch_for,
@@ -159,6 +161,15 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
+def _add_tensor_grads(sums: list, extras, tensors, grads) -> None:
+    """Add the gradients of ``tensors`` (some of ``extras``) into their place in ``sums``
+    (2 + their index in ``extras``)."""
+    for tensor, grad in zip(tensors, grads, strict=True):
+        for e, extra in enumerate(extras):
+            if extra is tensor:
+                add_grads(sums, 2 + e, [grad])  # float64 sums; cast once at the end
+
+
 def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
                     dk: Tensor, sums: list, extras) -> None:
     """Add the pairwise term's gradients for the query and key tile into dq (like fq_t) and
@@ -172,10 +183,7 @@ def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq
     gq, gk, tensor_grads = spec.loops.grads(draw, fq_t, fk_t)
     dq += gq
     dk += gk
-    for tensor, grad in zip(spec.loops.tensors, tensor_grads, strict=True):
-        for e, extra in enumerate(extras):
-            if extra is tensor:
-                add_grads(sums, 2 + e, [grad])  # float64 sums; cast once at the end
+    _add_tensor_grads(sums, extras, spec.loops.tensors, tensor_grads)
 
 
 def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
@@ -187,8 +195,9 @@ def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
 
 def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scratch) -> None:
     """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums
-    [dfk, dv, *extras] (``grad_sums``).
-    ``scratch`` holds two of the worker's flat tile buffers (scores, d(loss)/d(weights)).
+    [dfk, dv transposed, *extras] (``grad_sums``).
+    ``scratch`` holds the worker's flat tile buffers: raw scores, d(loss)/d(weights), and
+    with a modifier's C loops the modified scores (the raw ones stay for its gradient).
 
     The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
     runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
@@ -220,8 +229,12 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             with torch.enable_grad():
                 s = modify_scores(spec, raw, idx, masked)
         else:  # the mask goes to _probabilities, not into the scores
-            s = modify_scores(spec, tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape), idx,
-                              False)
+            raw = tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape)
+            if spec.mod_loops is None:
+                s = modify_scores(spec, raw, idx, False)
+            else:  # in place unless the modifier's gradient reads the raw scores
+                out = scratch[2][: raw.numel()].view(shape) if len(scratch) > 2 else raw
+                s = mod_tile(spec, raw, idx, out)
         graph = by_autograd or elementwise_grad
         allowed = tile_mask(spec, idx) if masked and not graph else None
         p = _probabilities(s, lse_t, copy=graph, allowed=allowed)
@@ -233,8 +246,10 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             keep = dropout_keep(spec, i, k0, p.shape, fq.device)
             kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
             dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        sums[1][:, :, k0:k1].view(-1, k1 - k0, sums[1].shape[-1]).baddbmm_(
-            kept.view(batch * hv, -1, k1 - k0).transpose(1, 2), do_t.flatten(0, 1))
+        # dv is summed transposed, (B, Hv, Dv, Nk): doᵀ·p multiplies 20% faster than pᵀ·do
+        # (MKL on a transposed left operand) on 128 x 512 tiles.
+        sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
+            do_t.flatten(0, 1).transpose(1, 2), kept.view(batch * hv, -1, k1 - k0))
         ds = _softmax_grad(p, dp, delta_t)
         if graph:
             if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
@@ -249,6 +264,9 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             ds = found[0]
             if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
                 continue
+        elif spec.mod_loops is not None:  # also multiplies by the scale
+            _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
+                raw, ds, q0, k0, spec.offset, 1.0 if spec.scale is None else spec.scale))
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
         _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1],
@@ -268,16 +286,17 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     dfq = torch.zeros_like(fq)
 
     def rows(blocks):
-        sums = grad_sums((fk, v), len(extras))
-        scratch = (scratch_for(spec, fq), scratch_for(spec, fq))
+        sums = grad_sums((fk, v.transpose(-1, -2)), len(extras))  # dv transposed
+        needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
+        scratch = [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)]
         with torch.no_grad():
             for i in blocks:
                 _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras,
                                 scratch)
         return sums
 
-    dfk, dv, *dextras = sum_worker_grads(run_split(rows, plan))
-    return dfq, dfk, dv, dextras
+    dfk, dv_t, *dextras = sum_worker_grads(run_split(rows, plan))
+    return dfq, dfk, dv_t.transpose(-1, -2).contiguous(), dextras
 
 
 def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:
@@ -308,9 +327,21 @@ def tile_loops(pair, fq: Tensor):
     return c_target.traced_loops(pair, fq.dtype, fq.shape[-1])
 
 
+def _spec(fq, fk, variant, dropout_p, seed) -> TileSpec:
+    """The call's TileSpec with the C loops of its pairwise term and score modifier. The
+    modifier's loops need the term's gradients at hand (not autograd's) and a number scale
+    (a tensor scale is differentiated by autograd)."""
+    loops = tile_loops(variant.pair, fq)
+    mod_loops = None
+    if (variant.score_mod is not None and not isinstance(variant.scale, torch.Tensor)
+            and (variant.pair.tile_grads is not None or loops is not None)):
+        mod_loops = c_mod.traced_mod(variant.score_mod, fq.dtype)
+    return tile_spec(fq, fk, variant, dropout_p, seed, loops, mod_loops)
+
+
 def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
     seed = draw_seed(dropout_p)
-    spec = tile_spec(fq, fk, variant, dropout_p, seed, tile_loops(variant.pair, fq))
+    spec = _spec(fq, fk, variant, dropout_p, seed)
     out, lse = _forward(spec, tile_plan(spec, fq.device), fq, fk, v)
     weights = weights_from_lse(spec, fq, fk, lse) if want_weights else None
     return out, lse, weights, seed
@@ -318,7 +349,7 @@ def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
 
 def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, wanted):
     with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
-        spec = tile_spec(fq, fk, variant, dropout_p, seed, tile_loops(variant.pair, fq))
+        spec = _spec(fq, fk, variant, dropout_p, seed)
     extras = extra_tensors(spec, wanted)
     dfq, dfk, dv, dextras = _backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
                                       dout, dlse, extras)

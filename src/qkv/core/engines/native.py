@@ -31,13 +31,18 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...cache import cache_dir
 from ..similarity import DOT, NEG_L1, NEG_SQDIST
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+# -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
+# keep each libm call, division or select that could set errno or trap under its condition,
+# which keeps such loops from vectorizing.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+          "-fPIC", "-shared"]
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -48,7 +53,7 @@ _tried = False
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "l1_scores": [_PTR] * 3 + [_I64] * 4 + [_PTR],
-    "l1_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * 2,
+    "l1_grads": [_PTR] * 5 + [_I64] * 4,
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
@@ -206,15 +211,17 @@ def l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
 
 def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients (dq, dk) of Σ ds·(-‖q-k‖₁), for ds (..., m, n); sign(0) counts as 0."""
-    q3, k3, ds3 = _batched(q), _batched(k), _batched(ds)
-    nb, m, d = q3.shape
+    d = q.shape[-1]
+    lanes = 64 // q.element_size()  # LANES in cpu_kernels.c: d is padded to a multiple
+    pad = -d % lanes  # zero dims on both sides: q - k = 0 there, no gradient
+    q3, k3 = (_batched(t if pad == 0 else F.pad(t, (0, pad))) for t in (q, k))
+    ds3 = _batched(ds)
+    nb, m, dp = q3.shape
     n = k3.shape[1]
     dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
-    scratch = q.new_empty(2, _BLOCK * d)
     _load()["l1_grads", q.dtype](ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(),
-                                 dk.data_ptr(), nb, m, n, d, scratch[0].data_ptr(),
-                                 scratch[1].data_ptr())
-    return dq.view(q.shape), dk.view(k.shape)
+                                 dk.data_ptr(), nb, m, n, dp)
+    return dq[..., :d].reshape(q.shape), dk[..., :d].reshape(k.shape)
 
 
 # Looked up at call time, so the module's functions stay the one place to change (or patch).

@@ -1,0 +1,204 @@
+"""A score modifier compiled to C tile loops from its own definition.
+
+The modifier (``scores.py``: ALiBi, softcap, relative bias, a user's callable) is traced
+once per call (``graph.trace_score_mod``) into a graph over (score, b, h, q_idx, kv_idx,
+offset). This module writes that graph and its derivatives (``derivative``) into two loops
+over a tile of scores (B, H, bq, bk) whose key index is innermost, so the compiler vectorizes
+them; in float, exp and tanh are the inline forms of ``c._FAST_MATH``:
+
+- ``mod_scores``: scale, then the modifier, one pass (torch needs a pass per operation and
+  an autograd graph per tile in the backward);
+- ``mod_grads``: d(loss)/d(raw scores) from d(loss)/d(modified scores) in place, and the
+  gradients of the float tensors the modifier reads that need one (ALiBi slopes, a bias
+  table, a learnable cap), summed in double.
+
+A modifier that does not trace, or reads a tensor that is not float, has no loops here; the
+engine then runs it with torch under autograd, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from .. import native
+from .c import _C_TYPES, _HEADER, CEmitter, flat_offset, load_functions
+from .derivative import depends_on, derivative, loads_in
+from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_mod
+
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_ARGS = "row[j] * scale, b, h, q, k0 + j, offset, A0, A1, A2, A3"
+_INT = {torch.float32: "int32_t", torch.float64: "int64_t"}  # a float's bits, as an integer
+_ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads b, h, q only
+_SIGNATURES = {
+    "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
+    "mod_grads": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
+}
+
+
+def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> str:
+    """A C function of (score, b, h, q_idx, kv_idx, offset, slots) returning ``root``: a
+    graph, a number, or a callable that writes its lines into an emitter and returns the
+    result's expression."""
+    e = CEmitter(ctype, fsuffix, float_literals=True)
+    if callable(root):
+        result = root(e)
+    else:
+        result = e.ref(root) if isinstance(root, Sym) else repr(float(root))
+    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    rtype = ctype if kind == FLOAT else "int64_t"
+    return "\n".join([
+        f"static inline {rtype} {name}({ctype} score, int64_t b, int64_t h, int64_t q_idx, "
+        f"int64_t kv_idx, int64_t offset, {slots}) {{",
+        "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)offset;",
+        *e.lines, f"    return {result};", "}"])
+
+
+_LOOPS = """
+/* Rows r = (b * heads + h) * bq + i of a tile (batch, heads, bq, bk) of query positions
+ * q0 + i and key positions k0 + j. */
+/* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
+ * the derivative's computation, which keeps the loop from vectorizing. */
+static inline {T} keep({T} v, int keep) {{
+    union {{ {T} f; {I} i; }} u = {{v}};
+    u.i &= -({I})keep;
+    return u.f;
+}}
+
+#define ROWS for (int64_t b = 0; b < batch; b++) for (int64_t h = 0; h < heads; h++) \\
+    for (int64_t i = 0; i < bq; i++)
+
+void mod_scores(const {T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
+                int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}) {{
+    const {T} scale = ({T})scale_;
+    ROWS {{
+        const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
+        const {T} *row = src + r * bk;
+        {T} *out = dst + r * bk;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < bk; j++) out[j] = mod({ARGS});
+    }}
+}}
+
+void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
+               int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}, {GRADS}) {{
+    /* ds <- ds * d mod / d raw score; 0 where ds is 0 (masked pairs): never 0 * inf. */
+    const {T} scale = ({T})scale_;
+    ROWS {{
+        const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
+        const {T} *row = src + r * bk;
+        {T} *g = ds + r * bk;{SCATTER}{DECLS}
+        _Pragma("omp simd{REDUCE}")
+        for (int64_t j = 0; j < bk; j++) {{
+            const {T} gj = g[j], dm = mod_ds({ARGS});{UPDATES}
+            g[j] = keep(gj * dm * scale, gj != 0);
+        }}{STORES}
+    }}
+}}
+"""
+
+
+def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
+    ctype, fsuffix = _C_TYPES[dtype]
+    score = root.graph.leaf("score", FLOAT)
+    d_score = derivative(root, score, {})
+    parts = [_HEADER, _function("mod", root, ctype, fsuffix),
+             _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix)]
+    scatter = decls = reduce = updates = stores = ""
+    for n, load in enumerate(loads_in(root, {}).values()):
+        slot, *index = load.args
+        d_load = derivative(root, load, {})
+        if slot not in grad_slots or d_load is None:
+            continue
+        parts.append(_function(f"mod_d{n}", d_load, ctype, fsuffix))
+        parts.append(_function(f"mod_i{n}", lambda e, load=load: flat_offset(e, load), ctype,
+                               fsuffix, INT))
+        if any(depends_on(i, {"kv_idx", "score"}) for i in index):  # a slot element per pair
+            scatter += (f"\n        for (int64_t j = 0; j < bk; j++) if (g[j] != 0) "
+                        f"G{slot}[mod_i{n}({_ARGS})] += (double)(g[j] * mod_d{n}({_ARGS}));")
+        else:  # one element per row: summed in registers, stored once
+            decls += f"\n        double total_{n} = 0;"
+            reduce += f" reduction(+:total_{n})"
+            updates += (f"\n            const {ctype} d{n} = mod_d{n}({_ARGS});"
+                        f"\n            total_{n} += (double)keep(gj * d{n}, gj != 0);")
+            stores += f"\n        G{slot}[mod_i{n}({_ROW_ARGS})] += total_{n};"
+    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
+    parts.append(_LOOPS.format(T=ctype, I=_INT[dtype], ARGS=_ARGS, SLOTS=slots, GRADS=grads,
+                               SCATTER=scatter, DECLS=decls, REDUCE=reduce, UPDATES=updates,
+                               STORES=stores))
+    return "\n\n".join(parts)
+
+
+class ModLoops:
+    """The C loops of one traced score modifier. ``tensors``: the float tensors it reads that
+    need a gradient, as autograd sees them (``grads`` returns one sum per tensor)."""
+
+    def __init__(self, functions, slots: list[Tensor], values: list[Tensor],
+                 grad_slots: list[int], needs_raw: bool):
+        self._scores, self._grads = functions
+        self.needs_raw = needs_raw  # whether ``grads`` reads the raw scores (softcap: yes)
+        self._values = values  # the C loops read their memory
+        self.tensors = tuple(slots[i] for i in grad_slots)
+        self._grad_slots, self._grad_values = grad_slots, [values[i] for i in grad_slots]
+        self._dummy = torch.zeros(1, dtype=torch.float64)  # fills unused slots (never read)
+        self._pointers = [v.data_ptr() for v in values] + [self._dummy.data_ptr()] * (
+            MAX_SLOTS - len(values))
+
+    @staticmethod
+    def _layout(s: Tensor, q0: int, k0: int, offset: int, scale: float) -> tuple:
+        if not s.is_contiguous() or s.dim() != 4:
+            raise ValueError("the C modifier loops take contiguous (B, H, bq, bk) tiles")
+        return (*s.shape, q0, k0, offset, scale)
+
+    def scores(self, src: Tensor, dst: Tensor, q0: int, k0: int, offset: int,
+               scale: float) -> Tensor:
+        """dst <- score_mod(scale · src) for a tile of query positions q0... and keys k0...
+        (dst may be src)."""
+        self._scores(src.data_ptr(), dst.data_ptr(), *self._layout(src, q0, k0, offset, scale),
+                     *self._pointers)
+        return dst
+
+    def grads(self, src: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
+              scale: float) -> tuple[Tensor, ...]:
+        """ds (d loss / d modified scores) <- d loss / d raw scores, in place, for the raw
+        scores src (read only when ``needs_raw``); returns the gradients of ``tensors``
+        (float64)."""
+        sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in self._grad_values]
+        by_slot = dict(zip(self._grad_slots, sums, strict=True))
+        sink = torch.zeros(1, dtype=torch.float64)
+        pointers = [by_slot.get(i, sink).data_ptr() for i in range(MAX_SLOTS)]
+        self._grads(src.data_ptr(), ds.data_ptr(), *self._layout(src, q0, k0, offset, scale),
+                    *self._pointers, *pointers)
+        return tuple(s.view(v.shape) for s, v in zip(sums, self._grad_values, strict=True))
+
+
+def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
+    """C loops for ``score_mod`` (a ``scores.ScoreMod``) in ``dtype``, traced now (so they read
+    the tensors it captures as they are now), or None: it does not trace, reads a tensor that
+    is not float, or nothing builds."""
+    if dtype not in _C_TYPES or not native.available(dtype):
+        return None
+    graph = Graph("cpu")
+    try:
+        root = trace_score_mod(score_mod, graph)
+    except Exception:  # noqa: BLE001  any modifier this tracer cannot follow runs in torch
+        return None
+    if not all(t.is_floating_point() for t in graph.slots):
+        return None
+    grad_slots = [i for i, t in enumerate(graph.slots) if t.requires_grad]
+    try:
+        source = _source(root, set(grad_slots), dtype)
+    except CompileError:
+        return None
+    functions = load_functions(source, "score_mod", _SIGNATURES)
+    if functions is None:
+        return None
+    values = [t.detach().to(dtype).contiguous() for t in graph.slots]
+    derivatives = [derivative(root, graph.leaf("score", FLOAT), {})] + [
+        derivative(root, load, {}) for load in loads_in(root, {}).values()
+        if load.args[0] in grad_slots]
+    needs_raw = any(depends_on(d, {"score"}) for d in derivatives)
+    return ModLoops(functions, graph.slots, values, grad_slots, needs_raw)
