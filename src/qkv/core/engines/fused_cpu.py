@@ -234,7 +234,11 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 s = modify_scores(spec, raw, idx, False)
             else:  # in place unless the modifier's gradient reads the raw scores
                 out = scratch[2][: raw.numel()].view(shape) if len(scratch) > 2 else raw
-                s = mod_tile(spec, raw, idx, out)
+                if spec.mod_loops.keeps_slope:  # raw <- d mod / d score, from the same pass
+                    s = spec.mod_loops.scores_ds(raw, out, idx.q0, idx.k0, spec.offset,
+                                                 1.0 if spec.scale is None else spec.scale)
+                else:
+                    s = mod_tile(spec, raw, idx, out)
         graph = by_autograd or elementwise_grad
         allowed = tile_mask(spec, idx) if masked and not graph else None
         p = _probabilities(s, lse_t, copy=graph, allowed=allowed)
@@ -264,6 +268,9 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             ds = found[0]
             if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
                 continue
+        elif spec.mod_loops is not None and spec.mod_loops.keeps_slope:
+            spec.mod_loops.grads_ds(raw, ds, q0, k0, spec.offset,
+                                    1.0 if spec.scale is None else spec.scale)
         elif spec.mod_loops is not None:  # also multiplies by the scale
             _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
                 raw, ds, q0, k0, spec.offset, 1.0 if spec.scale is None else spec.scale))

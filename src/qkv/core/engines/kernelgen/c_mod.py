@@ -35,6 +35,8 @@ _ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads 
 _SIGNATURES = {
     "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
     "mod_grads": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
+    "mod_scores_ds": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
+    "mod_grads_ds": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double],
 }
 
 
@@ -54,6 +56,20 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> s
         f"int64_t kv_idx, int64_t offset, {slots}) {{",
         "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)offset;",
         *e.lines, f"    return {result};", "}"])
+
+
+def _value_and_derivative(root, d_score, ctype: str, fsuffix: str) -> str:
+    """``mod_pair``: the modifier and its derivative in the score in one function of one
+    emitter, so the operations they share (softcap's tanh) are computed once."""
+    e = CEmitter(ctype, fsuffix, float_literals=True)
+    value = e.ref(root) if isinstance(root, Sym) else repr(float(root))
+    slope = e.ref(d_score) if isinstance(d_score, Sym) else repr(float(d_score or 0.0))
+    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    return "\n".join([
+        f"static inline {ctype} mod_pair({ctype} score, int64_t b, int64_t h, int64_t q_idx, "
+        f"int64_t kv_idx, int64_t offset, {slots}, {ctype} *d_score) {{",
+        "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)offset;",
+        *e.lines, f"    *d_score = {slope};", f"    return {value};", "}"])
 
 
 _LOOPS = """
@@ -97,6 +113,33 @@ void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq
         }}{STORES}
     }}
 }}
+
+/* The backward's recompute, for a modifier whose only gradient is the score's: dst <- the
+ * modified scores and src <- d mod / d raw score, from one evaluation per pair. */
+void mod_scores_ds({T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
+                   int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}) {{
+    const {T} scale = ({T})scale_;
+    ROWS {{
+        const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
+        {T} *row = src + r * bk, *out = dst + r * bk;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < bk; j++) {{
+            {T} dm;
+            out[j] = mod_pair({ARGS}, &dm);
+            row[j] = dm;
+        }}
+    }}
+}}
+
+/* ds <- ds * dm * scale with dm from mod_scores_ds; 0 where ds is 0 (masked pairs). */
+void mod_grads_ds(const {T} *dm, {T} *ds, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
+                  int64_t q0, int64_t k0, int64_t offset, double scale_) {{
+    const {T} scale = ({T})scale_;
+    (void)q0; (void)k0; (void)offset;
+    const int64_t n = batch * heads * bq * bk;
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < n; j++) ds[j] = keep(ds[j] * dm[j] * scale, ds[j] != 0);
+}}
 """
 
 
@@ -105,7 +148,8 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
     score = root.graph.leaf("score", FLOAT)
     d_score = derivative(root, score, {})
     parts = [_HEADER, _function("mod", root, ctype, fsuffix),
-             _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix)]
+             _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix),
+             _value_and_derivative(root, d_score, ctype, fsuffix)]
     scatter = decls = reduce = updates = stores = ""
     for n, load in enumerate(loads_in(root, {}).values()):
         slot, *index = load.args
@@ -138,8 +182,11 @@ class ModLoops:
 
     def __init__(self, functions, slots: list[Tensor], values: list[Tensor],
                  grad_slots: list[int], needs_raw: bool):
-        self._scores, self._grads = functions
+        self._scores, self._grads, self._scores_ds, self._grads_ds = functions
         self.needs_raw = needs_raw  # whether ``grads`` reads the raw scores (softcap: yes)
+        # The backward may then keep d mod / d score from its recompute (``scores_ds``) and
+        # skip the second evaluation, when no tensor the modifier reads needs a gradient.
+        self.keeps_slope = needs_raw and not grad_slots
         self._values = values  # the C loops read their memory
         self.tensors = tuple(slots[i] for i in grad_slots)
         self._grad_slots, self._grad_values = grad_slots, [values[i] for i in grad_slots]
@@ -160,6 +207,20 @@ class ModLoops:
         self._scores(src.data_ptr(), dst.data_ptr(), *self._layout(src, q0, k0, offset, scale),
                      *self._pointers)
         return dst
+
+    def scores_ds(self, raw: Tensor, dst: Tensor, q0: int, k0: int, offset: int,
+                  scale: float) -> Tensor:
+        """dst <- score_mod(scale · raw) and raw <- its derivative in the scaled score, in one
+        evaluation per pair (for ``grads_ds``; only when ``keeps_slope``)."""
+        self._scores_ds(raw.data_ptr(), dst.data_ptr(), *self._layout(raw, q0, k0, offset,
+                                                                     scale), *self._pointers)
+        return dst
+
+    def grads_ds(self, slope: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
+                 scale: float) -> None:
+        """ds <- ds · slope · scale in place, with ``slope`` from ``scores_ds``."""
+        self._grads_ds(slope.data_ptr(), ds.data_ptr(), *self._layout(slope, q0, k0, offset,
+                                                                      scale))
 
     def grads(self, src: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
               scale: float) -> tuple[Tensor, ...]:
