@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import sliding_window
-from ..nn.blocks import transformer_block
-from ..nn.norms import make_norm
+from ..nn.blocks import norm_layer, transformer_block
 from ..nn.positions import make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask
 from .configs import EncoderConfig
@@ -23,10 +22,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = c = config
         b, cls = c.block, c.pooling == "cls"
-        norm = lambda: make_norm(b.norm, b.d_model, b.norm_eps, b.bias)  # noqa: E731
         self.tok_emb = nn.Embedding(c.vocab_size, b.d_model)
         self.type_emb = nn.Embedding(c.type_vocab_size, b.d_model) if c.type_vocab_size else None
-        self.embed_norm = norm() if c.embed_norm else None
+        self.embed_norm = norm_layer(b) if c.embed_norm else None
         self.cls_token = nn.Parameter(torch.zeros(1, 1, b.d_model)) if cls else None
         self.positions = make_positions(
             c.positions, d_model=b.d_model, n_head=b.n_head, head_dim=b.head_dim,
@@ -36,7 +34,7 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
-        self.norm = norm() if b.norm_first else None
+        self.norm = norm_layer(b) if b.norm_first else None
         self.head = nn.Linear(b.d_model, c.num_classes) if c.num_classes else None
         # "cls" and "first" pool the first position's output, "mean" the real tokens'.
         self.pool_first = c.pooling in ("cls", "first")

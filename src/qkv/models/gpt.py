@@ -7,8 +7,7 @@ from torch import Tensor, nn
 
 from ..core import causal, padding, sliding_window
 from ..distributed.context import active as active_context_parallel
-from ..nn.blocks import transformer_block
-from ..nn.norms import make_norm
+from ..nn.blocks import norm_layer, transformer_block
 from ..nn.positions import make_positions
 from .common import (
     check_ids,
@@ -39,7 +38,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
-        self.norm = make_norm(b.norm, b.d_model, b.norm_eps, b.bias)
+        self.norm = norm_layer(b)
         self.lm_head = nn.Linear(b.d_model, c.vocab_size, bias=False)
         init_weights(self)
         if c.tie_embeddings:

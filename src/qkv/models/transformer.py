@@ -8,8 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core import causal, padding
-from ..nn.blocks import decoder_block, transformer_block
-from ..nn.norms import make_norm
+from ..nn.blocks import decoder_block, norm_layer, transformer_block
 from ..nn.positions import PositionScheme, make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask, token_positions
 from .configs import TransformerConfig
@@ -42,9 +41,8 @@ class Transformer(nn.Module):
             decoder_block(b, self.tgt_positions.rotary()) for _ in range(c.n_decoder_layers)
         )
         final = b.norm_first if c.final_norm is None else c.final_norm
-        norm = lambda: make_norm(b.norm, b.d_model, b.norm_eps, b.bias)  # noqa: E731
-        self.encoder_norm = norm() if final else None
-        self.decoder_norm = norm() if final else None
+        self.encoder_norm = norm_layer(b) if final else None
+        self.decoder_norm = norm_layer(b) if final else None
         self.out_proj = nn.Linear(b.d_model, c.tgt_vocab_size, bias=False)
         self.embedding_scale = math.sqrt(b.d_model) if c.scale_embeddings else None
         init_weights(self)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..nn.blocks import transformer_block
-from ..nn.norms import make_norm
+from ..nn.blocks import norm_layer, transformer_block
 from ..nn.positions import make_positions
 from .common import init_weights
 from .configs import ViTConfig
@@ -32,7 +31,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
-        self.norm = make_norm(b.norm, b.d_model, b.norm_eps, b.bias)
+        self.norm = norm_layer(b)
         self.head = nn.Linear(b.d_model, c.num_classes)
         self.pool_class_token = c.pooling == "cls"  # else the mean of the patches
         init_weights(self)

@@ -77,9 +77,13 @@ def attention_layer(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
     )
 
 
+def norm_layer(cfg: BlockConfig) -> nn.Module:
+    """The norm ``cfg`` names, as a sublayer's or a stack's final norm."""
+    return make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+
+
 def sublayer(cfg: BlockConfig) -> Sublayer:
-    return Sublayer(make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias), cfg.dropout,
-                    cfg.norm_first)
+    return Sublayer(norm_layer(cfg), cfg.dropout, cfg.norm_first)
 
 
 def transformer_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None) -> TransformerBlock:

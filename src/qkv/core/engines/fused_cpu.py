@@ -236,7 +236,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 out = scratch[2][: raw.numel()].view(shape) if len(scratch) > 2 else raw
                 if spec.mod_loops.keeps_slope:  # raw <- d mod / d score, from the same pass
                     s = spec.mod_loops.scores_ds(raw, out, idx.q0, idx.k0, spec.offset,
-                                                 1.0 if spec.scale is None else spec.scale)
+                                                 spec.mod_scale)
                 else:
                     s = mod_tile(spec, raw, idx, out)
         graph = by_autograd or elementwise_grad
@@ -269,11 +269,10 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
                 continue
         elif spec.mod_loops is not None and spec.mod_loops.keeps_slope:
-            spec.mod_loops.grads_ds(raw, ds, q0, k0, spec.offset,
-                                    1.0 if spec.scale is None else spec.scale)
+            spec.mod_loops.grads_ds(raw, ds, q0, k0, spec.offset, spec.mod_scale)
         elif spec.mod_loops is not None:  # also multiplies by the scale
             _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
-                raw, ds, q0, k0, spec.offset, 1.0 if spec.scale is None else spec.scale))
+                raw, ds, q0, k0, spec.offset, spec.mod_scale))
         elif spec.scale is not None:
             ds = ds.mul_(spec.scale)
         _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1],

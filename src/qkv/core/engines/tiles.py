@@ -67,6 +67,11 @@ class TileSpec:
     def offset(self) -> int:
         return self.nk - self.nq
 
+    @property
+    def mod_scale(self) -> float:
+        """The scale a score modifier's C loops apply first (1.0 when it was folded)."""
+        return 1.0 if self.scale is None else self.scale
+
     def q_range(self, i: int) -> tuple[int, int]:
         return i * self.block_q, min(self.nq, (i + 1) * self.block_q)
 
@@ -192,8 +197,7 @@ def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
 def mod_tile(spec: TileSpec, raw: Tensor, idx: TileIndex, out: Tensor) -> Tensor:
     """Scale and score modifier of one contiguous tile (B, H, bq, bk) by the modifier's C
     loops, into ``out`` (which may be ``raw``)."""
-    scale = 1.0 if spec.scale is None else spec.scale
-    return spec.mod_loops.scores(raw, out, idx.q0, idx.k0, spec.offset, scale)
+    return spec.mod_loops.scores(raw, out, idx.q0, idx.k0, spec.offset, spec.mod_scale)
 
 
 def modify_scores(spec: TileSpec, raw: Tensor, idx: TileIndex, masked: bool) -> Tensor:

@@ -40,36 +40,27 @@ _SIGNATURES = {
 }
 
 
-def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> str:
+def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT,
+              slope=None) -> str:
     """A C function of (score, b, h, q_idx, kv_idx, offset, slots) returning ``root``: a
     graph, a number, or a callable that writes its lines into an emitter and returns the
-    result's expression."""
+    result's expression. With ``slope`` (a graph or a number), it also stores that through
+    a last argument ``d_score``, from the same emitter, so the operations the two share
+    (softcap's tanh) are computed once."""
     e = CEmitter(ctype, fsuffix, float_literals=True)
-    if callable(root):
-        result = root(e)
-    else:
-        result = e.ref(root) if isinstance(root, Sym) else repr(float(root))
-    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    value = lambda x: e.ref(x) if isinstance(x, Sym) else repr(float(x or 0.0))  # noqa: E731
+    result = root(e) if callable(root) else value(root)
+    params = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
+    store = []
+    if slope is not None:
+        params += f", {ctype} *d_score"
+        store = [f"    *d_score = {value(slope)};"]
     rtype = ctype if kind == FLOAT else "int64_t"
     return "\n".join([
         f"static inline {rtype} {name}({ctype} score, int64_t b, int64_t h, int64_t q_idx, "
-        f"int64_t kv_idx, int64_t offset, {slots}) {{",
+        f"int64_t kv_idx, int64_t offset, {params}) {{",
         "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)offset;",
-        *e.lines, f"    return {result};", "}"])
-
-
-def _value_and_derivative(root, d_score, ctype: str, fsuffix: str) -> str:
-    """``mod_pair``: the modifier and its derivative in the score in one function of one
-    emitter, so the operations they share (softcap's tanh) are computed once."""
-    e = CEmitter(ctype, fsuffix, float_literals=True)
-    value = e.ref(root) if isinstance(root, Sym) else repr(float(root))
-    slope = e.ref(d_score) if isinstance(d_score, Sym) else repr(float(d_score or 0.0))
-    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
-    return "\n".join([
-        f"static inline {ctype} mod_pair({ctype} score, int64_t b, int64_t h, int64_t q_idx, "
-        f"int64_t kv_idx, int64_t offset, {slots}, {ctype} *d_score) {{",
-        "    (void)score; (void)b; (void)h; (void)q_idx; (void)kv_idx; (void)offset;",
-        *e.lines, f"    *d_score = {slope};", f"    return {value};", "}"])
+        *e.lines, *store, f"    return {result};", "}"])
 
 
 _LOOPS = """
@@ -149,7 +140,8 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
     d_score = derivative(root, score, {})
     parts = [_HEADER, _function("mod", root, ctype, fsuffix),
              _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix),
-             _value_and_derivative(root, d_score, ctype, fsuffix)]
+             _function("mod_pair", root, ctype, fsuffix, slope=0.0 if d_score is None
+                       else d_score)]
     scatter = decls = reduce = updates = stores = ""
     for n, load in enumerate(loads_in(root, {}).values()):
         slot, *index = load.args
