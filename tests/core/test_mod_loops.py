@@ -1,9 +1,15 @@
 """The score modifier's C loops: the backward keeps d mod / d score from its recompute (one
-evaluation per pair) exactly when no tensor the modifier reads needs a gradient."""
+evaluation per pair) exactly when no tensor the modifier reads needs a gradient; the inline
+tanh and exp the generated C calls are as exact as they say."""
 
+import ctypes
+
+import pytest
 import torch
 
 import qkv
+from qkv.core.engines import native
+from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_mod
 
 
@@ -26,3 +32,66 @@ def test_kept_slope_gives_the_reference_gradients():
         grads.append(torch.autograd.grad((out * out).sum(), (q, k, v)))
     for fused, reference in zip(*grads, strict=True):
         torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-12)
+
+
+def _inline_math():
+    """qkv_tanhf and qkv_expf of the generated C header, applied to a float tensor."""
+    source = c_target._HEADER + """
+void tanh_all(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = qkv_tanhf(x[i]);
+}
+void exp_all(const float *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = qkv_expf(x[i]);
+}
+"""
+    lib = native.compile_library(source, "inline_math_test")
+    if lib is None:
+        pytest.skip("no C compiler")
+
+    def apply(name, x):
+        y = torch.empty_like(x)
+        getattr(lib, name)(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                           ctypes.c_int64(x.numel()))
+        return y
+
+    return apply
+
+
+def _floats_below(limit: float, step: int) -> torch.Tensor:
+    """Every ``step``-th float of magnitude below ``limit``, both signs."""
+    top = torch.tensor(limit, dtype=torch.float32).view(torch.int32).item()
+    bits = torch.arange(0, top, step, dtype=torch.int32)
+    x = bits.view(torch.float32)
+    return torch.cat([x, -x])
+
+
+def _ulps(y: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|y - exact| in units of the last place of exact rounded to float."""
+    rounded = exact.float()
+    ulp = (torch.nextafter(rounded.abs(), torch.tensor(float("inf"))) - rounded.abs()).double()
+    return (y.double() - exact).abs() / ulp
+
+
+def test_inline_tanh_is_correctly_rounded_but_for_ties():
+    apply = _inline_math()
+    x = _floats_below(11.0, 1021)
+    y = apply("tanh_all", x)
+    errors = _ulps(y, torch.tanh(x.double()))
+    assert errors.max() < 0.51
+    assert (y != torch.tanh(x.double()).float()).double().mean() < 1e-4
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, 20.0,
+                            -3e38])
+    y = apply("tanh_all", special)
+    assert y[0].isnan() and y[1:].tolist() == [1.0, -1.0, 0.0, -0.0, special[5].item(), 1.0,
+                                               -1.0]
+    assert torch.signbit(y[4])
+
+
+def test_inline_exp_is_within_two_ulps():
+    apply = _inline_math()
+    x = torch.linspace(-87.3, 88.7, 1_000_003)
+    errors = _ulps(apply("exp_all", x), torch.exp(x.double()))
+    assert errors.max() <= 2.0
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, 100.0])
+    y = apply("exp_all", special)
+    assert y[0].isnan() and y[1:].tolist() == [float("inf"), 0.0, 0.0, float("inf")]
