@@ -194,3 +194,38 @@ def test_user_similarities_gradcheck_on_the_cpu_engines(monkeypatch, small_tiles
         return qkv.attention(q, k, v, mask=mask, similarity=name, backend=engine)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, *learnable), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not native.available(torch.float64), reason="no C compiler")
+@pytest.mark.parametrize(("dtype", "d"), [(torch.float64, 20), (torch.float32, 40),
+                                          (torch.float32, 64)])
+def test_generated_gradient_loops_over_whole_and_partial_vectors(dtype, d):
+    """The generated gradient loops against autograd on the term's torch form, with d both a
+    whole number of vectors and not, key groups cut short, and ds with zero rows, zero key
+    groups and scattered zeros (where the derivative is infinite: 0, never 0 * inf)."""
+    weight = torch.linspace(0.5, 1.5, d, dtype=torch.float64).requires_grad_()
+    # -(weight * ...): -weight would be a new tensor, computed before tracing
+    sim = qkv.Similarity(lambda q, k: -(weight * (q - k).abs().sqrt()), name="weighted_root")
+    gen = torch.Generator().manual_seed(3)
+    nb, m, n = 3, 37, 45
+    q = torch.randn(nb, m, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(nb, n, d, generator=gen, dtype=torch.float64)
+    ds = torch.randn(nb, m, n, generator=gen, dtype=torch.float64)
+    ds[0, 4] = 0  # a query with no key
+    ds[1, :, 16:32] = 0  # a whole group of keys
+    ds[2, 7, 40] = 0  # one pair in a group that has others, where the derivative is infinite
+    k[2, 40] = q[2, 7]
+    loops = c_target.traced_loops(sim.pairwise, dtype, d)
+    assert loops is not None
+    gq, gk, (gw,) = loops.grads(ds.to(dtype), q.to(dtype), k.to(dtype))
+    # the reference reads the inputs as the loops do (float32 rounding moves sqrt's slope)
+    leaves = (q.to(dtype).double().requires_grad_(), k.to(dtype).double().requires_grad_(),
+              weight)
+    keep = (ds != 0).unsqueeze(-1)  # the reference's own 0 * inf where ds is 0 would be NaN
+    diff = (leaves[0][:, :, None] - leaves[1][:, None]).abs()
+    terms = -(weight * torch.where(keep, diff, torch.ones_like(diff)).sqrt())
+    want = torch.autograd.grad(terms.sum(-1), leaves, ds)
+    bound = 1e-12 if dtype == torch.float64 else 2e-5
+    for got, expected in zip((gq, gk, gw), want, strict=True):
+        assert got.isfinite().all()
+        assert rel_err(got, expected) < bound

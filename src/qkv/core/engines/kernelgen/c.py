@@ -3,8 +3,9 @@
 A term without C loops of its own (a user's ``qkv.Similarity``) is traced once per call
 (``graph.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
 graph, its derivatives in q_d and k_d and in every tensor it reads (``derivative``),
-into the same loops the built-in L1 has (``cpu_kernels.c``): keys innermost on a transposed
-block held in cache, so the compiler vectorizes the term across keys. The source is built
+into the same loops the built-in L1 has (``cpu_kernels.c``): the scores with keys innermost
+on a transposed block held in cache, so the compiler vectorizes the term across keys; the
+gradients across d, with a group of keys held while the queries stream past. The source is built
 once per distinct term (``native.compile_library``, content-hashed) and loaded with ctypes.
 
 The loops read the term's captured tensors (``Graph.slots``: shape () or (D,), float) and
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import native
-from .derivative import derivative, loads_in
+from .derivative import depends_on, derivative, loads_in
 from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, TERM_ARGS, CompileError, Graph, Sym, trace_term
 
@@ -141,6 +142,8 @@ CEmitter.OPS = {
 
 _PARAMS = "{T} pq, {T} pk, int64_t pd, " + ", ".join(f"const {{T}} *A{i}" for i in range(MAX_SLOTS))
 _ARGS = "x, row[j], c, A0, A1, A2, A3"
+_GARGS = "x, y, c, A0, A1, A2, A3"
+_SLOT_ARGS = ", ".join([f"A{i}" for i in range(MAX_SLOTS)] + [f"G{i}" for i in range(MAX_SLOTS)])
 _EARGS = "qr[c], kr[c], c, A0, A1, A2, A3"
 
 
@@ -177,41 +180,74 @@ void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, in
     }}
 }}
 
-void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
-                int64_t m, int64_t n, int64_t d, {T} *kt, {T} *dkt, {CONST_SLOTS},
-                {GRAD_SLOTS}) {{
-    for (int64_t b = 0; b < nb; b++) {{
-        const {T} *qb = q + b * m * d, *kb = k + b * n * d, *sb = ds + b * m * n;
-        {T} *dqb = dq + b * m * d, *dkb = dk + b * n * d;
-        for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {{
-            int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;
-            transpose_block(kb, n0, cols, d, kt);
-            memset(dkt, 0, sizeof({T}) * BLOCK * d);
-            for (int64_t i = 0; i < m; i++) {{
-                {T} g[BLOCK] = {{0}};
-                memcpy(g, sb + i * n + n0, sizeof({T}) * cols);
-                const {T} *qi = qb + i * d;
-                {T} *dqi = dqb + i * d;
-                for (int64_t c = 0; c < d; c++) {{
-                    const {T} x = qi[c], *row = kt + c * BLOCK;
-                    {T} *drow = dkt + c * BLOCK, total_q = 0;{SUM_DECLS}
-                    /* 0 where ds is 0 (padding keys, masked pairs): never 0 * inf */
-                    _Pragma("omp simd reduction(+:total_q{SUM_NAMES})")
-                    for (int64_t j = 0; j < BLOCK; j++) {{
-                        const {T} gj = g[j];
-                        total_q += gj != 0 ? gj * term_dq({ARGS}) : 0;
-                        drow[j] += gj != 0 ? gj * term_dk({ARGS}) : 0;{SUM_UPDATES}
-                    }}
-                    dqi[c] += total_q;{SUM_STORES}
-                }}
+#define LANES ((int64_t)(64 / sizeof({T}))) /* one 64-byte vector */
+
+/* The gradients over the lanes c0 .. c0 + lanes - 1 of d. Per group of KEYS keys, the keys'
+ * values and their dk sums stay in KEYS x LANES arrays (in L1 cache) while the queries
+ * stream past; each query's lanes are the vectorized loop, its dq sum over the group a
+ * register, with no reduction across lanes (the built-in L1's form, l1_grads in
+ * cpu_kernels.c). Inlined with lanes = LANES, the lane loops have a fixed count. */
+static inline __attribute__((always_inline)) void term_grads_lanes(
+        const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
+        int64_t d, int64_t c0, int64_t lanes, {CONST_SLOTS}, {GRAD_SLOTS}) {{
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {{
+        const int64_t keys = n - j0 < KEYS ? n - j0 : KEYS;
+        {T} kc[KEYS][LANES], acc[KEYS][LANES];{SUM_DECLS}
+        for (int64_t u = 0; u < keys; u++)
+            for (int64_t l = 0; l < lanes; l++) {{
+                kc[u][l] = kb[(j0 + u) * d + c0 + l];
+                acc[u][l] = 0;
             }}
-            for (int64_t j = 0; j < cols; j++)
-                for (int64_t c = 0; c < d; c++)
-                    dkb[(n0 + j) * d + c] += dkt[c * BLOCK + j];
+        for (int64_t i = 0; i < m; i++) {{
+            const {T} *gi = sb + i * n + j0, *qi = qb + i * d + c0;
+            {T} *dqi = dqb + i * d + c0;
+            int64_t zeros = 0;
+            for (int64_t u = 0; u < keys; u++) zeros += gi[u] == 0;
+            if (zeros == keys) continue;
+            /* Pairs whose ds is 0 (padding keys, masked pairs) add 0, never 0 * inf: masked
+             * out where this query's group has any. */
+            if (zeros == 0) {{
+#define KEEP(v) (v){ROW}
+#undef KEEP
+            }} else {{
+#define KEEP(v) qkv_keep{F}(v, gj != 0){ROW}
+#undef KEEP
+            }}
+        }}
+        for (int64_t u = 0; u < keys; u++)
+            for (int64_t l = 0; l < lanes; l++) dkb[(j0 + u) * d + c0 + l] += acc[u][l];{SUM_STORES}
+    }}
+}}
+
+void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
+                int64_t m, int64_t n, int64_t d, {CONST_SLOTS}, {GRAD_SLOTS}) {{
+    for (int64_t b = 0; b < nb; b++) {{
+        const {T} *sb = ds + b * m * n, *qb = q + b * m * d, *kb = k + b * n * d;
+        {T} *dqb = dq + b * m * d, *dkb = dk + b * n * d;
+        for (int64_t c0 = 0; c0 < d; c0 += LANES) {{
+            if (d - c0 >= LANES)
+                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, {SLOT_ARGS});
+            else
+                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, d - c0, {SLOT_ARGS});
         }}
     }}
 }}
 """
+
+# One query's lanes against a group of keys; KEEP(v) is v, or v masked where ds is 0.
+_ROW = """
+            _Pragma("omp simd")
+            for (int64_t l = 0; l < lanes; l++) {{
+                const {T} x = qi[l];
+                const int64_t c = c0 + l;
+                {T} tq = 0;{SUMS}
+                for (int64_t u = 0; u < keys; u++) {{
+                    const {T} gj = gi[u], y = kc[u][l];
+                    tq += KEEP(gj * term_dq({GARGS}));
+                    acc[u][l] += KEEP(gj * term_dk({GARGS}));{UPDATES}
+                }}
+                dqi[l] += tq;{STORES}
+            }}"""
 
 _EDGES = """
 /* Graph edges, rows (B, N, heads, d) contiguous: edge e joins query row target[e] and key row
@@ -297,12 +333,26 @@ _HEADER = """/* Generated by qkv.core.engines.kernelgen.c; do not edit. */
 #include <stdlib.h>
 #include <string.h>
 #define BLOCK 64
+#define KEYS 16 /* keys per group of the gradient loops */
 
 static inline int64_t qkv_floordiv(int64_t a, int64_t b) {
     int64_t q = a / b;
     return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 static inline int64_t qkv_mod(int64_t a, int64_t b) { return a - b * qkv_floordiv(a, b); }
+
+/* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
+ * the computation of v, which keeps the loop from vectorizing. */
+static inline float qkv_keepf(float v, int keep) {
+    union { float f; int32_t i; } u = {v};
+    u.i &= -(int32_t)keep;
+    return u.f;
+}
+static inline double qkv_keep(double v, int keep) {
+    union { double f; int64_t i; } u = {v};
+    u.i &= -(int64_t)keep;
+    return u.f;
+}
 """ + _FAST_MATH
 
 
@@ -321,28 +371,32 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
              _function("term", root, ctype, fsuffix),
              _function("term_dq", derivative(root, pq, {}), ctype, fsuffix),
              _function("term_dk", derivative(root, pk, {}), ctype, fsuffix)]
-    decls = names = updates = stores = edge_updates = ""
+    decls = sums = updates = stores = tensor_stores = edge_updates = ""
     for n, load in enumerate(loads_in(root, {}).values()):
         slot, *index = load.args
         d_load = derivative(root, load, {})
         if d_load is None:
             continue
+        if any(depends_on(i, {pq.args[0], pk.args[0]}) for i in index):
+            # Its sums are kept per lane of d, over many q and k values.
+            raise CompileError("a tensor that needs a gradient is indexed by q or k values")
         parts.append(_function(f"term_d{n}", d_load, ctype, fsuffix))
         parts.append(_function(f"term_i{n}", index[0] if index else 0, ctype, fsuffix, INT))
         # A tensor's gradient sums every pair's contribution, with cancellation: in double.
-        decls += f" double total_{n} = 0;"
-        names += f", total_{n}"
-        updates += (f"\n                        total_{n} += gj != 0 ? "
-                    f"(double)(gj * term_d{n}({_ARGS})) : 0;")
-        stores += (f"\n                    G{slot}[term_i{n}(x, x, c, A0, A1, A2, A3)] "
-                   f"+= total_{n};")
+        decls += f"\n        double total_{n}[LANES] = {{0}};"
+        sums += f"\n            double sum_{n} = 0;"
+        updates += f"\n                sum_{n} += (double)KEEP(gj * term_d{n}({_GARGS}));"
+        stores += f"\n            total_{n}[l] += sum_{n};"
+        tensor_stores += (f"\n        for (int64_t l = 0; l < lanes; l++) "
+                          f"G{slot}[term_i{n}(0, 0, c0 + l, A0, A1, A2, A3)] += total_{n}[l];")
         edge_updates += (f"\n                    G{slot}[term_i{n}(qr[c], qr[c], c, A0, A1, A2, "
                          f"A3)] += (double)(gj * term_d{n}({_EARGS}));")
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
-    parts.append(_LOOPS.format(T=ctype, ARGS=_ARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
-                               SUM_DECLS=decls, SUM_NAMES=names, SUM_UPDATES=updates,
-                               SUM_STORES=stores))
+    row = _ROW.format(T=ctype, GARGS=_GARGS, SUMS=sums, UPDATES=updates, STORES=stores)
+    parts.append(_LOOPS.format(T=ctype, F=fsuffix, ARGS=_ARGS, CONST_SLOTS=slots,
+                               GRAD_SLOTS=grads, SUM_DECLS=decls, SLOT_ARGS=_SLOT_ARGS,
+                               SUM_STORES=tensor_stores, ROW=row))
     parts.append(_EDGES.format(T=ctype, EARGS=_EARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
                                EDGE_UPDATES=edge_updates))
     return "\n\n".join(parts)
@@ -350,7 +404,7 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
 
 _TERM_SIGNATURES = {
     "term_scores": [_PTR] * 3 + [_I64] * 4 + [_PTR] * (1 + MAX_SLOTS),
-    "term_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * (2 + 2 * MAX_SLOTS),
+    "term_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * (2 * MAX_SLOTS),
     "term_edge_scores": [_PTR] * 5 + [_I64] * 7 + [_PTR] * MAX_SLOTS,
     "term_edge_grads": [_PTR] * 7 + [_I64] * 7 + [_PTR] * (2 * MAX_SLOTS),
 }
@@ -449,10 +503,8 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
         dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
         sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
         sum_pointers = [s.data_ptr() for s in sums] + [sink.data_ptr()] * (MAX_SLOTS - len(sums))
-        scratch = q.new_empty(2, _BLOCK * d)
         grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(), dk.data_ptr(), nb,
-                 m, n, d, scratch[0].data_ptr(), scratch[1].data_ptr(), *pointers,
-                 *sum_pointers)
+                 m, n, d, *pointers, *sum_pointers)
         tensor_grads = tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
         return dq.view(q.shape), dk.view(k.shape), tensor_grads
 

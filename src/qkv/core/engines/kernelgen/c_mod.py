@@ -30,7 +30,6 @@ from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGS = "row[j] * scale, b, h, q, k0 + j, offset, A0, A1, A2, A3"
-_INT = {torch.float32: "int32_t", torch.float64: "int64_t"}  # a float's bits, as an integer
 _ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads b, h, q only
 _SIGNATURES = {
     "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
@@ -65,15 +64,9 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT,
 
 _LOOPS = """
 /* Rows r = (b * heads + h) * bq + i of a tile (batch, heads, bq, bk) of query positions
- * q0 + i and key positions k0 + j. */
-/* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
- * the derivative's computation, which keeps the loop from vectorizing. */
-static inline {T} keep({T} v, int keep) {{
-    union {{ {T} f; {I} i; }} u = {{v}};
-    u.i &= -({I})keep;
-    return u.f;
-}}
-
+ * q0 + i and key positions k0 + j. A select (gj != 0 ? v : 0) is written as a bit mask
+ * (qkv_keep): as a select, the compiler branches around v's computation and the loop does not
+ * vectorize. */
 #define ROWS for (int64_t b = 0; b < batch; b++) for (int64_t h = 0; h < heads; h++) \\
     for (int64_t i = 0; i < bq; i++)
 
@@ -100,7 +93,7 @@ void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq
         _Pragma("omp simd{REDUCE}")
         for (int64_t j = 0; j < bk; j++) {{
             const {T} gj = g[j], dm = mod_ds({ARGS});{UPDATES}
-            g[j] = keep(gj * dm * scale, gj != 0);
+            g[j] = {KEEP}(gj * dm * scale, gj != 0);
         }}{STORES}
     }}
 }}
@@ -129,7 +122,7 @@ void mod_grads_ds(const {T} *dm, {T} *ds, int64_t batch, int64_t heads, int64_t 
     (void)q0; (void)k0; (void)offset;
     const int64_t n = batch * heads * bq * bk;
     _Pragma("omp simd")
-    for (int64_t j = 0; j < n; j++) ds[j] = keep(ds[j] * dm[j] * scale, ds[j] != 0);
+    for (int64_t j = 0; j < n; j++) ds[j] = {KEEP}(ds[j] * dm[j] * scale, ds[j] != 0);
 }}
 """
 
@@ -158,13 +151,14 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
             decls += f"\n        double total_{n} = 0;"
             reduce += f" reduction(+:total_{n})"
             updates += (f"\n            const {ctype} d{n} = mod_d{n}({_ARGS});"
-                        f"\n            total_{n} += (double)keep(gj * d{n}, gj != 0);")
+                        f"\n            total_{n} += (double)qkv_keep{fsuffix}(gj * d{n}, "
+                        "gj != 0);")
             stores += f"\n        G{slot}[mod_i{n}({_ROW_ARGS})] += total_{n};"
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
-    parts.append(_LOOPS.format(T=ctype, I=_INT[dtype], ARGS=_ARGS, SLOTS=slots, GRADS=grads,
-                               SCATTER=scatter, DECLS=decls, REDUCE=reduce, UPDATES=updates,
-                               STORES=stores))
+    parts.append(_LOOPS.format(T=ctype, KEEP=f"qkv_keep{fsuffix}", ARGS=_ARGS, SLOTS=slots,
+                               GRADS=grads, SCATTER=scatter, DECLS=decls, REDUCE=reduce,
+                               UPDATES=updates, STORES=stores))
     return "\n\n".join(parts)
 
 
