@@ -9,8 +9,7 @@ import torch
 
 import qkv
 from qkv.core.engines import native
-from qkv.core.engines.kernelgen import c as c_target
-from qkv.core.engines.kernelgen import c_mod
+from qkv.core.engines.kernelgen import c_mod, c_text
 
 
 def test_the_slope_is_kept_only_without_tensor_gradients():
@@ -36,7 +35,7 @@ def test_kept_slope_gives_the_reference_gradients():
 
 def _inline_math():
     """qkv_tanhf and qkv_expf of the generated C header, applied to a float tensor."""
-    source = c_target._HEADER + """
+    source = c_text.HEADER + """
 void tanh_all(const float *x, float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = qkv_tanhf(x[i]);
 }

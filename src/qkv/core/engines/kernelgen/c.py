@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from .c_text import HEADER, TERM_EDGES, TERM_LOOPS, TERM_ROW, TRANSPOSE
 from .derivative import depends_on, derivative, loads_in
 from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, TERM_ARGS, CompileError, Graph, Sym, trace_term
@@ -110,7 +111,7 @@ def _c_load(e: CEmitter, node: Sym) -> str:
     return f"A{node.args[0]}[{flat_offset(e, node)}]"
 
 
-# In float, exp and tanh are the header's inline forms (``_FAST_MATH``): libm's are calls the
+# In float, exp and tanh are the header's inline forms (``c_text.FAST_MATH``): libm's are calls the
 # compiler cannot vectorize. double keeps libm's (exact to the float64 tests' 1e-12).
 _INLINE = {("exp", "f"): "qkv_expf", ("tanh", "f"): "qkv_tanhf"}
 
@@ -156,219 +157,12 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT) -> s
                       f"    return {result};", "}"])
 
 
-_LOOPS = """
-void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, int64_t n,
-                 int64_t d, {T} *kt, {CONST_SLOTS}) {{
-    for (int64_t b = 0; b < nb; b++) {{
-        const {T} *qb = q + b * m * d, *kb = k + b * n * d;
-        {T} *ob = out + b * m * n;
-        for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {{
-            int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;
-            transpose_block(kb, n0, cols, d, kt);
-            for (int64_t i = 0; i < m; i++) {{
-                {T} acc[BLOCK] = {{0}};
-                const {T} *qi = qb + i * d;
-                for (int64_t c = 0; c < d; c++) {{
-                    const {T} x = qi[c], *row = kt + c * BLOCK;
-                    _Pragma("omp simd")
-                    for (int64_t j = 0; j < BLOCK; j++) acc[j] += term({ARGS});
-                }}
-                {T} *oi = ob + i * n + n0;
-                for (int64_t j = 0; j < cols; j++) oi[j] = acc[j];
-            }}
-        }}
-    }}
-}}
-
-#define LANES ((int64_t)(64 / sizeof({T}))) /* one 64-byte vector */
-
-/* The gradients over the lanes c0 .. c0 + lanes - 1 of d. Per group of KEYS keys, the keys'
- * values and their dk sums stay in KEYS x LANES arrays (in L1 cache) while the queries
- * stream past; each query's lanes are the vectorized loop, its dq sum over the group a
- * register, with no reduction across lanes (the built-in L1's form, l1_grads in
- * cpu_kernels.c). Inlined with lanes = LANES, the lane loops have a fixed count. */
-static inline __attribute__((always_inline)) void term_grads_lanes(
-        const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
-        int64_t d, int64_t c0, int64_t lanes, {CONST_SLOTS}, {GRAD_SLOTS}) {{
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS) {{
-        const int64_t keys = n - j0 < KEYS ? n - j0 : KEYS;
-        {T} kc[KEYS][LANES], acc[KEYS][LANES];{SUM_DECLS}
-        for (int64_t u = 0; u < keys; u++)
-            for (int64_t l = 0; l < lanes; l++) {{
-                kc[u][l] = kb[(j0 + u) * d + c0 + l];
-                acc[u][l] = 0;
-            }}
-        for (int64_t i = 0; i < m; i++) {{
-            const {T} *gi = sb + i * n + j0, *qi = qb + i * d + c0;
-            {T} *dqi = dqb + i * d + c0;
-            int64_t zeros = 0;
-            for (int64_t u = 0; u < keys; u++) zeros += gi[u] == 0;
-            if (zeros == keys) continue;
-            /* Pairs whose ds is 0 (padding keys, masked pairs) add 0, never 0 * inf: masked
-             * out where this query's group has any. */
-            if (zeros == 0) {{
-#define KEEP(v) (v){ROW}
-#undef KEEP
-            }} else {{
-#define KEEP(v) qkv_keep{F}(v, gj != 0){ROW}
-#undef KEEP
-            }}
-        }}
-        for (int64_t u = 0; u < keys; u++)
-            for (int64_t l = 0; l < lanes; l++) dkb[(j0 + u) * d + c0 + l] += acc[u][l];{SUM_STORES}
-    }}
-}}
-
-void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
-                int64_t m, int64_t n, int64_t d, {CONST_SLOTS}, {GRAD_SLOTS}) {{
-    for (int64_t b = 0; b < nb; b++) {{
-        const {T} *sb = ds + b * m * n, *qb = q + b * m * d, *kb = k + b * n * d;
-        {T} *dqb = dq + b * m * d, *dkb = dk + b * n * d;
-        for (int64_t c0 = 0; c0 < d; c0 += LANES) {{
-            if (d - c0 >= LANES)
-                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, {SLOT_ARGS});
-            else
-                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, d - c0, {SLOT_ARGS});
-        }}
-    }}
-}}
-"""
-
-# One query's lanes against a group of keys; KEEP(v) is v, or v masked where ds is 0.
-_ROW = """
-            _Pragma("omp simd")
-            for (int64_t l = 0; l < lanes; l++) {{
-                const {T} x = qi[l];
-                const int64_t c = c0 + l;
-                {T} tq = 0;{SUMS}
-                for (int64_t u = 0; u < keys; u++) {{
-                    const {T} gj = gi[u], y = kc[u][l];
-                    tq += KEEP(gj * term_dq({GARGS}));
-                    acc[u][l] += KEEP(gj * term_dk({GARGS}));{UPDATES}
-                }}
-                dqi[l] += tq;{STORES}
-            }}"""
-
-_EDGES = """
-/* Graph edges, rows (B, N, heads, d) contiguous: edge e joins query row target[e] and key row
- * source[e]; query head h reads key head h / (heads / kv_heads); per-edge values (B, E, H). */
-void term_edge_scores(const {T} *q, const {T} *k, const int64_t *target, const int64_t *source,
-                      {T} *out, int64_t batch, int64_t edges, int64_t nq, int64_t nk,
-                      int64_t heads, int64_t kv_heads, int64_t d, {CONST_SLOTS}) {{
-    const int64_t group = heads / kv_heads;
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t e = 0; e < edges; e++)
-            for (int64_t h = 0; h < heads; h++) {{
-                const {T} *qr = q + ((b * nq + target[e]) * heads + h) * d;
-                const {T} *kr = k + ((b * nk + source[e]) * kv_heads + h / group) * d;
-                {T} total = 0;
-                _Pragma("omp simd reduction(+:total)")
-                for (int64_t c = 0; c < d; c++) total += term({EARGS});
-                out[(b * edges + e) * heads + h] = total;
-            }}
-}}
-
-void term_edge_grads(const {T} *ds, const {T} *q, const {T} *k, const int64_t *target,
-                     const int64_t *source, {T} *dq, {T} *dk, int64_t batch, int64_t edges,
-                     int64_t nq, int64_t nk, int64_t heads, int64_t kv_heads, int64_t d,
-                     {CONST_SLOTS}, {GRAD_SLOTS}) {{
-    const int64_t group = heads / kv_heads;
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t e = 0; e < edges; e++)
-            for (int64_t h = 0; h < heads; h++) {{
-                const {T} gj = ds[(b * edges + e) * heads + h];
-                if (gj == 0) continue;  /* never 0 * inf */
-                const int64_t qi = (b * nq + target[e]) * heads + h;
-                const int64_t ki = (b * nk + source[e]) * kv_heads + h / group;
-                const {T} *qr = q + qi * d, *kr = k + ki * d;
-                {T} *dqr = dq + qi * d, *dkr = dk + ki * d;
-                for (int64_t c = 0; c < d; c++) {{
-                    dqr[c] += gj * term_dq({EARGS});
-                    dkr[c] += gj * term_dk({EARGS});{EDGE_UPDATES}
-                }}
-            }}
-}}
-"""
-
-# Branch-free float exp and tanh that the compiler vectorizes inside ``omp simd`` loops.
-_FAST_MATH = """
-/* exp(x): x = n ln2 + t (Cody-Waite, ln 2 in two parts), e^t by a degree-7 Taylor polynomial
- * on |t| <= ln2/2 (relative error under 8e-8: float rounding), times 2^n as two powers of two
- * so n may reach 128. 0 below -87.3 (no denormals), inf above 88.72, NaN stays NaN. */
-static inline float qkv_expf(float x) {
-    float y = x * 1.44269504088896341f;
-    y = y < -126.0f ? -126.0f : (y > 128.0f ? 128.0f : y);
-    float n = (y + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
-    float t = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f + t * (1.0f + t * (0.5f + t * (1.0f / 6 + t * (1.0f / 24 + t * (
-        1.0f / 120 + t * (1.0f / 720 + t * (1.0f / 5040)))))));
-    int32_t ni = (int32_t)n, half = ni >> 1;
-    union { int32_t i; float f; } s1, s2;
-    s1.i = (half + 127) << 23;
-    s2.i = (ni - half + 127) << 23;
-    float r = p * s1.f * s2.f;
-    return x < -87.33654475f ? 0.0f : (x > 88.72283935546875f ? INFINITY : r);
-}
-
-/* tanh(x), computed in double and rounded once, so it is correctly rounded but for rare ties
- * (libm's tanhf is within an ulp; a temperature's gradient, summed over pairs that cancel,
- * notices even that): x P(x^2) / Q(x^2), degrees 13 and 8, whose relative error is under
- * 2e-10 on |x| <= 9.02 (a minimax fit, by reweighted least squares); beyond it tanh rounds
- * to +-1. No exp and one branch-free path: half the vector work of the series-or-exp form. */
-static inline float qkv_tanhf(float xf) {
-    const double x = xf, c = x > 9.02 ? 9.02 : (x < -9.02 ? -9.02 : x); /* NaN passes */
-    const double u = c * c;
-    const double p = c * (1.0 + u * (0.13855233571726408 + u * (0.004093398745266628 + u * (
-        3.298428493777506e-05 + u * (4.567657388259795e-08 + u * (-3.1667720975473185e-11 +
-        u * 2.5679808275471794e-14))))));
-    const double q = 1.0 + u * (0.4718856680797419 + u * (0.028055289852063584 + u * (
-        0.00043491107142339407 + u * 1.6684908852834224e-06)));
-    return (float)(p / q);
-}
-"""
-
-_HEADER = """/* Generated by qkv.core.engines.kernelgen.c; do not edit. */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#define BLOCK 64
-#define KEYS 16 /* keys per group of the gradient loops */
-
-static inline int64_t qkv_floordiv(int64_t a, int64_t b) {
-    int64_t q = a / b;
-    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-static inline int64_t qkv_mod(int64_t a, int64_t b) { return a - b * qkv_floordiv(a, b); }
-
-/* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
- * the computation of v, which keeps the loop from vectorizing. */
-static inline float qkv_keepf(float v, int keep) {
-    union { float f; int32_t i; } u = {v};
-    u.i &= -(int32_t)keep;
-    return u.f;
-}
-static inline double qkv_keep(double v, int keep) {
-    union { double f; int64_t i; } u = {v};
-    u.i &= -(int64_t)keep;
-    return u.f;
-}
-""" + _FAST_MATH
-
-
 def _source(root: Sym, dtype: torch.dtype) -> str:
     """The C loops of one traced term in one dtype."""
     ctype, fsuffix = _C_TYPES[dtype]
     graph = root.graph
     pq, pk = graph.leaf(TERM_ARGS[0], FLOAT), graph.leaf(TERM_ARGS[1], FLOAT)
-    parts = [_HEADER,
-             f"static void transpose_block(const {ctype} *k, int64_t n0, int64_t cols, "
-             f"int64_t d, {ctype} *kt) {{\n"
-             "    for (int64_t j = 0; j < cols; j++)\n"
-             "        for (int64_t c = 0; c < d; c++) kt[c * BLOCK + j] = k[(n0 + j) * d + c];\n"
-             "    for (int64_t c = 0; c < d; c++)\n"
-             "        for (int64_t j = cols; j < BLOCK; j++) kt[c * BLOCK + j] = 0;\n}",
-             _function("term", root, ctype, fsuffix),
+    parts = [HEADER, TRANSPOSE.format(T=ctype), _function("term", root, ctype, fsuffix),
              _function("term_dq", derivative(root, pq, {}), ctype, fsuffix),
              _function("term_dk", derivative(root, pk, {}), ctype, fsuffix)]
     decls = sums = updates = stores = tensor_stores = edge_updates = ""
@@ -393,11 +187,11 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
                          f"A3)] += (double)(gj * term_d{n}({_EARGS}));")
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
-    row = _ROW.format(T=ctype, GARGS=_GARGS, SUMS=sums, UPDATES=updates, STORES=stores)
-    parts.append(_LOOPS.format(T=ctype, F=fsuffix, ARGS=_ARGS, CONST_SLOTS=slots,
+    row = TERM_ROW.format(T=ctype, GARGS=_GARGS, SUMS=sums, UPDATES=updates, STORES=stores)
+    parts.append(TERM_LOOPS.format(T=ctype, F=fsuffix, ARGS=_ARGS, CONST_SLOTS=slots,
                                GRAD_SLOTS=grads, SUM_DECLS=decls, SLOT_ARGS=_SLOT_ARGS,
                                SUM_STORES=tensor_stores, ROW=row))
-    parts.append(_EDGES.format(T=ctype, EARGS=_EARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
+    parts.append(TERM_EDGES.format(T=ctype, EARGS=_EARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
                                EDGE_UPDATES=edge_updates))
     return "\n\n".join(parts)
 

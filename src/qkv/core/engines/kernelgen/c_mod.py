@@ -4,7 +4,7 @@ The modifier (``scores.py``: ALiBi, softcap, relative bias, a user's callable) i
 once per call (``graph.trace_score_mod``) into a graph over (score, b, h, q_idx, kv_idx,
 offset). This module writes that graph and its derivatives (``derivative``) into two loops
 over a tile of scores (B, H, bq, bk) whose key index is innermost, so the compiler vectorizes
-them; in float, exp and tanh are the inline forms of ``c._FAST_MATH``:
+them; in float, exp and tanh are the inline forms of ``c_text.FAST_MATH``:
 
 - ``mod_scores``: scale, then the modifier, one pass (torch needs a pass per operation and
   an autograd graph per tile in the backward);
@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from .. import native
-from .c import _C_TYPES, _HEADER, CEmitter, flat_offset, load_functions
+from .c import _C_TYPES, CEmitter, flat_offset, load_functions
+from .c_text import HEADER
 from .derivative import depends_on, derivative, loads_in
 from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_mod
 
@@ -131,7 +132,7 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
     ctype, fsuffix = _C_TYPES[dtype]
     score = root.graph.leaf("score", FLOAT)
     d_score = derivative(root, score, {})
-    parts = [_HEADER, _function("mod", root, ctype, fsuffix),
+    parts = [HEADER, _function("mod", root, ctype, fsuffix),
              _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix),
              _function("mod_pair", root, ctype, fsuffix, slope=0.0 if d_score is None
                        else d_score)]
