@@ -44,6 +44,7 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
                                                  (__m512i)sign, 0x78);
 }
 #else
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors passed between inline functions */
 static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
     return (vf32)((g ^ ((vi32)diff & sign)) & (vi32)(diff != 0));
 }
