@@ -43,14 +43,11 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
     return (vf64)_mm512_maskz_ternarylogic_epi64(nonzero, (__m512i)g, (__m512i)diff,
                                                  (__m512i)sign, 0x78);
 }
-#else
-#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vectors passed between inline functions */
-static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
-    return (vf32)((g ^ ((vi32)diff & sign)) & (vi32)(diff != 0));
-}
-static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
-    return (vf64)((g ^ ((vi64)diff & sign)) & (vi64)(diff != 0));
-}
+#else /* macros: 64-byte vectors passed to functions change the ABI without AVX-512 */
+#define signed_g_f32(g, diff, sign) \
+    ((vf32)(((g) ^ ((vi32)(diff) & (sign))) & (vi32)((diff) != 0)))
+#define signed_g_f64(g, diff, sign) \
+    ((vf64)(((g) ^ ((vi64)(diff) & (sign))) & (vi64)((diff) != 0)))
 #endif
 
 #define DEFINE_L1(T, I, SUFFIX, ABS, FMA)                                                   \
