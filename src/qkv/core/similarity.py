@@ -42,15 +42,25 @@ def dot_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
     return torch.matmul(q, k.transpose(-1, -2), out=out)
 
 
-def neg_sqdist_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
-    """-‖q-k‖² by the norm expansion 2q·k - ‖q‖² - ‖k‖² (the form fused engines use), as one
-    matrix product of augmented vectors [q, ‖q‖², 1]·[2k, -1, -‖k‖²]: a single pass over the
-    (Nq, Nk) scores instead of four."""
+def lift_sqdist(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """(..., Nq, D), (..., Nk, D) -> [q, ‖q‖², 1] and [2k, -1, -‖k‖²] (..., D + 2), whose dot
+    product is the norm expansion 2q·k - ‖q‖² - ‖k‖² = -‖q-k‖²."""
     ones_q, ones_k = torch.ones_like(q[..., :1]), torch.ones_like(k[..., :1])
     qa = torch.cat([q, (q * q).sum(-1, keepdim=True), ones_q], dim=-1)
     ka = torch.cat([2 * k, -ones_k, -(k * k).sum(-1, keepdim=True)], dim=-1)
+    return qa, ka
+
+
+def nonpositive_dot_scores(qa: Tensor, ka: Tensor, out: Tensor | None = None) -> Tensor:
+    """qa·ka of ``lift_sqdist``'s features, clamped at 0: only rounding makes it positive."""
     scores = dot_scores(qa, ka, out)
     return scores.clamp(max=0) if out is None else scores.clamp_(max=0)
+
+
+def neg_sqdist_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
+    """-‖q-k‖² by the norm expansion (the form fused engines use), as one matrix product of
+    the lifted features: a single pass over the (Nq, Nk) scores instead of four."""
+    return nonpositive_dot_scores(*lift_sqdist(q, k), out=out)
 
 
 def neg_l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
@@ -155,6 +165,10 @@ class Pairwise(Node):
     term: Callable[[Tensor, Tensor], Tensor]
     matrix: Callable[..., Tensor] | None = None  # torch form on tiles: (q, k, out=None)
     tile_grads: Callable[..., None] | None = None  # its derivative by hand, see dot_tile_grads
+    # The term's scores as ``lifted_matrix`` of the features ``lift(q, k)``, which a tiled
+    # engine computes once per call (O(N·D)) rather than once per tile (L2's norm expansion).
+    lift: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+    lifted_matrix: Callable[..., Tensor] | None = None
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Floating-point tensors the term reads: gradients reach them."""
@@ -173,7 +187,7 @@ class Pairwise(Node):
 
 DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads)
 NEG_SQDIST = Pairwise("neg_sqdist", lambda q, k: -(q - k).square(), neg_sqdist_scores,
-                      neg_sqdist_tile_grads)
+                      neg_sqdist_tile_grads, lift_sqdist, nonpositive_dot_scores)
 # L1's derivative on tiles runs in the fused engine's C loops (cdist's autograd without them).
 NEG_L1 = Pairwise("neg_l1", lambda q, k: -(q - k).abs(), neg_l1_scores)
 PAIRWISE = {p.name: p for p in (DOT, NEG_SQDIST, NEG_L1)}

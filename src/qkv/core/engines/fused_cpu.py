@@ -46,6 +46,7 @@ from .tiles import (
     mod_tile,
     modify_scores,
     run_split,
+    score_features,
     scratch_for,
     sum_worker_grads,
     tile_index,
@@ -147,7 +148,8 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse, scratch) 
 
 
 def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key."""
+    """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key.
+    fq and fk are the scores' features (``score_features``)."""
     out = fq.new_zeros(spec.batch, spec.heads, spec.nq, v.shape[-1])
     lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
 
@@ -204,19 +206,19 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
     and the modifier's tensor gradients; the kernel's gradients are matmuls or C
     (``_add_pair_grads``). A term without either (L1 without its C loops, a user's term) is
     differentiated by autograd."""
-    fq, fk, v, lse = saved
+    fq, fk, sq, sk, v, lse = saved
     batch, heads = spec.batch, spec.heads
     hk, hv = fk.shape[1], v.shape[1]
     by_autograd = not analytic_kernel(spec)
     elementwise_grad = elementwise_needs_grad(spec)
     q0, q1 = spec.q_range(i)
     n = q1 - q0
-    fq_t = group_heads(fq[:, :, q0:q1], hk)
+    fq_t, sq_t = group_heads(fq[:, :, q0:q1], hk), group_heads(sq[:, :, q0:q1], hk)
     do_t = group_heads(dout[:, :, q0:q1], hv)
     lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
     dfq_t = torch.zeros_like(fq_t, memory_format=torch.contiguous_format)
     for k0, k1, masked in tiles:
-        fk_t, v_t = fk[:, :, k0:k1], v[:, :, k0:k1]
+        fk_t, sk_t, v_t = fk[:, :, k0:k1], sk[:, :, k0:k1], v[:, :, k0:k1]
         idx = tile_index(spec, q0, q1, k0, k1, fq.device)
         shape = (batch, heads, n, k1 - k0)
         if by_autograd:
@@ -224,12 +226,12 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 leaves = (fq_t.detach().requires_grad_(), fk_t.detach().requires_grad_())
                 s = tile_scores(spec, *leaves, idx, masked)
         elif elementwise_grad:
-            raw = tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape).requires_grad_()
+            raw = tile_raw(spec, sq_t, sk_t, scratch[0]).view(shape).requires_grad_()
             leaves = (raw,)
             with torch.enable_grad():
                 s = modify_scores(spec, raw, idx, masked)
         else:  # the mask goes to _probabilities, not into the scores
-            raw = tile_raw(spec, fq_t, fk_t, scratch[0]).view(shape)
+            raw = tile_raw(spec, sq_t, sk_t, scratch[0]).view(shape)
             if spec.mod_loops is None:
                 s = modify_scores(spec, raw, idx, False)
             else:  # in place unless the modifier's gradient reads the raw scores
@@ -288,7 +290,8 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     if dlse is not None:
         delta = delta - dlse
     # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
-    saved = (fq, fk, v, lse.masked_fill(lse == float("-inf"), float("inf")))
+    saved = (fq, fk, *score_features(spec, fq, fk), v,
+             lse.masked_fill(lse == float("-inf"), float("inf")))
     dfq = torch.zeros_like(fq)
 
     def rows(blocks):
@@ -307,7 +310,8 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
 
 def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:
     """The attention weights (B, H, Nq, Nk) recomputed tile by tile from the saved
-    log-sum-exp (with the call's dropout applied, as the weights that multiplied v)."""
+    log-sum-exp (with the call's dropout applied, as the weights that multiplied v), for the
+    scores' features fq and fk (``score_features``)."""
     weights = fq.new_zeros(spec.batch, spec.heads, spec.nq, spec.nk)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     for i, tiles in enumerate(tile_plan(spec, fq.device)):
@@ -348,8 +352,9 @@ def _spec(fq, fk, variant, dropout_p, seed) -> TileSpec:
 def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
     seed = draw_seed(dropout_p)
     spec = _spec(fq, fk, variant, dropout_p, seed)
-    out, lse = _forward(spec, tile_plan(spec, fq.device), fq, fk, v)
-    weights = weights_from_lse(spec, fq, fk, lse) if want_weights else None
+    sq, sk = score_features(spec, fq, fk)
+    out, lse = _forward(spec, tile_plan(spec, fq.device), sq, sk, v)
+    weights = weights_from_lse(spec, sq, sk, lse) if want_weights else None
     return out, lse, weights, seed
 
 

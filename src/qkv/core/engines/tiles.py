@@ -68,6 +68,12 @@ class TileSpec:
         return self.nk - self.nq
 
     @property
+    def scores_lifted(self) -> bool:
+        """Whether tiles score the term's lifted features (``score_features``): only with its
+        tile gradients at hand, which read the features themselves."""
+        return self.pair.lift is not None and self.pair.tile_grads is not None
+
+    @property
     def mod_scale(self) -> float:
         """The scale a score modifier's C loops apply first (1.0 when it was folded)."""
         return 1.0 if self.scale is None else self.scale
@@ -177,7 +183,7 @@ def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None 
     """The pairwise term on one tile, grouped: (B, Hk, (H/Hk)·bq, bk), written into the
     front of ``scratch`` (a flat buffer a worker reuses for every tile) when given. A term
     with C loops runs them (the same formula, vectorized across keys; see ``native``) unless
-    autograd must see it."""
+    autograd must see it. fq_t and fk_t are ``score_features``' slices."""
     b, hk, rows, _ = fq_t.shape
     out = None
     if scratch is not None:
@@ -186,7 +192,15 @@ def tile_raw(spec: TileSpec, fq_t: Tensor, fk_t: Tensor, scratch: Tensor | None 
     if loops is not None and not (torch.is_grad_enabled() and (fq_t.requires_grad or
                                                                fk_t.requires_grad)):
         return loops.scores(fq_t, fk_t, out).view(b, hk, rows, fk_t.shape[2])
+    if spec.scores_lifted:
+        return spec.pair.lifted_matrix(fq_t, fk_t, out=out)
     return spec.pair.scores(fq_t, fk_t, out=out)
+
+
+def score_features(spec: TileSpec, fq: Tensor, fk: Tensor) -> tuple[Tensor, Tensor]:
+    """The features the tiles' scores read (``tile_raw``): the term's lifted ones, computed
+    once here, when ``spec.scores_lifted``; else fq and fk."""
+    return spec.pair.lift(fq, fk) if spec.scores_lifted else (fq, fk)
 
 
 def scratch_for(spec: TileSpec, like: Tensor) -> Tensor:
