@@ -82,6 +82,11 @@ static void transpose_block(const {T} *k, int64_t n0, int64_t cols, int64_t d, {
 
 
 TERM_LOOPS = """
+/* GCC's unroll-and-jam (on at -O3) jams two steps of the d loop into the key loop and then
+ * keeps the key sums in memory, not in registers: a user L1's scores took 1.58-1.79 ms per
+ * 8 x 256 x 256 tile with it and 1.23-1.31 ms without (the built-in L1: 1.18-1.27 ms). */
+#pragma GCC push_options
+#pragma GCC optimize("no-loop-unroll-and-jam")
 void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, int64_t n,
                  int64_t d, {T} *kt, {CONST_SLOTS}) {{
     for (int64_t b = 0; b < nb; b++) {{
@@ -104,6 +109,8 @@ void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, in
         }}
     }}
 }}
+
+#pragma GCC pop_options
 
 #define LANES ((int64_t)(64 / sizeof({T}))) /* one 64-byte vector */
 
