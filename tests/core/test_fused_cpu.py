@@ -135,10 +135,13 @@ def test_fused_bfloat16_within_targets(similarity):
     compare(similarity, qkv.causal(), "alibi_softcap", torch.bfloat16, 2e-2, 2e-2)
 
 
-@pytest.mark.parametrize("scale", ["tensor", 0.7])
-@pytest.mark.parametrize("similarity", ["dot", "l2"])
+@pytest.mark.parametrize("scale", ["tensor", 0.7, -0.4, 0.0])
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1", "mahalanobis"])
 def test_scale_gradients(similarity, scale):
+    """A number scale folded into the features (dot any; L2, Mahalanobis and L1 when > 0) or
+    left to the tiles (a tensor, or <= 0), with the modifier's C loops or without."""
     compare(similarity, qkv.causal(), "none", torch.float64, 1e-12, 1e-10, scale=scale)
+    compare(similarity, None, "alibi_softcap", torch.float32, 1e-5, 1e-4, scale=scale)
 
 
 @pytest.mark.parametrize("similarity", SIMILARITIES)

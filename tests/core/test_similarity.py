@@ -144,3 +144,23 @@ def test_fast_forms_equal_the_terms_definition(name):
         dq, dk = torch.zeros_like(q), torch.zeros_like(k)
         pair.tile_grads(ds, q.detach(), k.detach(), dq, dk)
         torch.testing.assert_close((dq, dk), grads, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, -0.5, 0.0])
+@pytest.mark.parametrize("name", sorted(PAIRWISE))
+def test_fold_scale_gives_scaled_scores(name, scale):
+    """A term's ``fold_scale`` features score ``scale`` times the originals (and gradients
+    reach q and k through them); None only where the term cannot absorb the scale."""
+    pair = PAIRWISE[name]
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(2, 3, 9, 7, generator=g, dtype=torch.float64).requires_grad_()
+            for _ in range(2))
+    folded = pair.fold_scale(q, k, scale)
+    if scale <= 0 and name != "dot":  # -|q-k| and -‖q-k‖² change sign, or vanish, with s
+        assert folded is None
+        return
+    got, want = pair.scores(*folded), scale * pair.scores(q, k)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ds = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(got, (q, k), ds),
+                               torch.autograd.grad(want, (q, k), ds), rtol=1e-10, atol=1e-10)

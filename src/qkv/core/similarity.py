@@ -169,6 +169,10 @@ class Pairwise(Node):
     # engine computes once per call (O(N·D)) rather than once per tile (L2's norm expansion).
     lift: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
     lifted_matrix: Callable[..., Tensor] | None = None
+    # (q, k, scale) -> features whose scores are scale times q and k's, or None where the
+    # term cannot absorb that scale: a tiled engine folds it in once per call (O(N·D))
+    # instead of multiplying every tile of scores.
+    fold_scale: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor] | None] | None = None
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Floating-point tensors the term reads: gradients reach them."""
@@ -185,11 +189,26 @@ class Pairwise(Node):
         return self.term(q, k).sum(-1)
 
 
-DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads)
+def _fold_into_q(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return q * scale, k  # s·(q·k) = (s·q)·k
+
+
+def _fold_sqrt(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
+    if scale <= 0:
+        return None
+    root = math.sqrt(scale)  # s·‖q-k‖² = ‖√s·q - √s·k‖² for s > 0
+    return q * root, k * root
+
+
+def _fold_both(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
+    return (q * scale, k * scale) if scale > 0 else None  # s·|q-k| = |s·q - s·k| for s > 0
+
+
+DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads, fold_scale=_fold_into_q)
 NEG_SQDIST = Pairwise("neg_sqdist", lambda q, k: -(q - k).square(), neg_sqdist_scores,
-                      neg_sqdist_tile_grads, lift_sqdist, nonpositive_dot_scores)
+                      neg_sqdist_tile_grads, lift_sqdist, nonpositive_dot_scores, _fold_sqrt)
 # L1's derivative on tiles runs in the fused engine's C loops (cdist's autograd without them).
-NEG_L1 = Pairwise("neg_l1", lambda q, k: -(q - k).abs(), neg_l1_scores)
+NEG_L1 = Pairwise("neg_l1", lambda q, k: -(q - k).abs(), neg_l1_scores, fold_scale=_fold_both)
 PAIRWISE = {p.name: p for p in (DOT, NEG_SQDIST, NEG_L1)}
 
 

@@ -21,7 +21,7 @@ from ..masks import EMPTY, FULL, Mask
 from ..problem import Problem
 from ..reference import accumulation_dtype
 from ..scores import ScoreMod, modified_scores
-from ..similarity import DOT, Pairwise
+from ..similarity import Pairwise
 from . import native, ops
 
 BLOCK_Q = 128
@@ -346,14 +346,15 @@ def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, se
 
 def features(p: Problem):
     """Query and key features in the accumulation dtype, v cast alike, and the scale left for
-    the tiles (None when folded into the query features, which the dot kernel allows)."""
+    the tiles (None when folded into the features: ``Pairwise.fold_scale``)."""
     acc = accumulation_dtype(p.q.dtype)
     q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
     metric = None if p.metric is None else p.metric.to(acc)
     fq, fk = p.similarity.features(q, k, metric)
-    scale = p.scale
-    if not isinstance(scale, Tensor) and p.similarity.pairwise is DOT:
-        fq, scale = fq * scale, None
+    scale, fold = p.scale, p.similarity.pairwise.fold_scale
+    folded = None if isinstance(scale, Tensor) or fold is None else fold(fq, fk, scale)
+    if folded is not None:
+        (fq, fk), scale = folded, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
         v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
     return fq, fk, v, scale
