@@ -124,7 +124,8 @@ def compile_library(source: str, stem: str) -> ctypes.CDLL | None:
 
 
 def _load() -> dict | None:
-    """{(name, dtype): C function}, built and loaded on the first call; None without them."""
+    """{(name, dtype): C function} and "vector_bytes" (the L1 gradient loop's vector width),
+    built and loaded on the first call; None without them."""
     global _functions, _tried
     if _tried:  # every tile asks: no lock once decided
         return _functions
@@ -153,6 +154,8 @@ def _open() -> dict | None:
             function.argtypes = argtypes
             function.restype = ctypes.c_int64 if name in _CHECKED else None
             functions[name, dtype] = function
+    lib.l1_vector_bytes.restype = ctypes.c_int64
+    functions["vector_bytes"] = lib.l1_vector_bytes()  # the L1 gradient loop's vector width
     return functions
 
 
@@ -212,7 +215,7 @@ def l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
 def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients (dq, dk) of Σ ds·(-‖q-k‖₁), for ds (..., m, n); sign(0) counts as 0."""
     d = q.shape[-1]
-    lanes = 64 // q.element_size()  # LANES in cpu_kernels.c: d is padded to a multiple
+    lanes = _load()["vector_bytes"] // q.element_size()  # d is padded to a multiple
     pad = -d % lanes  # zero dims on both sides: q - k = 0 there, no gradient
     q3, k3 = (_batched(t if pad == 0 else F.pad(t, (0, pad))) for t in (q, k))
     ds3 = _batched(ds)
