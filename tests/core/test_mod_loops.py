@@ -94,3 +94,28 @@ def test_inline_exp_is_within_two_ulps():
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0, 100.0])
     y = apply("exp_all", special)
     assert y[0].isnan() and y[1:].tolist() == [float("inf"), 0.0, 0.0, float("inf")]
+
+
+def test_inline_int64_to_double_is_the_cast():
+    """qkv_i64_to_f64 (generated C's vectorizable cast) equals (double)x for every int64:
+    exact up to 2^53, correctly rounded beyond; and (float) of it is (float)x up to 2^53."""
+    source = c_text.HEADER + """
+void convert_all(const int64_t *x, double *y, float *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) { y[i] = qkv_i64_to_f64(x[i]); z[i] = (float)y[i]; }
+}
+"""
+    lib = native.compile_library(source, "int64_cast_test")
+    if lib is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    edges = [0, 1, -1, 2**31 - 1, -2**31, 2**31, 2**32 - 1, 2**32, -2**32, 2**53, -2**53,
+             2**53 + 1, 2**62 + 2**10 + 1, 2**63 - 1, -2**63, -(2**63 - 1)]
+    x = torch.cat([torch.tensor(edges, dtype=torch.int64),
+                   torch.randint(-2**63, 2**63 - 1, (100_000,), generator=g, dtype=torch.int64),
+                   torch.randint(-2**40, 2**40, (100_000,), generator=g, dtype=torch.int64)])
+    y, z = torch.empty(x.shape, dtype=torch.float64), torch.empty(x.shape)
+    lib.convert_all(*(ctypes.c_void_p(t.data_ptr()) for t in (x, y, z)),
+                    ctypes.c_int64(x.numel()))
+    assert torch.equal(y, x.double())
+    small = x.abs() <= 2**53
+    assert torch.equal(z[small], x[small].float())

@@ -75,6 +75,8 @@ class CEmitter(Emitter):
         return f"const {kind} {name} = {expr};"
 
     def as_float(self, value) -> str:
+        if isinstance(value, Sym) and value.kind == INT:  # vectorizable (c_text.HEADER)
+            return f"(({self.ctype})qkv_i64_to_f64({self.ref(value)}))"
         return f"(({self.ctype}){self.ref(value)})"
 
 
@@ -92,9 +94,10 @@ def _c_extremum(e: CEmitter, node: Sym) -> str:
 
 
 def _c_cast(e: CEmitter, node: Sym) -> str:
-    kind = {FLOAT: e.ctype, INT: "int64_t"}.get(node.kind)
+    if node.kind == FLOAT:
+        return e.as_float(node.args[0])
     a = e.ref(node.args[0])
-    return f"(({kind}){a})" if kind else f"({a} != 0)"
+    return f"((int64_t){a})" if node.kind == INT else f"({a} != 0)"
 
 
 def flat_offset(e: CEmitter, load: Sym) -> str:

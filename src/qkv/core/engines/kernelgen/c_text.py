@@ -55,6 +55,20 @@ static inline int64_t qkv_floordiv(int64_t a, int64_t b) {
 }
 static inline int64_t qkv_mod(int64_t a, int64_t b) { return a - b * qkv_floordiv(a, b); }
 
+/* (double)x for int64 x, correctly rounded (exact for |x| <= 2^53), in operations AVX2 has
+ * for vectors: it has no int64 -> float conversion, so a cast kept every loop with index
+ * arithmetic in it (ALiBi's |q - k|) scalar: 0.74 -> 0.27 ms for ALiBi's score pass over an
+ * 8 x 256 x 256 tile on Zen 3. x = H 2^32 + L; the high half, offset by 2^31 to be
+ * unsigned, and the low half go into the mantissas of 2^84 and 2^52, whose sum is taken off
+ * exactly: one rounding, in the last addition. Float results go through it (float)(double),
+ * one rounding as well wherever |x| <= 2^53. */
+static inline double qkv_i64_to_f64(int64_t x) {
+    union { uint64_t i; double d; } hi, lo;
+    hi.i = (((uint64_t)x >> 32) ^ 0x80000000ULL) | 0x4530000000000000ULL;
+    lo.i = ((uint64_t)x & 0xffffffffULL) | 0x4330000000000000ULL;
+    return (hi.d - 0x1.00000801p+84 /* 2^84 + 2^63 + 2^52 */) + lo.d;
+}
+
 /* v, or 0 where keep is 0, by a bit mask: a select the compiler turns into a branch around
  * the computation of v, which keeps the loop from vectorizing. */
 static inline float qkv_keepf(float v, int keep) {
