@@ -15,7 +15,13 @@ from torch import Tensor, nn
 
 
 def _onednn_ok(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Whether oneDNN runs bf16 linears on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to pack a weight otherwise (AVX2-only CPUs such as Zen 3).
+    Elsewhere the bf16 weight goes through ``F.linear``: the same rounding, unpacked."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return supported is not None and bool(supported())
 
 
 class PackedLinear(nn.Module):
