@@ -272,7 +272,7 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
                 continue
         elif spec.mod_loops is not None and spec.mod_loops.keeps_slope:
             spec.mod_loops.grads_ds(raw, ds, q0, k0, spec.offset, spec.mod_scale)
-        elif spec.mod_loops is not None:  # also multiplies by the scale
+        elif spec.mod_loops is not None and not spec.mod_loops.grads_are_scale:  # and scale
             _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
                 raw, ds, q0, k0, spec.offset, spec.mod_scale))
         elif spec.scale is not None:

@@ -168,9 +168,12 @@ class ModLoops:
     need a gradient, as autograd sees them (``grads`` returns one sum per tensor)."""
 
     def __init__(self, functions, slots: list[Tensor], values: list[Tensor],
-                 grad_slots: list[int], needs_raw: bool):
+                 grad_slots: list[int], needs_raw: bool, slope_is_one: bool = False):
         self._scores, self._grads, self._scores_ds, self._grads_ds = functions
         self.needs_raw = needs_raw  # whether ``grads`` reads the raw scores (softcap: yes)
+        # d mod / d score = 1 and no tensor to differentiate (ALiBi, a bias table that needs
+        # no gradient): ``grads`` would only multiply ds by the scale, a pass the engine skips.
+        self.grads_are_scale = slope_is_one and not grad_slots
         # The backward may then keep d mod / d score from its recompute (``scores_ds``) and
         # skip the second evaluation, when no tensor the modifier reads needs a gradient.
         self.keeps_slope = needs_raw and not grad_slots
@@ -249,4 +252,5 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
         derivative(root, load, {}) for load in loads_in(root, {}).values()
         if load.args[0] in grad_slots]
     needs_raw = any(depends_on(d, {"score"}) for d in derivatives)
-    return ModLoops(functions, graph.slots, values, grad_slots, needs_raw)
+    slope_is_one = not isinstance(derivatives[0], Sym) and derivatives[0] == 1
+    return ModLoops(functions, graph.slots, values, grad_slots, needs_raw, slope_is_one)
