@@ -55,6 +55,10 @@ static inline int64_t qkv_floordiv(int64_t a, int64_t b) {
 }
 static inline int64_t qkv_mod(int64_t a, int64_t b) { return a - b * qkv_floordiv(a, b); }
 
+/* -1 for fma(b, -1, a) = a - b (c._c_sub): globals, so the compiler cannot fold them back. */
+__attribute__((visibility("hidden"))) float qkv_minus_onef = -1.0f;
+__attribute__((visibility("hidden"))) double qkv_minus_one = -1.0;
+
 /* (double)x for int64 x, correctly rounded (exact for |x| <= 2^53), in operations AVX2 has
  * for vectors: it has no int64 -> float conversion, so a cast kept every loop with index
  * arithmetic in it (ALiBi's |q - k|) scalar: 0.74 -> 0.27 ms for ALiBi's score pass over an
