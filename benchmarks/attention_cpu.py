@@ -496,7 +496,8 @@ def main(argv=None) -> None:
         return
     print(f"qkv CPU attention benchmark: B={B} H={H} D={D} float32, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}, {platform.processor() or ''} "
-          f"{_cpu_model()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
+          f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     if not args.no_table:
         print_row(HEADER)
         print_row(["---"] * len(HEADER))

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"# generate_cpu: SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32), greedy, "
           f"prompt {args.prompt_len} + {args.new} new tokens")
-    cpu = platform.processor() or platform.machine()
+    simd = torch.backends.cpu.get_cpu_capability()
+    cpu = f"{platform.processor() or platform.machine()} ({simd})"
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {args.threads} "
           f"threads; torch {torch.__version__}, transformers {transformers.__version__}; "
           f"best of {args.rounds} alternating rounds")
