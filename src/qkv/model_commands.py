@@ -32,7 +32,7 @@ def add_model_option(p: argparse.ArgumentParser, required: bool = False) -> None
 def add_weights_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: weight-only bf16 linear layers, half the weight bytes: faster "
-                        "decoding on CPU (about 2x with AVX-512; on AVX2 about 1.7x at batch 1, "
+                        "decoding on CPU (about 2x with AVX-512; on AVX2 1.4-1.8x at batch 1, "
                         "slower batched), logits within about 2e-2 relative (default fp32: "
                         "exact)")
 

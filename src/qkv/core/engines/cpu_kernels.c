@@ -4,7 +4,7 @@
  * put the key index innermost, on a transposed block of keys held in L1 cache, so the
  * compiler vectorizes them across keys with no per-pair horizontal sum (torch.cdist
  * vectorizes across d and reduces every pair); the gradients vectorize across d with keys
- * held in registers (see l1_grads). The gradient uses sign(0) = 0, as torch.cdist's does.
+ * held in registers (see l1_key_group). The gradient uses sign(0) = 0, as torch.cdist's does.
  *
  * Layout: batched row-major matrices, q (nb, m, d), k (nb, n, d), scores / ds (nb, m, n),
  * dq (nb, m, d), dk (nb, n, d), all contiguous. dq and dk are accumulated into (+=).
