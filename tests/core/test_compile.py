@@ -6,6 +6,9 @@ The cases are shared with the Triton engine's interpreter run (test_triton_engin
 compiles ``TRITON_CASES`` (every similarity, mask and modifier of the matrix at least once)
 with the Triton engine in front."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -232,3 +235,26 @@ def test_a_user_callable_with_an_empty_closure_cell_crosses_the_op():
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(q)
     assert (compiled - fn(q)).abs().max() <= OUT_TOLERANCE
+
+
+def test_importing_qkv_leaves_dynamo_unloaded_and_a_later_compile_keeps_the_op():
+    """``import qkv`` does not import torch._dynamo (seconds of every command's start-up); a
+    torch.compile started afterwards, in a fresh process, still finds the op's boundary (one
+    graph with the nonstrict call, not a trace into it) and matches eager."""
+    script = """
+import sys, torch, qkv
+assert "torch._dynamo" not in sys.modules, "import qkv imported torch._dynamo"
+graphs = []
+def record(gm, inputs):
+    graphs.append(str(gm.graph))
+    return gm
+q = torch.randn(1, 2, 16, 8)
+fn = lambda q: qkv.attention(q, q, q, similarity="l1", mask=qkv.causal())
+compiled = torch.compile(fn, backend=record, fullgraph=True)(q)
+assert "flat_apply" in graphs[-1] and "_traced_call" in graphs[-1], graphs
+assert (compiled - fn(q)).abs().max() <= 1e-5
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

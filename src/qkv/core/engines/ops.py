@@ -21,6 +21,9 @@ k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``define`` registers them and returns the e
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,8 +137,10 @@ class EngineOp:
             want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """out, lse and (when asked) weights on features q, k, v."""
         if torch.compiler.is_compiling():
-            out, lse, weights = _traced(self.name, q, k, v, floats_as_scalars(variant),
-                                        dropout_p, want_weights)
+            # Set once torch._dynamo loaded (``_WhenDynamoLoads``); else made here, for real.
+            traced = _traced or _mark_nonstrict()
+            out, lse, weights = traced(self.name, q, k, v, floats_as_scalars(variant),
+                                       dropout_p, want_weights)
             return out, lse, weights if want_weights else None
         leaves = pytree.tree_leaves(variant)
         return _Eager.apply(self.kernels, variant, dropout_p, want_weights, q, k, v, *leaves)
@@ -235,12 +240,49 @@ class _Eager(torch.autograd.Function):
                 *(by_id.pop(id(t), None) for t in ctx.leaves))
 
 
-@torch._dynamo.nonstrict_trace
-def _traced(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Variant, dropout_p: float,
-            want_weights: bool):
+def _traced_call(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Variant,
+                 dropout_p: float, want_weights: bool):
     """Runs for real (on fake tensors) while torch.compile or torch.export traces: the
     variant's structure enters the registry, and the graph holds the op with its key."""
     leaves, spec = pytree.tree_flatten(variant)
     out, lse, weights, _ = _OPS[name](q, k, v, leaves, _key(spec), dropout_p, want_weights)
     return out, lse, weights
 
+
+# ``_traced_call`` behind ``torch._dynamo.nonstrict_trace``, made as soon as torch._dynamo is
+# imported, not by importing it here: that import takes seconds (half of a `qkv` command's
+# start-up), and nothing is traced before torch.compile or torch.export has imported it.
+_traced: Callable | None = None
+
+
+def _mark_nonstrict() -> Callable:
+    global _traced
+    if _traced is None:
+        _traced = torch._dynamo.nonstrict_trace(_traced_call)
+    return _traced
+
+
+class _WhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Calls ``_mark_nonstrict`` once torch._dynamo has been executed, whoever imports it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _mark_nonstrict()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _mark_nonstrict()
+else:
+    sys.meta_path.insert(0, _WhenDynamoLoads())
