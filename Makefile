@@ -21,8 +21,9 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# One worker per core, each test file on one worker (module fixtures run once).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # The main job: train the German->English number Transformer on CPU, print held-out exact
 # match, BLEU and chrF, five translations, and a cross-attention heatmap PNG in the run dir.
