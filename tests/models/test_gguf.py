@@ -338,3 +338,21 @@ def test_bert_with_a_classifier_head_is_refused(tmp_path):
         Encoder.from_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="not a decoder"):
         GPT.from_pretrained(tmp_path)
+
+
+def test_a_model_built_to_load_refuses_parameters_left_unfilled():
+    """Pretrained models are built without drawing random weights; one the loader did not
+    fill is named, not left holding whatever memory it was given. Afterwards, modules
+    initialize as before."""
+    from qkv.models.pretrained.files import built_to_load, check_filled
+
+    before = {name: getattr(torch.nn.init, name) for name in ("kaiming_uniform_", "normal_")}
+    layer = built_to_load(lambda: torch.nn.Linear(3, 2))
+    assert all(getattr(torch.nn.init, name) is f for name, f in before.items())
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(2, 3))
+    with pytest.raises(CheckpointError, match=r"no values for 1 parameters.*\['bias'\]"):
+        check_filled(layer, "ckpt")
+    with torch.no_grad():
+        layer.bias.zero_()
+    check_filled(layer, "ckpt")

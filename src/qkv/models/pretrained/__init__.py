@@ -23,6 +23,8 @@ from .files import (
     SHORT_NAMES,
     CheckpointError,
     TensorSource,
+    built_to_load,
+    check_filled,
     read_config,
     read_safetensors,
     resolve,
@@ -77,7 +79,8 @@ def gpt_from_pretrained(cls, name_or_path):
     """``cls(config)`` (a GPT) with the weights of a GPT-2 or LLaMA-family directory, a
     ``.gguf`` file, or ``smollm2``, in eval mode."""
     path = resolve(name_or_path)
-    model = cls(load_gpt_config(path))
+    config = load_gpt_config(path)
+    model = built_to_load(lambda: cls(config))
     kind, where = _model_type(path), str(path)
     if kind == "gguf":
         llama.load_weights(model, TensorSource(open_gguf(path).tensors(), where), gguf=True)
@@ -86,6 +89,7 @@ def gpt_from_pretrained(cls, name_or_path):
         gpt2.load_weights(model, TensorSource(tensors, where))
     else:
         llama.load_weights(model, TensorSource(read_safetensors(path), where), gguf=False)
+    check_filled(model, where)
     return model.eval()
 
 
@@ -99,8 +103,9 @@ def encoder_from_pretrained(cls, name_or_path):
                               "expected 'bert'")
     config = bert.config_from_hf(read_config(path), *bert.sentence_pooling(path))
     tensors = {name.removeprefix("bert."): t for name, t in read_safetensors(path).items()}
-    model = cls(config)
+    model = built_to_load(lambda: cls(config))
     bert.load_weights(model, TensorSource(tensors, str(path)))
+    check_filled(model, str(path))
     return model.eval()
 
 

@@ -1,4 +1,5 @@
-"""Finding checkpoint files: short names, directories, safetensors shards, and named tensors.
+"""Finding checkpoint files: short names, directories, safetensors shards, and named tensors;
+models built to be filled from them.
 
 Only safetensors and GGUF are read. A pickle checkpoint (pytorch_model.bin, *.pt) can run code
 when loaded, so it is refused with a message saying how to convert it.
@@ -14,12 +15,13 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...cache import cache_dir
 
@@ -186,6 +188,34 @@ def read_safetensors(directory: Path) -> dict[str, Tensor]:
     if pickles:
         refuse_pickle(pickles[0])
     raise CheckpointError(f"{directory} has no model.safetensors")
+
+
+# What modules call to draw or set their parameters at construction.
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+                   "orthogonal_")
+
+
+def built_to_load(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` with torch.nn.init's functions doing nothing: the parameters are left as
+    allocated, for a checkpoint to fill (drawing SmolLM2's 135M random numbers took 2 s of a
+    6 s load). ``check_filled`` then refuses a model with any parameter left unfilled."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        return make()
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def check_filled(model: nn.Module, where: str) -> None:
+    """Every parameter of a ``built_to_load`` model was written (its version counter moved)."""
+    left = [name for name, p in model.named_parameters() if p._version == 0]
+    if left:
+        raise CheckpointError(f"{where} gave no values for {len(left)} parameters of the "
+                              f"model: {left[:5]}")
 
 
 class TensorSource:

@@ -81,16 +81,33 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> Tenso
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
 
 
+def _reader(path: str):
+    """The ``gguf`` package's reader over a plain ndarray view of its memory map: the reader
+    slices the map once per field part (about a million times for a 49k-token vocabulary),
+    and each numpy.memmap slice runs Python code; plain slices parse SmolLM2 in 1.0 s, not
+    3.5 s. The view keeps the map open."""
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mapped):
+            self._plain = mapped.view(np.ndarray)
+
+    return PlainViewReader(path)
+
+
 class GGUFFile:
     """One GGUF file: metadata values (``get``, ``require``; read on first use, since the
     vocabulary arrays are large) and ``tensor(name)`` in float32."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self.reader = GGUFReader(str(self.path))
+            self.reader = _reader(str(self.path))
         except (ValueError, OSError, IndexError) as e:
             raise CheckpointError(f"{self.path} is not a readable GGUF file: {e}") from None
         self._values: dict = {}
