@@ -7,10 +7,14 @@ header. Keeping the text here leaves ``c`` to the emitter and the building."""
 FAST_MATH = """
 /* exp(x): x = n ln2 + t (Cody-Waite, ln 2 in two parts), e^t by a degree-7 Taylor polynomial
  * on |t| <= ln2/2 (relative error under 8e-8: float rounding), times 2^n as two powers of two
- * so n may reach 128. 0 below -87.3 (no denormals), inf above 88.72, NaN stays NaN. */
+ * so n may reach 128. 0 below -87.3 (no denormals), inf above 88.72, NaN stays NaN. The
+ * bounds on n are globals, as qkv_tanhf's clip (below) is. */
+__attribute__((visibility("hidden"))) float qkv_exp_lo = -126.0f, qkv_exp_hi = 128.0f;
 static inline float qkv_expf(float x) {
+    const float lo = qkv_exp_lo, hi = qkv_exp_hi;
     float y = x * 1.44269504088896341f;
-    y = y < -126.0f ? -126.0f : (y > 128.0f ? 128.0f : y);
+    y = lo > y ? lo : y;
+    y = hi < y ? hi : y;
     float n = (y + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
     float t = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
     float p = 1.0f + t * (1.0f + t * (0.5f + t * (1.0f / 6 + t * (1.0f / 24 + t * (
@@ -30,7 +34,8 @@ static inline float qkv_expf(float x) {
  * to +-1. No exp and one branch-free path: half the vector work of the series-or-exp form.
  * The clip is a global so the compiler cannot fold tanh(+-9.02) into constants: it then
  * selected among those and the result by compares and lane shuffles after the division (1.65
- * ns a value), instead of vminpd/vmaxpd on the input. As written, NaN passes both. */
+ * ns a value), instead of vminpd/vmaxpd on the input. Written bound < v ? bound : v (the
+ * instructions' operand order), NaN passes both. */
 __attribute__((visibility("hidden"))) double qkv_tanh_clip = 9.02;
 static inline float qkv_tanhf(float xf) {
     const double x = xf, clip = qkv_tanh_clip;
