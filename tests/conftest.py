@@ -18,9 +18,8 @@ def load_pretrained_once():
 
 
 # `make test` runs the files on pytest-xdist workers (--dist loadfile), handed out in
-# collection order. The longest files go first, so that no worker is left running one of them
-# alone at the end; the rest keep their order.
-# Longest first (seconds on a 2-core machine, 2026-11).
+# collection order. These go first, longest first (seconds on a 2-core machine, 2026-11), so
+# that no worker is left running one of them alone at the end; the rest keep their order.
 LONG_FILES = (
     "tests/core/test_triton_engine.py",  # 170: the whole interpreter matrix, one subprocess
     "tests/core/test_gradcheck.py",  # 100
