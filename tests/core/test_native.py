@@ -54,8 +54,51 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(native.l1_scores(q, k), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("out_layout", ["slice", "transposed"])
+def test_l1_gradients_add_into_tiles_in_place_or_through_a_copy(dtype, out_layout):
+    """Tiles sliced along the rows of (B, H, N, d) tensors are read and added into in place;
+    outputs whose rows are not contiguous (transposed) go through a zeroed copy. Either way
+    the gradients add to what the outputs held, and nothing outside the tile changes."""
+    g = torch.Generator().manual_seed(5)
+    q_full = torch.randn(2, 3, 40, 16, generator=g, dtype=dtype)
+    k_full = torch.randn(2, 3, 50, 16, generator=g, dtype=dtype)
+    q, k = q_full[:, :, 8:29], k_full[:, :, 10:42]  # row slices: batch steps 40·16, 50·16
+    ds = torch.randn(2, 3, 21, 32, generator=g, dtype=dtype)
+    if out_layout == "slice":
+        dq_full = torch.randn(2, 3, 40, 16, generator=g, dtype=dtype)
+        dk_full = torch.randn(2, 3, 50, 16, generator=g, dtype=dtype)
+        dq, dk = dq_full[:, :, 8:29], dk_full[:, :, 10:42]
+        assert native.row_view(dq, written=True) is not None
+    else:
+        dq_full = torch.randn(2, 3, 16, 21, generator=g, dtype=dtype)
+        dk_full = torch.randn(2, 3, 16, 32, generator=g, dtype=dtype)
+        dq, dk = dq_full.transpose(-1, -2), dk_full.transpose(-1, -2)
+        assert native.row_view(dq, written=True) is None
+    before = (dq_full.clone(), dk_full.clone())
+    held = (dq.clone(), dk.clone())
+    native.add_l1_grads(ds, q, k, dq, dk)
+    want, want_dq, want_dk = cdist_reference(q, k, ds)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(dq, held[0] + want_dq, **tol)
+    torch.testing.assert_close(dk, held[1] + want_dk, **tol)
+    torch.testing.assert_close(native.l1_scores(q, k), want, **tol)
+    if out_layout == "slice":  # the rows outside the tile are untouched
+        for full, old, rows in zip((dq_full, dk_full), before, (slice(8, 29), slice(10, 42)),
+                                   strict=True):
+            outside = torch.ones(full.shape[2], dtype=torch.bool)
+            outside[rows] = False
+            assert torch.equal(full[:, :, outside], old[:, :, outside])
+
+
+def test_row_view_refuses_overlapping_outputs():
+    expanded = torch.zeros(1, 1, 4, 8).expand(3, 1, 4, 8)
+    assert native.row_view(expanded) is not None  # readable: every item the same rows
+    assert native.row_view(expanded, written=True) is None
+
+
 def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
-    calls = {"l1_scores": 0, "l1_grads": 0}
+    calls = {"l1_scores": 0, "add_l1_grads": 0}
     for name in calls:
         real = getattr(native, name)
 
@@ -70,7 +113,7 @@ def test_fused_engine_runs_l1_tiles_in_c(monkeypatch, one_thread):
     ref = qkv.attention(q, k, v, backend="reference", **kw)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
-    assert calls["l1_scores"] > 0 and calls["l1_grads"] > 0
+    assert calls["l1_scores"] > 0 and calls["add_l1_grads"] > 0
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)

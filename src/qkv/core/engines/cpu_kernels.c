@@ -7,7 +7,9 @@
  * held in registers (see l1_key_group). The gradient uses sign(0) = 0, as torch.cdist's does.
  *
  * Layout: batched row-major matrices, q (nb, m, d), k (nb, n, d), scores / ds (nb, m, n),
- * dq (nb, m, d), dk (nb, n, d), all contiguous. dq and dk are accumulated into (+=).
+ * dq (nb, m, d), dk (nb, n, d). Scores and ds are contiguous; the others have contiguous
+ * rows of d, each batch item `step` elements after the one before (a tile sliced out of a
+ * (B, H, N, d) tensor is read and written in place). dq and dk are accumulated into (+=).
  */
 #include <stdint.h>
 #include <string.h>
@@ -79,10 +81,10 @@ static void transpose_block_##SUFFIX(const T *k, int64_t n0, int64_t cols, int64
 _Pragma("GCC push_options")                                                                 \
 _Pragma("GCC optimize(\"no-loop-unroll-and-jam\")")                                         \
 void l1_scores_##SUFFIX(const T *q, const T *k, T *out, int64_t nb, int64_t m, int64_t n,   \
-                        int64_t d, T *kt) {                                                 \
+                        int64_t d, int64_t q_step, int64_t k_step, T *kt) {                 \
     const T neg = (T)minus_one;                                                             \
     for (int64_t b = 0; b < nb; b++) {                                                      \
-        const T *qb = q + b * m * d, *kb = k + b * n * d;                                   \
+        const T *qb = q + b * q_step, *kb = k + b * k_step;                                 \
         T *ob = out + b * m * n;                                                            \
         for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {                                         \
             int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;                                 \
@@ -143,13 +145,14 @@ static inline __attribute__((always_inline)) void l1_key_group_##SUFFIX(        
 }                                                                                           \
                                                                                             \
 void l1_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_t nb,       \
-                       int64_t m, int64_t n, int64_t d) {                                   \
+                       int64_t m, int64_t n, int64_t d, int64_t q_step, int64_t k_step,     \
+                       int64_t dq_step, int64_t dk_step) {                                  \
     /* d: a multiple of a vector (VBYTES, l1_vector_bytes). Written with vector types: the  \
      * loop vectorizer unrolls such short fixed loops first and then leaves them scalar. */ \
     const int64_t lanes = VBYTES / sizeof(T);                                               \
     for (int64_t b = 0; b < nb; b++) {                                                      \
-        const T *qb = q + b * m * d, *kb = k + b * n * d, *sb = ds + b * m * n;             \
-        T *dqb = dq + b * m * d, *dkb = dk + b * n * d;                                     \
+        const T *qb = q + b * q_step, *kb = k + b * k_step, *sb = ds + b * m * n;           \
+        T *dqb = dq + b * dq_step, *dkb = dk + b * dk_step;                                 \
         for (int64_t c0 = 0; c0 < d; c0 += lanes) {                                         \
             int64_t j0 = 0;                                                                 \
             for (; j0 + KEYS <= n; j0 += KEYS)                                              \

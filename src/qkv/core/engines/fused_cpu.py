@@ -182,9 +182,7 @@ def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq
     if spec.pair.tile_grads is not None:
         spec.pair.tile_grads(draw, fq_t, fk_t, dq, dk)
         return
-    gq, gk, tensor_grads = spec.loops.grads(draw, fq_t, fk_t)
-    dq += gq
-    dk += gk
+    tensor_grads = spec.loops.add_grads(draw, fq_t, fk_t, dq, dk)
     _add_tensor_grads(sums, extras, spec.loops.tensors, tensor_grads)
 
 

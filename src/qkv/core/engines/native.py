@@ -52,8 +52,8 @@ _tried = False
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "l1_scores": [_PTR] * 3 + [_I64] * 4 + [_PTR],
-    "l1_grads": [_PTR] * 5 + [_I64] * 4,
+    "l1_scores": [_PTR] * 3 + [_I64] * 6 + [_PTR],
+    "l1_grads": [_PTR] * 5 + [_I64] * 8,
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
@@ -166,16 +166,17 @@ def available(dtype: torch.dtype) -> bool:
 
 class TileLoops:
     """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and
-    ``grads(ds, q, k) -> (dq, dk, grads of tensors)``, one gradient per tensor in
-    ``tensors`` (the tensors the loops read, as autograd should see them). Generated loops
-    also run along graph edges: ``edge_scores(q_rows, k_rows, target, source)`` and
+    ``add_grads(ds, q, k, dq, dk) -> grads of tensors``, which adds the term's gradients into
+    dq and dk and returns one gradient per tensor in ``tensors`` (the tensors the loops read,
+    as autograd should see them). Generated loops also run along graph edges:
+    ``edge_scores(q_rows, k_rows, target, source)`` and
     ``edge_grads(ds, q_rows, k_rows, target, source, dq, dk) -> grads of tensors``, laid out
     as ``edge_scores`` and ``edge_kernel_grads`` below; None for the hand-written L1 loops
     (the edge loops here take L1 by its id)."""
 
-    def __init__(self, scores, grads, edge_scores=None, edge_grads=None,
+    def __init__(self, scores, add_grads, edge_scores=None, edge_grads=None,
                  tensors: tuple[Tensor, ...] = ()):
-        self.scores, self.grads, self.tensors = scores, grads, tensors
+        self.scores, self.add_grads, self.tensors = scores, add_grads, tensors
         self.edge_scores, self.edge_grads = edge_scores, edge_grads
 
 
@@ -192,14 +193,45 @@ def edge_loops(pair, dtype: torch.dtype) -> bool:
     return term_id(pair) in EDGE_TERMS and available(dtype)
 
 
-def _batched(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
+def row_view(t: Tensor, written: bool = False) -> tuple[Tensor, int] | None:
+    """t (..., m, d) as (nb, m, d) whose rows are d contiguous elements one after another,
+    and the step in elements from one batch item to the next, without a copy (a tile sliced
+    along m out of a contiguous (B, H, N, d) tensor is one); None when t's layout has no
+    such view, or when ``written`` and its batch items overlap."""
+    m, d = t.shape[-2], t.shape[-1]
+    try:
+        t3 = t.view(-1, m, d)
+    except RuntimeError:
+        return None
+    if (d > 1 and t3.stride(2) != 1) or (m > 1 and t3.stride(1) != d):
+        return None
+    step = t3.stride(0) if t3.shape[0] > 1 else m * d
+    return None if written and step < m * d else (t3, step)
+
+
+def rows_of(t: Tensor) -> tuple[Tensor, int]:
+    """``row_view`` of t, or of a contiguous copy when t has none."""
+    return row_view(t) or (t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous(),
+                           t.shape[-2] * t.shape[-1])
+
+
+def add_rows_into(compute, *targets: Tensor) -> None:
+    """Run ``compute(*(view, step) per target)``, which adds into each target's rows: in
+    place where ``row_view`` allows, else into zeroed copies added to the targets after."""
+    views = [row_view(t, written=True) for t in targets]
+    if all(v is not None for v in views):
+        compute(*views)
+        return
+    copies = [torch.zeros(t.shape, dtype=t.dtype) for t in targets]
+    compute(*(row_view(c) for c in copies))
+    for target, copy in zip(targets, copies, strict=True):
+        target += copy
 
 
 def l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
     """-‖q-k‖₁ (..., m, n) for q (..., m, d) and k (..., n, d), with the same leading dims;
     written into ``out`` (contiguous) when given."""
-    q3, k3 = _batched(q), _batched(k)
+    (q3, q_step), (k3, k_step) = rows_of(q), rows_of(k)
     nb, m, d = q3.shape
     n = k3.shape[1]
     if out is None:
@@ -208,28 +240,49 @@ def l1_scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
         raise ValueError("out must be contiguous with one score per (query, key) pair")
     scratch = q.new_empty(_BLOCK * d)
     _load()["l1_scores", q.dtype](q3.data_ptr(), k3.data_ptr(), out.data_ptr(), nb, m, n, d,
-                                  scratch.data_ptr())
+                                  q_step, k_step, scratch.data_ptr())
     return out.view(*q.shape[:-1], n)
+
+
+def add_l1_grads(ds: Tensor, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor) -> None:
+    """Add the gradients of Σ ds·(-‖q-k‖₁) into dq (like q) and dk (like k), for
+    ds (..., m, n); sign(0) counts as 0."""
+    d = q.shape[-1]
+    lanes = _load()["vector_bytes"] // q.element_size()  # d is padded to a multiple
+    pad = -d % lanes  # zero dims on both sides: q - k = 0 there, no gradient
+    if pad:
+        gq, gk = l1_grads(ds, F.pad(q, (0, pad)), F.pad(k, (0, pad)))
+        dq += gq[..., :d]
+        dk += gk[..., :d]
+        return
+    (q3, q_step), (k3, k_step) = rows_of(q), rows_of(k)
+    ds3 = ds.reshape(-1, ds.shape[-2], ds.shape[-1]).contiguous()
+    nb, m, _ = q3.shape
+    n = k3.shape[1]
+
+    def add(dq_rows, dk_rows):
+        _load()["l1_grads", q.dtype](ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(),
+                                     dq_rows[0].data_ptr(), dk_rows[0].data_ptr(), nb, m, n, d,
+                                     q_step, k_step, dq_rows[1], dk_rows[1])
+
+    add_rows_into(add, dq, dk)
 
 
 def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """Gradients (dq, dk) of Σ ds·(-‖q-k‖₁), for ds (..., m, n); sign(0) counts as 0."""
-    d = q.shape[-1]
-    lanes = _load()["vector_bytes"] // q.element_size()  # d is padded to a multiple
-    pad = -d % lanes  # zero dims on both sides: q - k = 0 there, no gradient
-    q3, k3 = (_batched(t if pad == 0 else F.pad(t, (0, pad))) for t in (q, k))
-    ds3 = _batched(ds)
-    nb, m, dp = q3.shape
-    n = k3.shape[1]
-    dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
-    _load()["l1_grads", q.dtype](ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(),
-                                 dk.data_ptr(), nb, m, n, dp)
-    return dq[..., :d].reshape(q.shape), dk[..., :d].reshape(k.shape)
+    dq, dk = torch.zeros_like(q), torch.zeros_like(k)
+    add_l1_grads(ds, q, k, dq, dk)
+    return dq, dk
+
+
+def _add_l1_tile_grads(ds: Tensor, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor) -> tuple:
+    add_l1_grads(ds, q, k, dq, dk)
+    return ()  # L1 reads no tensor
 
 
 # Looked up at call time, so the module's functions stay the one place to change (or patch).
 _L1_LOOPS = TileLoops(lambda q, k, out=None: l1_scores(q, k, out),
-                      lambda ds, q, k: (*l1_grads(ds, q, k), ()))
+                      lambda ds, q, k, dq, dk: _add_l1_tile_grads(ds, q, k, dq, dk))
 
 
 def _rows(t: Tensor) -> int:

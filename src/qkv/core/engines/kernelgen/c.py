@@ -216,8 +216,8 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
 
 
 _TERM_SIGNATURES = {
-    "term_scores": [_PTR] * 3 + [_I64] * 4 + [_PTR] * (1 + MAX_SLOTS),
-    "term_grads": [_PTR] * 5 + [_I64] * 4 + [_PTR] * (2 * MAX_SLOTS),
+    "term_scores": [_PTR] * 3 + [_I64] * 6 + [_PTR] * (1 + MAX_SLOTS),
+    "term_grads": [_PTR] * 5 + [_I64] * 8 + [_PTR] * (2 * MAX_SLOTS),
     "term_edge_scores": [_PTR] * 5 + [_I64] * 7 + [_PTR] * MAX_SLOTS,
     "term_edge_grads": [_PTR] * 7 + [_I64] * 7 + [_PTR] * (2 * MAX_SLOTS),
 }
@@ -243,10 +243,6 @@ def load_functions(source: str, stem: str, signatures: dict) -> tuple | None:
                     function.argtypes, function.restype = argtypes, None
             _LIBRARIES[digest] = functions
         return _LIBRARIES[digest]
-
-
-def _batched(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-2], t.shape[-1]).contiguous()
 
 
 _WARNED: set[tuple[str, int]] = set()
@@ -290,36 +286,40 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | 
 
 
 def _bind(functions, values: list[Tensor], dtype: torch.dtype):
-    """scores(q, k, out), grads(ds, q, k), edge_scores(q_rows, k_rows, target, source) and
-    edge_grads(ds, q_rows, k_rows, target, source, dq, dk) over the C functions with the
-    slot values (see ``native.TileLoops``)."""
+    """scores(q, k, out), add_grads(ds, q, k, dq, dk), edge_scores(q_rows, k_rows, target,
+    source) and edge_grads(ds, q_rows, k_rows, target, source, dq, dk) over the C functions
+    with the slot values (see ``native.TileLoops``)."""
     scores_fn, grads_fn, edge_scores_fn, edge_grads_fn = functions
     dummy = torch.zeros(1, dtype=dtype)  # fills unused slots; the closure keeps values alive
     sink = torch.zeros(1, dtype=torch.float64)  # the same for unused gradient sums
     pointers = [v.data_ptr() for v in values] + [dummy.data_ptr()] * (MAX_SLOTS - len(values))
 
     def scores(q: Tensor, k: Tensor, out: Tensor | None = None) -> Tensor:
-        q3, k3 = _batched(q), _batched(k)
+        (q3, q_step), (k3, k_step) = native.rows_of(q), native.rows_of(k)
         nb, m, d = q3.shape
         n = k3.shape[1]
         if out is None:
             out = q.new_empty(nb, m, n)
         kt = q.new_empty(_BLOCK * d)
-        scores_fn(q3.data_ptr(), k3.data_ptr(), out.data_ptr(), nb, m, n, d, kt.data_ptr(),
-                  *pointers)
+        scores_fn(q3.data_ptr(), k3.data_ptr(), out.data_ptr(), nb, m, n, d, q_step, k_step,
+                  kt.data_ptr(), *pointers)
         return out.view(*q.shape[:-1], n)
 
-    def grads(ds: Tensor, q: Tensor, k: Tensor):
-        q3, k3, ds3 = _batched(q), _batched(k), _batched(ds)
+    def add_grads(ds: Tensor, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor):
+        (q3, q_step), (k3, k_step) = native.rows_of(q), native.rows_of(k)
+        ds3 = ds.reshape(-1, ds.shape[-2], ds.shape[-1]).contiguous()
         nb, m, d = q3.shape
         n = k3.shape[1]
-        dq, dk = torch.zeros_like(q3), torch.zeros_like(k3)
         sums = [torch.zeros(v.numel(), dtype=torch.float64) for v in values]
         sum_pointers = [s.data_ptr() for s in sums] + [sink.data_ptr()] * (MAX_SLOTS - len(sums))
-        grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq.data_ptr(), dk.data_ptr(), nb,
-                 m, n, d, *pointers, *sum_pointers)
-        tensor_grads = tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
-        return dq.view(q.shape), dk.view(k.shape), tensor_grads
+
+        def add(dq_rows, dk_rows):
+            grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq_rows[0].data_ptr(),
+                     dk_rows[0].data_ptr(), nb, m, n, d, q_step, k_step, dq_rows[1],
+                     dk_rows[1], *pointers, *sum_pointers)
+
+        native.add_rows_into(add, dq, dk)
+        return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
 
     def edge_scores(q_rows: Tensor, k_rows: Tensor, target: Tensor, source: Tensor) -> Tensor:
         batch, nq, heads, d = q_rows.shape
@@ -338,4 +338,4 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
                       k_rows.shape[1], heads, k_rows.shape[2], d, *pointers, *sum_pointers)
         return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
 
-    return scores, grads, edge_scores, edge_grads
+    return scores, add_grads, edge_scores, edge_grads

@@ -116,9 +116,9 @@ TERM_LOOPS = """
 #pragma GCC push_options
 #pragma GCC optimize("no-loop-unroll-and-jam")
 void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, int64_t n,
-                 int64_t d, {T} *kt, {CONST_SLOTS}) {{
+                 int64_t d, int64_t q_step, int64_t k_step, {T} *kt, {CONST_SLOTS}) {{
     for (int64_t b = 0; b < nb; b++) {{
-        const {T} *qb = q + b * m * d, *kb = k + b * n * d;
+        const {T} *qb = q + b * q_step, *kb = k + b * k_step;
         {T} *ob = out + b * m * n;
         for (int64_t n0 = 0; n0 < n; n0 += BLOCK) {{
             int64_t cols = n - n0 < BLOCK ? n - n0 : BLOCK;
@@ -180,10 +180,11 @@ static inline __attribute__((always_inline)) void term_grads_lanes(
 }}
 
 void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
-                int64_t m, int64_t n, int64_t d, {CONST_SLOTS}, {GRAD_SLOTS}) {{
+                int64_t m, int64_t n, int64_t d, int64_t q_step, int64_t k_step,
+                int64_t dq_step, int64_t dk_step, {CONST_SLOTS}, {GRAD_SLOTS}) {{
     for (int64_t b = 0; b < nb; b++) {{
-        const {T} *sb = ds + b * m * n, *qb = q + b * m * d, *kb = k + b * n * d;
-        {T} *dqb = dq + b * m * d, *dkb = dk + b * n * d;
+        const {T} *sb = ds + b * m * n, *qb = q + b * q_step, *kb = k + b * k_step;
+        {T} *dqb = dq + b * dq_step, *dkb = dk + b * dk_step;
         for (int64_t c0 = 0; c0 < d; c0 += LANES) {{
             if (d - c0 >= LANES)
                 term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, {SLOT_ARGS});
