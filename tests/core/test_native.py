@@ -34,16 +34,20 @@ def test_scores_and_gradients_equal_cdist(dtype, m, n, d):
     torch.testing.assert_close(dk, want_dk, **tol)
 
 
-def test_ties_have_zero_sign_like_cdist():
-    """Integer-valued features make many q_d == k_d: their sign, and gradient, is 0."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ties_have_zero_sign_like_cdist(dtype):
+    """Integer-valued features make many q_d == k_d: their sign, and gradient, is 0; so for
+    -0 against +0 (their difference can be -0, whose sign bit is set)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(-2, 3, (1, 1, 9, 5), generator=g).double()
-    k = torch.randint(-2, 3, (1, 1, 11, 5), generator=g).double()
-    ds = torch.randn(1, 1, 9, 11, generator=g, dtype=torch.float64)
+    q = torch.randint(-2, 3, (1, 1, 9, 16), generator=g).to(dtype)
+    k = torch.randint(-2, 3, (1, 1, 11, 16), generator=g).to(dtype)
+    q[..., ::2, 3], q[..., 1::2, 3], k[..., ::2, 3], k[..., 1::2, 3] = -0.0, 0.0, 0.0, -0.0
+    ds = torch.randn(1, 1, 9, 11, generator=g, dtype=torch.float64).to(dtype)
     _, want_dq, want_dk = cdist_reference(q, k, ds)
     dq, dk = native.l1_grads(ds, q, k)
-    torch.testing.assert_close(dq, want_dq, rtol=0, atol=1e-12)
-    torch.testing.assert_close(dk, want_dk, rtol=0, atol=1e-12)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(dq, want_dq, rtol=0, atol=tol)
+    torch.testing.assert_close(dk, want_dk, rtol=0, atol=tol)
 
 
 def test_non_contiguous_inputs():

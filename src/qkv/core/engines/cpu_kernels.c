@@ -56,9 +56,23 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
                                                  (__m512i)sign, 0x78);
 }
 #else
+#if defined(__AVX2__) && VBYTES == 32
+#include <immintrin.h>
+/* With AVX2 in float: sign(diff) as the integer ±1 or 0 of vpsignd (which reads diff's bits as
+ * an int32: negative exactly where its sign bit is set, 0 only for +0), converted and times g:
+ * three operations for four (3.21-3.43 -> 2.75-2.99 ms on the 8 x 256 x 256 tile, Zen 3, the
+ * result bit for bit the same but for an infinite g at a tie: NaN, not 0). q - k is never -0
+ * here: the loop adds 0 to q and k first. */
+static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
+    (void)sign;
+    const __m256i unit_sign = _mm256_sign_epi32(_mm256_set1_epi32(1), (__m256i)diff);
+    return (vf32)_mm256_cvtepi32_ps(unit_sign) * (vf32)g;
+}
+#else
 static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
     return (vf32)((g ^ ((vi32)diff & sign)) & (vi32)(diff != 0));
 }
+#endif
 static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
     return (vf64)((g ^ ((vi64)diff & sign)) & (vi64)(diff != 0));
 }
@@ -121,11 +135,13 @@ static inline __attribute__((always_inline)) void l1_key_group_##SUFFIX(        
     for (int64_t u = 0; u < KEYS; u++) {                                                    \
         kc[u] = acc[u] = (vec){0};                                                          \
         if (u < keys) memcpy(&kc[u], kb + u * d + c0, sizeof(vec));                         \
+        kc[u] += 0; /* -0 -> +0, for signed_g: then q - k is -0 nowhere */                  \
     }                                                                                       \
     for (int64_t i = 0; i < m; i++) {                                                       \
         const T *gi = sb + i * n;                                                           \
         vec qv, even = {0}, odd = {0};                                                      \
         memcpy(&qv, qb + i * d + c0, sizeof(vec));                                          \
+        qv += 0;                                                                            \
         for (int64_t u = 0; u < KEYS; u++) {                                                \
             /* -0 + g is g, so no addition is left: a broadcast */                          \
             const ivec g = (ivec)(-(vec){0} + (u < keys ? gi[u] : 0));                      \
