@@ -210,6 +210,22 @@ def test_several_workers_agree_with_the_reference(monkeypatch):
         assert rel_err(g, r) < 1e-10
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("counts", [[16] * 16, list(range(1, 17)), [0, 3, 0, 7, 1, 1, 9, 2, 0]])
+def test_workers_get_near_equal_tile_counts(workers, counts):
+    """Every non-empty query block goes to exactly one worker, in ascending order; the loads
+    differ by at most one block's tiles, and a causal plan's split evenly across two."""
+    plan = [[(0, 1, False)] * c for c in counts]
+    parts = tiles.split_blocks(plan, workers)
+    assert len(parts) == workers and all(part == sorted(part) for part in parts)
+    assert sorted(i for part in parts for i in part) == [i for i, c in enumerate(counts) if c]
+    loads = [sum(counts[i] for i in part) for part in parts]
+    assert max(loads) - min(loads) <= max(counts)
+    if counts == list(range(1, 17)) and workers == 2:
+        assert loads == [68, 68]
+    assert tiles.split_blocks(plan, workers) == parts  # the same split every call
+
+
 def test_block_sizes_shrink_for_many_heads():
     bq, bk, span = block_sizes(64, 32, 4096, 4096)
     assert 64 * 32 * bq * span <= tiles.MAX_TILE_ELEMENTS

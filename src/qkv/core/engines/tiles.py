@@ -253,9 +253,24 @@ def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
 _POOL: ThreadPoolExecutor | None = None
 
 
+def split_blocks(plan, workers: int) -> list[list[int]]:
+    """The non-empty query blocks of ``plan`` in ``workers`` parts of near-equal tile counts,
+    each in ascending order: the largest block first to the least-loaded part (ties to the
+    first). With equal blocks that deals them out in turn; with a causal mask's 1, 2, ..., 16
+    tiles per block it gives two workers 68 tiles each, where dealing in turn gave 64 and 72.
+    The split depends on the plan only, so every run sums the gradients in the same order."""
+    blocks = [i for i, tiles in enumerate(plan) if tiles]
+    loads, parts = [0] * workers, [[] for _ in range(workers)]
+    for i in sorted(blocks, key=lambda i: -len(plan[i])):
+        w = loads.index(min(loads))
+        parts[w].append(i)
+        loads[w] += len(plan[i])
+    return [sorted(part) for part in parts]
+
+
 def run_split(task, plan) -> list:
-    """Run ``task(blocks)`` on torch's thread count of workers, each given every W-th
-    non-empty query block (interleaved, so causal work stays balanced).
+    """Run ``task(blocks)`` on torch's thread count of workers, each given its part of the
+    non-empty query blocks (``split_blocks``).
 
     Each worker runs its ops single-threaded. One parallel region per worker, instead of one
     per small tile op, keeps both cores busy without a barrier per op; on a shared machine a
@@ -274,7 +289,7 @@ def run_split(task, plan) -> list:
         return task(part)
 
     try:
-        futures = [_POOL.submit(single_threaded, blocks[w::workers]) for w in range(workers)]
+        futures = [_POOL.submit(single_threaded, part) for part in split_blocks(plan, workers)]
         return [f.result() for f in futures]
     finally:
         torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
