@@ -226,6 +226,22 @@ def test_workers_get_near_equal_tile_counts(workers, counts):
     assert tiles.split_blocks(plan, workers) == parts  # the same split every call
 
 
+@pytest.mark.parametrize("order_free", [False, True])
+def test_run_split_runs_every_block_once(order_free):
+    """Fixed parts or one shared queue: each non-empty block runs once, on some worker."""
+    plan = [[(0, 1, False)] * c for c in [2, 0, 5, 1, 1, 3, 0, 4]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ran = tiles.run_split(lambda blocks: list(blocks), plan, order_free=order_free)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(ran) == 2
+    assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
+    if not order_free:
+        assert ran == tiles.split_blocks(plan, 2)
+
+
 def test_block_sizes_shrink_for_many_heads():
     bq, bk, span = block_sizes(64, 32, 4096, 4096)
     assert 64 * 32 * bq * span <= tiles.MAX_TILE_ELEMENTS
