@@ -173,6 +173,25 @@ def test_softmax_grad_rows():
     torch.testing.assert_close(native.softmax_grad_rows(p, dp, delta), want, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softmax_grad_rows_times_a_modifier_slope(dtype):
+    """With a slope: p (dp - delta) · slope · scale, as one product, exactly; 0 where
+    p (dp - delta) is 0 (a masked pair), even where the slope is infinite."""
+    g = torch.Generator().manual_seed(9)
+    p = torch.rand(3, 5, 21, generator=g, dtype=torch.float64).to(dtype)
+    p[..., ::4] = 0
+    dp = torch.randn(3, 5, 21, generator=g, dtype=torch.float64).to(dtype)
+    delta = torch.randn(3, 5, 1, generator=g, dtype=torch.float64).to(dtype)
+    slope = torch.rand(3, 5, 21, generator=g, dtype=torch.float64).to(dtype)
+    slope[..., ::8] = float("inf")
+    plain = p * (dp - delta)
+    want = torch.where(plain != 0, plain * slope * torch.tensor(0.3, dtype=dtype), 0)
+    got = native.softmax_grad_rows(p, dp.clone(), delta, slope, 0.3)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="slope must be contiguous"):
+        native.softmax_grad_rows(p, dp.clone(), delta, slope.transpose(-1, -2))
+
+
 @pytest.mark.parametrize("mask_shape", [(1, 1, 6, 37), (2, 1, 6, 37), (1, 3, 6, 1), (2, 3, 6, 37)])
 def test_softmax_steps_apply_a_broadcast_mask(mask_shape):
     """A forbidden pair counts as -inf whatever its score holds, NaN included."""

@@ -293,13 +293,26 @@ void exp_sub_rows_##SUFFIX(T *s, int64_t rows, int64_t cols, const T *lse,      
 
 #define DEFINE_SOFTMAX_GRAD(T, SUFFIX)                                                      \
 void softmax_grad_rows_##SUFFIX(const T *p, T *dp, int64_t rows, int64_t cols,              \
-                                const T *delta) {                                           \
-    /* dp <- p * (dp - delta[row]): d(loss)/d(scores) of a softmax tile. */                 \
+                                const T *delta, const T *slope, double scale_) {            \
+    /* dp <- p * (dp - delta[row]): d(loss)/d(scores) of a softmax tile. With a slope (a    \
+     * score modifier's derivative, from the generated mod_scores_ds), times slope * scale  \
+     * where that is not 0, never 0 * inf: mod_grads_ds's product, in this pass instead of  \
+     * one more over the tile. */                                                           \
+    const T scale = (T)scale_;                                                              \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         const T *pr = p + r * cols, d = delta[r];                                           \
         T *g = dp + r * cols;                                                               \
+        if (slope == 0) {                                                                   \
+            _Pragma("omp simd")                                                             \
+            for (int64_t j = 0; j < cols; j++) g[j] = pr[j] * (g[j] - d);                   \
+            continue;                                                                       \
+        }                                                                                   \
+        const T *sr = slope + r * cols;                                                     \
         _Pragma("omp simd")                                                                 \
-        for (int64_t j = 0; j < cols; j++) g[j] = pr[j] * (g[j] - d);                       \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            const T v = pr[j] * (g[j] - d);                                                 \
+            g[j] = v != 0 ? v * sr[j] * scale : 0;                                          \
+        }                                                                                   \
     }                                                                                       \
 }
 

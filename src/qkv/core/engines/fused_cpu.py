@@ -186,10 +186,12 @@ def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq
     _add_tensor_grads(sums, extras, spec.loops.tensors, tensor_grads)
 
 
-def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
-    """d(loss)/d(scores) = p (dp - delta) of a tile, in dp's memory."""
+def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor, slope: Tensor | None = None,
+                  scale: float = 1.0) -> Tensor:
+    """d(loss)/d(scores) = p (dp - delta) of a tile, in dp's memory; with ``slope`` (from a
+    modifier's C loops, which exist only with the C kernels), times slope · scale."""
     if native.available(p.dtype):
-        return native.softmax_grad_rows(p, dp, delta)
+        return native.softmax_grad_rows(p, dp, delta, slope, scale)
     return dp.sub_(delta).mul_(p)
 
 
@@ -254,7 +256,10 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
         # (MKL on a transposed left operand) on 128 x 512 tiles.
         sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
             do_t.flatten(0, 1).transpose(1, 2), kept.view(batch * hv, -1, k1 - k0))
-        ds = _softmax_grad(p, dp, delta_t)
+        # A modifier's slope (in raw, from scores_ds) and scale multiply ds in the same pass.
+        slope_in_ds = not graph and spec.mod_loops is not None and spec.mod_loops.keeps_slope
+        ds = (_softmax_grad(p, dp, delta_t, raw, spec.mod_scale) if slope_in_ds
+              else _softmax_grad(p, dp, delta_t))
         if graph:
             if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
                 continue
@@ -268,8 +273,8 @@ def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scrat
             ds = found[0]
             if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
                 continue
-        elif spec.mod_loops is not None and spec.mod_loops.keeps_slope:
-            spec.mod_loops.grads_ds(raw, ds, q0, k0, spec.offset, spec.mod_scale)
+        elif slope_in_ds:
+            pass  # ds is already the raw scores' gradient
         elif spec.mod_loops is not None and not spec.mod_loops.grads_are_scale:  # and scale
             _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
                 raw, ds, q0, k0, spec.offset, spec.mod_scale))

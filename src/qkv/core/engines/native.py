@@ -56,7 +56,7 @@ _SIGNATURES = {
     "l1_grads": [_PTR] * 5 + [_I64] * 8,
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
-    "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR],
+    "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_double],
     "edge_scores": [_I64] + [_PTR] * 5 + [_I64] * 7,
     "edge_scatter": [_PTR] * 5 + [_I64] * 8,
     "edge_kernel_grads": [_I64] + [_PTR] * 7 + [_I64] * 7,
@@ -329,14 +329,19 @@ def exp_sub_rows(s: Tensor, lse: Tensor, allowed: Tensor | None = None) -> Tenso
     return s
 
 
-def softmax_grad_rows(p: Tensor, dp: Tensor, delta: Tensor) -> Tensor:
+def softmax_grad_rows(p: Tensor, dp: Tensor, delta: Tensor, slope: Tensor | None = None,
+                      scale: float = 1.0) -> Tensor:
     """dp (..., n) <- p * (dp - delta) in place, for delta (..., 1): the gradient of a
-    softmax tile's scores. p and dp contiguous, same shape and dtype."""
+    softmax tile's scores; with ``slope`` (a score modifier's derivative, like p), that times
+    slope * scale where it is not 0. p, dp and slope contiguous, same shape and dtype."""
     if p.shape != dp.shape or not p.is_contiguous():
         raise ValueError("p must be contiguous, of dp's shape")
+    if slope is not None and (slope.numel() != p.numel() or not slope.is_contiguous()):
+        raise ValueError("slope must be contiguous, with one value per score")
     delta = delta.contiguous()
     _load()["softmax_grad_rows", p.dtype](p.data_ptr(), dp.data_ptr(), _rows(dp), dp.shape[-1],
-                                          delta.data_ptr())
+                                          delta.data_ptr(),
+                                          None if slope is None else slope.data_ptr(), scale)
     return dp
 
 

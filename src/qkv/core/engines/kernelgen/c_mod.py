@@ -36,7 +36,6 @@ _SIGNATURES = {
     "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
     "mod_grads": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
     "mod_scores_ds": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
-    "mod_grads_ds": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double],
 }
 
 
@@ -115,16 +114,6 @@ void mod_scores_ds({T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq,
         }}
     }}
 }}
-
-/* ds <- ds * dm * scale with dm from mod_scores_ds; 0 where ds is 0 (masked pairs). */
-void mod_grads_ds(const {T} *dm, {T} *ds, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
-                  int64_t q0, int64_t k0, int64_t offset, double scale_) {{
-    const {T} scale = ({T})scale_;
-    (void)q0; (void)k0; (void)offset;
-    const int64_t n = batch * heads * bq * bk;
-    _Pragma("omp simd")
-    for (int64_t j = 0; j < n; j++) ds[j] = {KEEP}(ds[j] * dm[j] * scale, ds[j] != 0);
-}}
 """
 
 
@@ -169,7 +158,7 @@ class ModLoops:
 
     def __init__(self, functions, slots: list[Tensor], values: list[Tensor],
                  grad_slots: list[int], needs_raw: bool, slope_is_one: bool = False):
-        self._scores, self._grads, self._scores_ds, self._grads_ds = functions
+        self._scores, self._grads, self._scores_ds = functions
         self.needs_raw = needs_raw  # whether ``grads`` reads the raw scores (softcap: yes)
         # d mod / d score = 1 and no tensor to differentiate (ALiBi, a bias table that needs
         # no gradient): ``grads`` would only multiply ds by the scale, a pass the engine skips.
@@ -201,16 +190,11 @@ class ModLoops:
     def scores_ds(self, raw: Tensor, dst: Tensor, q0: int, k0: int, offset: int,
                   scale: float) -> Tensor:
         """dst <- score_mod(scale · raw) and raw <- its derivative in the scaled score, in one
-        evaluation per pair (for ``grads_ds``; only when ``keeps_slope``)."""
+        evaluation per pair (the slope goes to ``native.softmax_grad_rows``; only when
+        ``keeps_slope``)."""
         self._scores_ds(raw.data_ptr(), dst.data_ptr(), *self._layout(raw, q0, k0, offset,
                                                                      scale), *self._pointers)
         return dst
-
-    def grads_ds(self, slope: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
-                 scale: float) -> None:
-        """ds <- ds · slope · scale in place, with ``slope`` from ``scores_ds``."""
-        self._grads_ds(slope.data_ptr(), ds.data_ptr(), *self._layout(slope, q0, k0, offset,
-                                                                      scale))
 
     def grads(self, src: Tensor, ds: Tensor, q0: int, k0: int, offset: int,
               scale: float) -> tuple[Tensor, ...]:
