@@ -212,9 +212,9 @@ def test_several_workers_agree_with_the_reference(monkeypatch):
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 5])
 @pytest.mark.parametrize("counts", [[16] * 16, list(range(1, 17)), [0, 3, 0, 7, 1, 1, 9, 2, 0]])
-def test_workers_get_near_equal_tile_counts(workers, counts):
-    """Every non-empty query block goes to exactly one worker, in ascending order; the loads
-    differ by at most one block's tiles, and a causal plan's split evenly across two."""
+def test_workers_get_near_equal_work(workers, counts):
+    """Every non-empty query block goes to exactly one worker, in ascending order; the keys
+    they visit differ by at most one block's, and a causal plan's split evenly across two."""
     plan = [[(0, 1, False)] * c for c in counts]
     parts = tiles.split_blocks(plan, workers)
     assert len(parts) == workers and all(part == sorted(part) for part in parts)
@@ -224,6 +224,19 @@ def test_workers_get_near_equal_tile_counts(workers, counts):
     if counts == list(range(1, 17)) and workers == 2:
         assert loads == [68, 68]
     assert tiles.split_blocks(plan, workers) == parts  # the same split every call
+
+
+def test_causal_split_weighs_spans_by_their_keys():
+    """A causal plan at N = 4096: 32 query blocks of 128, spans of up to 512 keys. Dealt in
+    turn, both workers get 72 spans, but 32,768 and 34,816 keys; by keys, 33,792 each."""
+    block_q, block_k, span_k = block_sizes(1, 8, 4096, 4096)
+    spec = spec_for(qkv.causal(), 4096, 4096, block_q, block_k, heads=8)
+    spec.span_k = span_k
+    plan = tile_plan(spec, torch.device("cpu"))
+    keys = [sum(k1 - k0 for k0, k1, _ in spans) for spans in plan]
+    assert keys == [128 * (i + 1) for i in range(32)]
+    parts = tiles.split_blocks(plan, 2)
+    assert [sum(keys[i] for i in part) for part in parts] == [33792, 33792]
 
 
 @pytest.mark.parametrize("order_free", [False, True])
