@@ -296,8 +296,8 @@ void softmax_grad_rows_##SUFFIX(const T *p, T *dp, int64_t rows, int64_t cols,  
                                 const T *delta, const T *slope, double scale_) {            \
     /* dp <- p * (dp - delta[row]): d(loss)/d(scores) of a softmax tile. With a slope (a    \
      * score modifier's derivative, from the generated mod_scores_ds), times slope * scale  \
-     * where that is not 0, never 0 * inf: mod_grads_ds's product, in this pass instead of  \
-     * one more over the tile. */                                                           \
+     * where that is not 0 (never 0 * inf), in this pass rather than one more over the      \
+     * tile. */                                                                             \
     const T scale = (T)scale_;                                                              \
     for (int64_t r = 0; r < rows; r++) {                                                    \
         const T *pr = p + r * cols, d = delta[r];                                           \
