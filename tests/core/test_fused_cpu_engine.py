@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv.core import EMPTY, FULL
-from qkv.core.engines import plan, tiles
+from qkv.core.engines import graph_gather, plan, tiles
 from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
@@ -195,6 +195,23 @@ def test_gather_path_dropout_gradients_match_finite_differences(monkeypatch):
     assert torch.autograd.gradcheck(call, (q, k, v))
 
 
+def test_several_workers_agree_with_the_reference_along_graph_chunks(monkeypatch):
+    """The graph engine's chunks split across two workers: forward from the shared queue,
+    backward by edges per worker."""
+    torch.set_num_threads(2)
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 16)
+    q, k, v = rand_qkv(2, 4, 2, 29, 31, 8, 3, requires_grad=True)
+    mask = qkv.graph(torch.rand(29, 31, generator=torch.Generator().manual_seed(4)) > 0.6)
+    out = qkv.attention(q, k, v, mask=mask, backend="graph")
+    ref = qkv.attention(q, k, v, mask=mask, backend="reference")
+    grads = torch.autograd.grad((out * ref.detach()).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * ref.detach()).sum(), (q, k, v))
+    assert rel_err(out, ref) < 1e-12
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-10
+
+
 def test_several_workers_agree_with_the_reference(monkeypatch):
     torch.set_num_threads(2)
     monkeypatch.setattr(tiles, "BLOCK_Q", 4)
@@ -216,14 +233,14 @@ def test_workers_get_near_equal_work(workers, counts):
     """Every non-empty query block goes to exactly one worker, in ascending order; the keys
     they visit differ by at most one block's, and a causal plan's split evenly across two."""
     plan = [[(0, 1, False)] * c for c in counts]
-    parts = tiles.split_blocks(plan, workers)
+    parts = tiles.split_blocks(plan, workers, len)
     assert len(parts) == workers and all(part == sorted(part) for part in parts)
     assert sorted(i for part in parts for i in part) == [i for i, c in enumerate(counts) if c]
     loads = [sum(counts[i] for i in part) for part in parts]
     assert max(loads) - min(loads) <= max(counts)
     if counts == list(range(1, 17)) and workers == 2:
         assert loads == [68, 68]
-    assert tiles.split_blocks(plan, workers) == parts  # the same split every call
+    assert tiles.split_blocks(plan, workers, len) == parts  # the same split every call
 
 
 def test_causal_split_weighs_spans_by_their_keys():
@@ -235,7 +252,7 @@ def test_causal_split_weighs_spans_by_their_keys():
     plan = tile_plan(spec, torch.device("cpu"))
     keys = [sum(k1 - k0 for k0, k1, _ in spans) for spans in plan]
     assert keys == [128 * (i + 1) for i in range(32)]
-    parts = tiles.split_blocks(plan, 2)
+    parts = tiles.split_blocks(plan, 2, tiles.keys_visited)
     assert [sum(keys[i] for i in part) for part in parts] == [33792, 33792]
 
 
@@ -246,13 +263,13 @@ def test_run_split_runs_every_block_once(order_free):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        ran = tiles.run_split(lambda blocks: list(blocks), plan, order_free=order_free)
+        ran = tiles.run_split(lambda blocks: list(blocks), plan, len, order_free=order_free)
     finally:
         torch.set_num_threads(threads)
     assert len(ran) == 2
     assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
     if not order_free:
-        assert ran == tiles.split_blocks(plan, 2)
+        assert ran == tiles.split_blocks(plan, 2, len)
 
 
 def test_block_sizes_shrink_for_many_heads():

@@ -43,6 +43,7 @@ from .tiles import (
     features,
     grad_sums,
     group_heads,
+    keys_visited,
     mod_tile,
     modify_scores,
     run_split,
@@ -159,7 +160,7 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
             for i in blocks:
                 _forward_block(spec, i, plan[i], fq, fk, v, out, lse, scratch)
 
-    run_split(rows, plan, order_free=True)
+    run_split(rows, plan, keys_visited, order_free=True)
     return out, lse
 
 
@@ -307,7 +308,7 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
                                 scratch)
         return sums
 
-    dfk, dv_t, *dextras = sum_worker_grads(run_split(rows, plan))
+    dfk, dv_t, *dextras = sum_worker_grads(run_split(rows, plan, keys_visited))
     return dfq, dfk, dv_t.transpose(-1, -2).contiguous(), dextras
 
 

@@ -207,6 +207,11 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
     _add_term_grads(spec, ds.squeeze(-1).contiguous(), fq_rows, fk_rows, t, s, sums, wanted)
 
 
+def _chunk_edges(chunk: tuple[int, int, int, int]) -> int:
+    """A chunk's work in ``run_split``: its edges."""
+    return chunk[3] - chunk[2]
+
+
 def _forward(spec, graph, fq_rows, fk_rows, v_rows) -> tuple[Tensor, Tensor]:
     """out (B, Nq, H, Dv) and lse (B, Nq, H, 1), chunk by chunk without a graph."""
     chunks = graph[2]
@@ -219,7 +224,7 @@ def _forward(spec, graph, fq_rows, fk_rows, v_rows) -> tuple[Tensor, Tensor]:
             for c in indices:
                 _forward_chunk(spec, c, chunks[c], graph, (fq_rows, fk_rows, v_rows), out, lse)
 
-    run_split(work, chunks)
+    run_split(work, chunks, _chunk_edges, order_free=True)  # each chunk writes its own rows
     return out, lse
 
 
@@ -240,7 +245,7 @@ def _backward(spec, graph, fq_rows, fk_rows, v_rows, out, lse, dout, dlse, wante
             _backward_chunk(spec, c, graph[2][c], graph, saved, wanted, sums)
         return sums
 
-    return sum_worker_grads(run_split(work, graph[2]))
+    return sum_worker_grads(run_split(work, graph[2], _chunk_edges))
 
 
 def _rows_of(t: Tensor) -> Tensor:

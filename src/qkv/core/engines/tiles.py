@@ -255,30 +255,31 @@ def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _keys_visited(spans: list[Span]) -> int:
+def keys_visited(spans: list[Span]) -> int:
+    """A query block's work in ``split_blocks``: the keys its spans visit."""
     return sum(k1 - k0 for k0, k1, _ in spans)
 
 
-def split_blocks(plan, workers: int) -> list[list[int]]:
-    """The non-empty query blocks of ``plan`` in ``workers`` parts of near-equal work (keys
-    visited), each in ascending order: the largest block first to the least-loaded part (ties
-    to the first). With equal blocks that deals them out in turn; under a causal mask, where
-    block i visits i + 1 key blocks, dealing in turn gave one of two workers 6-12 % more.
+def split_blocks(plan, workers: int, cost) -> list[list[int]]:
+    """The indices of the non-empty items of ``plan`` in ``workers`` parts of near-equal
+    ``cost(item)``, each in ascending order: the costliest item first to the least-loaded part
+    (ties to the first). With equal items that deals them out in turn; under a causal mask at
+    N=4096, dealing query blocks in turn gave two workers 32,768 and 34,816 keys to visit.
     The split depends on the plan only, so every run sums the gradients in the same order."""
-    blocks = [i for i, spans in enumerate(plan) if spans]
     loads, parts = [0] * workers, [[] for _ in range(workers)]
-    for i in sorted(blocks, key=lambda i: -_keys_visited(plan[i])):
+    for i in sorted((i for i, item in enumerate(plan) if item), key=lambda i: -cost(plan[i])):
         w = loads.index(min(loads))
         parts[w].append(i)
-        loads[w] += _keys_visited(plan[i])
+        loads[w] += cost(plan[i])
     return [sorted(part) for part in parts]
 
 
-def _shared_queue(plan) -> Callable[[], Iterator[int]]:
-    """A maker of iterators over one queue of the non-empty query blocks, largest first:
-    each block goes to whichever worker's iterator asks next (``deque.popleft`` is atomic)."""
-    queue = deque(sorted((i for i, spans in enumerate(plan) if spans),
-                         key=lambda i: -_keys_visited(plan[i])))
+def _shared_queue(plan, cost) -> Callable[[], Iterator[int]]:
+    """A maker of iterators over one queue of the indices of the non-empty items of ``plan``,
+    costliest first: each goes to whichever worker's iterator asks next (``deque.popleft``
+    is atomic)."""
+    queue = deque(sorted((i for i, item in enumerate(plan) if item),
+                         key=lambda i: -cost(plan[i])))
 
     def take():
         while True:
@@ -290,21 +291,22 @@ def _shared_queue(plan) -> Callable[[], Iterator[int]]:
     return take
 
 
-def run_split(task, plan, order_free: bool = False) -> list:
-    """Run ``task(blocks)`` on torch's thread count of workers, each given its part of the
-    non-empty query blocks (``split_blocks``); with ``order_free`` (a task whose results do
-    not depend on which worker ran which block, as the forward's rows), an iterator over one
-    shared queue instead: the two cores of a shared machine often run 10-20 % apart, and a
-    fixed split waits for the slower.
+def run_split(task, plan, cost, order_free: bool = False) -> list:
+    """Run ``task(indices)`` on torch's thread count of workers over the non-empty items of
+    ``plan`` (query blocks' spans, or graph chunks), each worker given its part by
+    ``split_blocks`` with ``cost``; with ``order_free`` (a task whose results do not depend
+    on which worker ran which item, as the forward's rows), an iterator over one shared queue
+    instead: the two cores of a shared machine often run 10-20 % apart, and a fixed split
+    waits for the slower.
 
     Each worker runs its ops single-threaded. One parallel region per worker, instead of one
     per small tile op, keeps both cores busy without a barrier per op; on a shared machine a
     per-op barrier across cores costs more than the op itself."""
     global _POOL
-    blocks = [i for i, tiles in enumerate(plan) if tiles]
-    workers = max(1, min(torch.get_num_threads(), len(blocks)))
+    items = [i for i, item in enumerate(plan) if item]
+    workers = max(1, min(torch.get_num_threads(), len(items)))
     if workers == 1:
-        return [task(blocks)]
+        return [task(items)]
     if _POOL is None or _POOL._max_workers < workers:
         _POOL = ThreadPoolExecutor(workers, thread_name_prefix="qkv-fused")
     threads = torch.get_num_threads()
@@ -315,10 +317,10 @@ def run_split(task, plan, order_free: bool = False) -> list:
 
     try:
         if order_free:
-            take = _shared_queue(plan)
+            take = _shared_queue(plan, cost)
             parts = [take() for _ in range(workers)]
         else:
-            parts = split_blocks(plan, workers)
+            parts = split_blocks(plan, workers, cost)
         futures = [_POOL.submit(single_threaded, part) for part in parts]
         return [f.result() for f in futures]
     finally:
