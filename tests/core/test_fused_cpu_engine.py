@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv.core import EMPTY, FULL
-from qkv.core.engines import graph_gather, plan, tiles
+from qkv.core.engines import graph_gather, plan, tiles, workers
 from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
@@ -227,20 +227,20 @@ def test_several_workers_agree_with_the_reference(monkeypatch):
         assert rel_err(g, r) < 1e-10
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 5])
 @pytest.mark.parametrize("counts", [[16] * 16, list(range(1, 17)), [0, 3, 0, 7, 1, 1, 9, 2, 0]])
-def test_workers_get_near_equal_work(workers, counts):
+def test_workers_get_near_equal_work(n_workers, counts):
     """Every non-empty query block goes to exactly one worker, in ascending order; the keys
     they visit differ by at most one block's, and a causal plan's split evenly across two."""
     plan = [[(0, 1, False)] * c for c in counts]
-    parts = tiles.split_blocks(plan, workers, len)
-    assert len(parts) == workers and all(part == sorted(part) for part in parts)
+    parts = workers.split_blocks(plan, n_workers, len)
+    assert len(parts) == n_workers and all(part == sorted(part) for part in parts)
     assert sorted(i for part in parts for i in part) == [i for i, c in enumerate(counts) if c]
     loads = [sum(counts[i] for i in part) for part in parts]
     assert max(loads) - min(loads) <= max(counts)
-    if counts == list(range(1, 17)) and workers == 2:
+    if counts == list(range(1, 17)) and n_workers == 2:
         assert loads == [68, 68]
-    assert tiles.split_blocks(plan, workers, len) == parts  # the same split every call
+    assert workers.split_blocks(plan, n_workers, len) == parts  # the same split every call
 
 
 def test_causal_split_weighs_spans_by_their_keys():
@@ -252,7 +252,7 @@ def test_causal_split_weighs_spans_by_their_keys():
     plan = tile_plan(spec, torch.device("cpu"))
     keys = [sum(k1 - k0 for k0, k1, _ in spans) for spans in plan]
     assert keys == [128 * (i + 1) for i in range(32)]
-    parts = tiles.split_blocks(plan, 2, tiles.keys_visited)
+    parts = workers.split_blocks(plan, 2, tiles.keys_visited)
     assert [sum(keys[i] for i in part) for part in parts] == [33792, 33792]
 
 
@@ -263,13 +263,13 @@ def test_run_split_runs_every_block_once(order_free):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        ran = tiles.run_split(lambda blocks: list(blocks), plan, len, order_free=order_free)
+        ran = workers.run_split(lambda blocks: list(blocks), plan, len, order_free=order_free)
     finally:
         torch.set_num_threads(threads)
     assert len(ran) == 2
     assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
     if not order_free:
-        assert ran == tiles.split_blocks(plan, 2, len)
+        assert ran == workers.split_blocks(plan, 2, len)
 
 
 def test_block_sizes_shrink_for_many_heads():

@@ -46,7 +46,6 @@ from .tiles import (
     keys_visited,
     mod_tile,
     modify_scores,
-    run_split,
     score_features,
     scratch_for,
     sum_worker_grads,
@@ -57,6 +56,7 @@ from .tiles import (
     tile_scores,
     tile_spec,
 )
+from .workers import run_split
 
 
 def _needs_grad(p: Problem) -> bool:

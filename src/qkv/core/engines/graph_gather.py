@@ -19,7 +19,7 @@ a user's term in loops generated from it (``kernelgen.c``, which also return the
 gradients of the tensors it reads). Without a C library, or for a term that does not trace,
 they run in torch by gathering rows per edge and evaluating the term's own definition
 (``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
-threads like the tile engine's query blocks (``run_split``).
+threads like the tile engine's query blocks (``workers.run_split``).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from .tiles import (
     extra_tensors,
     features,
     grad_sums,
-    run_split,
     sum_worker_grads,
     tile_spec,
 )
+from .workers import run_split
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -208,7 +208,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
 
 
 def _chunk_edges(chunk: tuple[int, int, int, int]) -> int:
-    """A chunk's work in ``run_split``: its edges."""
+    """A chunk's work for ``run_split``: its edges."""
     return chunk[3] - chunk[2]
 
 

@@ -276,13 +276,12 @@ def l1_grads(ds: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _add_l1_tile_grads(ds: Tensor, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor) -> tuple:
-    add_l1_grads(ds, q, k, dq, dk)
+    add_l1_grads(ds, q, k, dq, dk)  # looked up at call time, as l1_scores below
     return ()  # L1 reads no tensor
 
 
 # Looked up at call time, so the module's functions stay the one place to change (or patch).
-_L1_LOOPS = TileLoops(lambda q, k, out=None: l1_scores(q, k, out),
-                      lambda ds, q, k, dq, dk: _add_l1_tile_grads(ds, q, k, dq, dk))
+_L1_LOOPS = TileLoops(lambda q, k, out=None: l1_scores(q, k, out), _add_l1_tile_grads)
 
 
 def _rows(t: Tensor) -> int:

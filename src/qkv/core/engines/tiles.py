@@ -11,9 +11,6 @@ Nothing here restates a similarity, modifier or mask formula.
 from __future__ import annotations
 
 import functools
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -252,79 +249,9 @@ def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
     return torch.rand(shape, generator=gen, device=device) >= spec.dropout_p
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
 def keys_visited(spans: list[Span]) -> int:
-    """A query block's work in ``split_blocks``: the keys its spans visit."""
+    """A query block's work for ``workers.run_split``: the keys its spans visit."""
     return sum(k1 - k0 for k0, k1, _ in spans)
-
-
-def split_blocks(plan, workers: int, cost) -> list[list[int]]:
-    """The indices of the non-empty items of ``plan`` in ``workers`` parts of near-equal
-    ``cost(item)``, each in ascending order: the costliest item first to the least-loaded part
-    (ties to the first). With equal items that deals them out in turn; under a causal mask at
-    N=4096, dealing query blocks in turn gave two workers 32,768 and 34,816 keys to visit.
-    The split depends on the plan only, so every run sums the gradients in the same order."""
-    loads, parts = [0] * workers, [[] for _ in range(workers)]
-    for i in sorted((i for i, item in enumerate(plan) if item), key=lambda i: -cost(plan[i])):
-        w = loads.index(min(loads))
-        parts[w].append(i)
-        loads[w] += cost(plan[i])
-    return [sorted(part) for part in parts]
-
-
-def _shared_queue(plan, cost) -> Callable[[], Iterator[int]]:
-    """A maker of iterators over one queue of the indices of the non-empty items of ``plan``,
-    costliest first: each goes to whichever worker's iterator asks next (``deque.popleft``
-    is atomic)."""
-    queue = deque(sorted((i for i, item in enumerate(plan) if item),
-                         key=lambda i: -cost(plan[i])))
-
-    def take():
-        while True:
-            try:
-                yield queue.popleft()
-            except IndexError:
-                return
-
-    return take
-
-
-def run_split(task, plan, cost, order_free: bool = False) -> list:
-    """Run ``task(indices)`` on torch's thread count of workers over the non-empty items of
-    ``plan`` (query blocks' spans, or graph chunks), each worker given its part by
-    ``split_blocks`` with ``cost``; with ``order_free`` (a task whose results do not depend
-    on which worker ran which item, as the forward's rows), an iterator over one shared queue
-    instead: the two cores of a shared machine often run 10-20 % apart, and a fixed split
-    waits for the slower.
-
-    Each worker runs its ops single-threaded. One parallel region per worker, instead of one
-    per small tile op, keeps both cores busy without a barrier per op; on a shared machine a
-    per-op barrier across cores costs more than the op itself."""
-    global _POOL
-    items = [i for i, item in enumerate(plan) if item]
-    workers = max(1, min(torch.get_num_threads(), len(items)))
-    if workers == 1:
-        return [task(items)]
-    if _POOL is None or _POOL._max_workers < workers:
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="qkv-fused")
-    threads = torch.get_num_threads()
-
-    def single_threaded(part):
-        torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
-        return task(part)
-
-    try:
-        if order_free:
-            take = _shared_queue(plan, cost)
-            parts = [take() for _ in range(workers)]
-        else:
-            parts = split_blocks(plan, workers, cost)
-        futures = [_POOL.submit(single_threaded, part) for part in parts]
-        return [f.result() for f in futures]
-    finally:
-        torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
 
 
 def elementwise_needs_grad(spec: TileSpec) -> bool:
