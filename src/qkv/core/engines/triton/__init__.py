@@ -17,6 +17,10 @@ from .variant import trace_variant
 
 __all__ = ["MAX_HEAD_DIM", "kernel_id", "plan", "unsupported"]
 
+# Looked up once: Dynamo refuses to trace importlib (torch 2.11 skips find_spec), and
+# ``unsupported`` runs inside a compiled qkv.attention on CUDA tensors.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
 
 def unsupported(p: Problem) -> str | None:
     """Why the kernels cannot run this problem on any device (None if they can).
@@ -26,7 +30,7 @@ def unsupported(p: Problem) -> str | None:
     traces, Dynamo cannot follow qkv's own tracer, so the variant is not traced here: one the
     Triton tracer cannot compile raises its reason when the compiled call first runs,
     instead of falling back to another engine."""
-    if importlib.util.find_spec("triton") is None:
+    if not HAS_TRITON:
         return "triton is not installed"
     if p.q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the Triton kernels run float32, float16 and bfloat16, not {p.q.dtype}"

@@ -38,10 +38,10 @@ def coarsen(states: Tensor, factor_m: int, factor_n: int) -> Tensor:
              factor_n)
     all_empty = empty.view(shape).amin(dim=(3, 5)).bool()
     all_full = full.view(shape).amin(dim=(3, 5)).bool()
+    # torch.where, not boolean indexing: on CUDA that would wait for the GPU on every call.
     coarse = torch.full(all_empty.shape, PARTIAL, dtype=torch.uint8, device=states.device)
-    coarse[all_empty] = EMPTY
-    coarse[all_full] = FULL
-    return coarse
+    coarse = torch.where(all_empty, EMPTY, coarse)
+    return torch.where(all_full, FULL, coarse)
 
 
 def _table(states: Tensor) -> Tensor:
@@ -53,11 +53,24 @@ def _table(states: Tensor) -> Tensor:
     return torch.cat([*counts, order], dim=-1).to(torch.int32).contiguous()
 
 
+def _ragged_partial(states: Tensor, nk: int, block_n: int) -> Tensor:
+    """A ragged last key tile is never FULL: its padding columns must still be masked out."""
+    if nk % block_n == 0:
+        return states
+    last = torch.arange(states.shape[-1], device=states.device) == states.shape[-1] - 1
+    return torch.where(last & (states == FULL), PARTIAL, states)
+
+
+def row_table(states: Tensor, nk: int, block_n: int) -> Tensor:
+    """Key tiles per query tile (the forward and dQ kernels)."""
+    return _table(_ragged_partial(states, nk, block_n))
+
+
+def column_table(states: Tensor, nk: int, block_n: int) -> Tensor:
+    """Query tiles per key tile (the dK/dV kernel)."""
+    return _table(_ragged_partial(states, nk, block_n).transpose(-1, -2))
+
+
 def block_tables(states: Tensor, nk: int, block_n: int) -> tuple[Tensor, Tensor]:
-    """Row and column tables. A ragged last key tile is never FULL: its padding columns must
-    still be masked out."""
-    if nk % block_n:
-        states = states.clone()
-        last = states[..., -1]
-        last[last == FULL] = PARTIAL
-    return _table(states), _table(states.transpose(-1, -2))
+    """Row and column tables."""
+    return row_table(states, nk, block_n), column_table(states, nk, block_n)

@@ -10,7 +10,8 @@ score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
 from . import kernels
-from .blocks import block_tables, classify, coarsen
+from .blocks import classify, coarsen, column_table, row_table
 from .terms import TRACED, kernel_id
 from .variant import TracedVariant, trace_variant
 
@@ -48,20 +49,30 @@ class Tiling:
     block_d: int
 
 
-def choose_tiling(kernel: int, d_pad: int, on_gpu: bool) -> Tiling:
-    """Tile shapes per kernel kind and padded head dim. Not autotuned (the block tables are
-    built for one tiling before launch); picked so that sm_90 builds do not spill registers
-    at D = 64, 128 and 256 (checked with the bundled ptxas, not timed on a GPU)."""
+def choose_tiling(kernel: int, d_pad: int, on_gpu: bool, element_bytes: int = 2) -> Tiling:
+    """Tile shapes per kernel kind, padded head dim and element size. Not autotuned (the block
+    tables are built for one tiling before launch). Each fits the 227 KiB of shared memory of
+    an sm_90 block (test_triton_compile.py checks it with the bundled ptxas); the D = 128
+    backward was timed on an H200 (benchmarks/triton_tiling.py), the rest not yet."""
     if not on_gpu:  # the interpreter: small tiles, several per axis even on tiny tests
         small = Tiles(16, 16, 1, 1)
         return Tiling(small, small, small, min(d_pad, 64))
     if kernel in (2, TRACED):  # CUDA cores, D in chunks
         return Tiling(Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), 4)
     if d_pad <= 64:
-        return Tiling(Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 4, 2), d_pad)
-    if d_pad <= 128:
-        return Tiling(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 8, 2), d_pad)
-    return Tiling(Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(32, 32, 8, 2), d_pad)
+        tiling = Tiling(Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 4, 2), d_pad)
+    elif d_pad <= 128:
+        # Backward 64 x 64 with 4 warps: fwd+bwd 19.4 -> 14.7 ms against 128 x 64 / 32 x 64
+        # with 8 (dot, bf16, B=2 H=16 N=8192, H200, 2026-11-26; causal 11.4 -> 9.2 ms).
+        tiling = Tiling(Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3), d_pad)
+    else:
+        tiling = Tiling(Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(32, 32, 8, 2), d_pad)
+    if element_bytes <= 2:
+        return tiling
+    # fp32 tiles take twice the shared memory: at D = 128 the dQ kernel's 128 x 64 tiles in
+    # three stages need 288 KiB. Half the resident rows and two stages fit.
+    return Tiling(*(Tiles(max(t.block_m // 2, 32), t.block_n, t.num_warps, min(t.num_stages, 2))
+                    for t in (tiling.fwd, tiling.dq, tiling.dkv)), tiling.block_d)
 
 
 @dataclass
@@ -104,13 +115,26 @@ class KernelPlan:
     variant: Variant
     kernel: int
     tiling: Tiling
-    fwd_rows: Tensor
-    dq_rows: Tensor
-    dkv_cols: Tensor
+    fine: Tensor  # tile states at the finest tiles of the three kernels, (fine_m, fine_n)
+    fine_m: int
+    fine_n: int
+    nk: int
     offset: int
     precision: str
     dropout_p: float
     seed: int  # dropout's Philox seed, drawn from torch's generator once per call
+    tables: dict = field(default_factory=dict, repr=False)
+
+    def table(self, t: Tiles, by_keys: bool = False) -> Tensor:
+        """Key tiles per query tile for kernel tiles ``t`` (query tiles per key tile if
+        ``by_keys``), made when a kernel first needs it: a forward without gradients builds
+        one table, not three."""
+        key = (t, by_keys)
+        if key not in self.tables:
+            states = coarsen(self.fine, t.block_m // self.fine_m, t.block_n // self.fine_n)
+            make = column_table if by_keys else row_table
+            self.tables[key] = make(states, self.nk, t.block_n)
+        return self.tables[key]
 
 
 def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropout_p: float,
@@ -121,22 +145,17 @@ def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropo
     nk = fk.shape[2]
     if mask is not None:
         mask.check(batch, heads, nq, nk)
-    tiling = choose_tiling(kernel, _pad(fq.shape[-1]), fq.is_cuda)
+    tiling = choose_tiling(kernel, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
     tiles = (tiling.fwd, tiling.dq, tiling.dkv)
     fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)
-    fine = classify(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device)
-
-    def tables(t: Tiles) -> tuple[Tensor, Tensor]:
-        states = coarsen(fine, t.block_m // fine_m, t.block_n // fine_n)
-        return block_tables(states, nk, t.block_n)
-
     return KernelPlan(
         variant=variant,
         kernel=kernel,
         tiling=tiling,
-        fwd_rows=tables(tiling.fwd)[0],
-        dq_rows=tables(tiling.dq)[0],
-        dkv_cols=tables(tiling.dkv)[1],
+        fine=classify(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
+        fine_m=fine_m,
+        fine_n=fine_n,
+        nk=nk,
         offset=nk - nq,
         precision="ieee" if fq.dtype == torch.float32 else "tf32",
         dropout_p=dropout_p,
@@ -159,14 +178,20 @@ def _strides(t: Tensor) -> tuple[int, ...]:
 
 def _slot_args(slots: list[Tensor], device) -> tuple[list[Tensor], Tensor]:
     """Slot pointers (padded with a dummy) and their int64 info (strides, numel, bit length)."""
-    info = torch.zeros(MAX_SLOTS, SLOT_INFO, dtype=torch.int64)
-    args = []
+    info = [[0] * SLOT_INFO for _ in range(MAX_SLOTS)]
     for i, t in enumerate(slots):
-        info[i, : t.dim()] = torch.tensor(t.stride(), dtype=torch.int64)
-        info[i, 4:] = torch.tensor([t.numel(), t.numel().bit_length()])
-        args.append(t.view(torch.uint8) if t.dtype == torch.bool else t)
-    info = info.view(-1).to(device)
-    return args + [info] * (MAX_SLOTS - len(args)), info
+        info[i][: t.dim()] = t.stride()
+        info[i][4:6] = t.numel(), t.numel().bit_length()
+    table = _info_on(tuple(v for row in info for v in row), torch.device(device))
+    args = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in slots]
+    return args + [table] * (MAX_SLOTS - len(args)), table
+
+
+@functools.lru_cache(maxsize=256)
+def _info_on(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """The slot info on ``device``, copied once per layout: a copy from pageable host memory
+    waits for the kernels queued before it, and every call would pay that wait. Read-only."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _common(plan: KernelPlan, q: Tensor, k: Tensor, v: Tensor) -> dict:
@@ -186,7 +211,8 @@ def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, 
     out = torch.empty(batch, heads, nq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, nq, dtype=torch.float32, device=q.device)
     slot_args, strides = _slot_args(slots, q.device)
-    t, table = plan.tiling.fwd, plan.fwd_rows
+    t = plan.tiling.fwd
+    table = plan.table(t)
     kernels.fwd_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, out, lse, scale, table, *slot_args, strides,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(table),
@@ -203,7 +229,8 @@ def attention_weights(plan: KernelPlan, q, k, lse, scale, slots) -> Tensor:
     nk = k.shape[2]
     weights = torch.zeros(batch, heads, nq, nk, dtype=q.dtype, device=q.device)
     slot_args, info = _slot_args(slots, q.device)
-    t, table = plan.tiling.fwd, plan.fwd_rows
+    t = plan.tiling.fwd
+    table = plan.table(t)
     common = _common(plan, q, k, k)
     del common["DV_PAD"]
     kernels.weights_kernel[(-(-nq // t.block_m), batch * heads)](
@@ -244,7 +271,8 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn, TERM_DQ_FN=term_dq,
                   TERM_DK_FN=term_dk, TERM_GRAD=bool(need_slots), TERM_GRAD_FN=term_grad)
     strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
-    t, table = plan.tiling.dkv, plan.dkv_cols
+    t = plan.tiling.dkv
+    table = plan.table(t, by_keys=True)
     kernels.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
         q, k, v, grad_out, lse, delta, scale, table, dk, dvv, *slot_args, strides,
         *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
@@ -252,7 +280,8 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         **common,
     )
-    t, table = plan.tiling.dq, plan.dq_rows
+    t = plan.tiling.dq
+    table = plan.table(t)
     kernels.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, scale, table, dq, dscale, *slot_args, strides, *grad_args,
         *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed, plan.dropout_p,

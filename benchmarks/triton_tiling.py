@@ -1,0 +1,108 @@
+"""The Triton kernels' tile shapes on a GPU: forward and forward+backward TFLOP/s of plain and
+causal dot attention for candidate tilings, side by side, with SDPA's fastest backend in the
+same run (bf16, B·N = 16k).
+
+The engine is not autotuned (its block tables are built for one tiling before launch), so
+``function.choose_tiling`` is what this script replaces, one candidate at a time.
+
+    python benchmarks/triton_tiling.py --d 128 --n 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+from qkv.core.engines.triton import function
+from qkv.core.engines.triton.function import Tiles, Tiling
+
+# (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)
+CANDIDATES = {
+    "now": None,
+    "fwd 128x128 w8 s3": ((128, 128, 8, 3), None, None),
+    "fwd 128x64 w4 s3": ((128, 64, 4, 3), None, None),
+    "fwd 64x64 w4 s4": ((64, 64, 4, 4), None, None),
+    "bwd dq 64x64 w4, dkv 64x64 w4": (None, (64, 64, 4, 3), (64, 64, 4, 3)),
+}
+
+
+ORIGINAL = function.choose_tiling
+
+
+def _patched(candidate):
+    def choose(kernel, d_pad, on_gpu, element_bytes=2):
+        now = ORIGINAL(kernel, d_pad, on_gpu, element_bytes)
+        if candidate is None:
+            return now
+        fwd, dq, dkv = (now_t if c is None else Tiles(*c)
+                        for c, now_t in zip(candidate, (now.fwd, now.dq, now.dkv), strict=True))
+        return Tiling(fwd, dq, dkv, now.block_d)
+
+    return choose
+
+
+def _ms(fn, reps=20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    args = parser.parse_args()
+    batch = max(1, 16384 // args.n)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(batch, args.heads, args.n, args.d, device="cuda", generator=g,
+                           dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    flops = {False: 4.0 * batch * args.heads * args.n**2 * args.d}
+    flops[True] = flops[False] / 2
+
+    def tflops(fl, ms):
+        return fl / ms / 1e9
+
+    print(f"{torch.cuda.get_device_name()}, bf16, B={batch} H={args.heads} N={args.n} "
+          f"D={args.d}\n")
+    print("| tiling | causal | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms |")
+    print("|---|---|---|---|---|---|")
+    for causal in (False, True):
+        def sdpa(*t, causal=causal):
+            return F.scaled_dot_product_attention(*t, is_causal=causal)
+
+        rows = [("SDPA (its own choice)", sdpa)]
+        for name in CANDIDATES:
+            def ours(*t, causal=causal):
+                return qkv.attention(*t, mask=qkv.causal() if causal else None,
+                                     backend="triton")
+            rows.append((name, ours))
+        for name, fn in rows:
+            function.choose_tiling = _patched(CANDIDATES.get(name))
+            try:
+                with torch.no_grad():
+                    fwd = _ms(lambda fn=fn: fn(q, k, v))
+                both = _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
+            except Exception as e:  # a tiling that does not fit: say so, go on
+                print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:60]} | | | |")
+                continue
+            print(f"| {name} | {causal} | {tflops(flops[causal], fwd):.0f} | "
+                  f"{tflops(3.5 * flops[causal], both):.0f} | {fwd:.2f} | {both:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
