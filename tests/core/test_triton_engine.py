@@ -99,23 +99,24 @@ WEIGHT_CASES = {
 }
 
 
-def _mask(name: str | None, b: int, nq: int, nk: int):
-    lengths = torch.tensor([nk - 3, 5][:b])
-    ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 30 + [1] * 10])
+def _mask(name: str | None, b: int, nq: int, nk: int, device="cpu"):
+    lengths = torch.tensor([nk - 3, 5][:b], device=device)
+    ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 30 + [1] * 10], device=device)
+    doc = _DOC.to(device)
     makers = {
         None: lambda: None,
         "causal": qkv.causal,
         "sliding": lambda: qkv.sliding_window(9, 2),
         "padding": lambda: qkv.padding(lengths),
         "segments": lambda: qkv.segments(ids),
-        "graph": lambda: qkv.graph(_edges(nq, nk)),
-        "dense": lambda: _dense(b, nq, nk),
+        "graph": lambda: qkv.graph(_edges(nq, nk).to(device)),
+        "dense": lambda: _dense(b, nq, nk).to(device),
         "combined": lambda: (qkv.causal() | qkv.sliding_window(0, 2)) & qkv.padding(lengths),
         "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
-        "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk)),
+        "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk).to(device)),
         # Python's floor semantics on negative operands, whatever the backend's division does.
         "flex_doc": lambda: qkv.custom_mask(
-            lambda b, h, q, kv: _DOC[b][q] == _DOC[b][kv]
+            lambda b, h, q, kv: doc[b][q] == doc[b][kv]
         ),
         "floor_division": lambda: qkv.custom_mask(
             lambda b, h, q, kv: (((q - kv) // 3) % 2 == 0) | (q // 4 == kv // 4)
@@ -127,10 +128,10 @@ def _mask(name: str | None, b: int, nq: int, nk: int):
 _DOC = torch.stack([torch.arange(64) // 16, torch.arange(64) // 10])  # (2, 64) document ids
 
 
-def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
-    """Learnable tensors a case's score modifier or metric reads."""
+def _leaves(name: str | None, heads: int, d: int) -> list[torch.Tensor]:
+    """Values of the learnable tensors a case's score modifier or metric reads."""
     g = torch.Generator().manual_seed(5)
-    made = {
+    return {
         "alibi": [torch.rand(heads, generator=g) + 0.1],
         "relative_bias": [torch.randn(32, heads, generator=g)],
         "user": [torch.tensor(0.7)],
@@ -138,7 +139,6 @@ def _leaves(name: str | None, heads: int, d: int, dtype) -> list[torch.Tensor]:
         "mahalanobis": [torch.eye(d) + 0.2 * torch.randn(heads, d, d, generator=g)],
         "heads": [torch.rand(heads, generator=g) * 0.3 + 0.1],
     }.get(name, [])
-    return [t.to(dtype).requires_grad_() for t in made]
 
 
 def _score_mod(name: str | None, leaves: list[torch.Tensor]):
@@ -159,23 +159,33 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
     return lambda s, b, h, q, kv: torch.where(q >= kv, s * temperature, s - 1.0) + torch.tanh(s)
 
 
-def build_case(name: str, dtype: torch.dtype, return_weights: bool = False):
-    """The problem for a case in ``dtype``, its differentiable inputs and an upstream grad."""
+def build_case(name: str, dtype: torch.dtype, return_weights: bool = False, device="cpu",
+               values_in: torch.dtype | None = None):
+    """The problem for a case in ``dtype`` on ``device``, its differentiable inputs and an
+    upstream grad. ``values_in`` rounds every drawn value through that dtype first, so that a
+    float64 reference sees exactly the values a bf16 or fp16 run gets."""
     spec, (b, h, hkv, nq, nk, d, dv) = {**CASES, **WEIGHT_CASES}[name]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return t.to(values_in or dtype).to(device=device, dtype=dtype)
+
+    q, k, v = (place(torch.randn(*shape, generator=g)).requires_grad_()
                for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
     sim = spec.get("similarity", "dot")
-    mod_leaves = _leaves(spec.get("score_mod"), h, d, dtype)
-    metric = _leaves("mahalanobis", h, d, dtype) if SIMILARITIES[sim].needs_metric else []
-    scale = _leaves(spec.get("scale"), h, d, dtype)
+    mod_leaves, metric, scale = (
+        [place(t).requires_grad_() for t in _leaves(kind, h, d)]
+        for kind in (spec.get("score_mod"),
+                     "mahalanobis" if SIMILARITIES[sim].needs_metric else None,
+                     spec.get("scale"))
+    )
     problem = build_problem(
-        q, k, v, mask=_mask(spec.get("mask"), b, nq, nk),
+        q, k, v, mask=_mask(spec.get("mask"), b, nq, nk, device),
         score_mod=_score_mod(spec.get("score_mod"), mod_leaves), similarity=sim,
         scale=scale[0] if scale else None, metric=metric[0] if metric else None,
         dropout_p=0.0, return_weights=return_weights,
     )
-    grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
+    grad_out = place(torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)))
     term_tensors = list(SIMILARITIES[sim].tensors())  # shared by the fp32 and float64 runs
     return problem, [q, k, v, *metric, *mod_leaves, *scale, *term_tensors], grad_out
 
@@ -185,7 +195,8 @@ def _relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_triton(problem):
-    """The Triton engine's plan for ``problem`` run in the interpreter: out, or (out, weights)."""
+    """The Triton engine's plan for ``problem`` (in the interpreter on CPU): out, or (out,
+    weights)."""
     runner = triton_engine.plan(problem, on_cpu=True)
     assert not isinstance(runner, str), runner
     result = runner()
@@ -197,10 +208,11 @@ def run_reference(problem):
     return (out, weights) if problem.return_weights else out
 
 
-def run_case(name: str) -> dict:
-    """Runs in the interpreter subprocess: errors of output and every gradient vs float64."""
+def run_case(name: str, device="cpu", dtype=torch.float32) -> dict:
+    """Errors of output and every gradient vs float64 (run in the interpreter subprocess, or
+    on CUDA by test_triton_cuda.py)."""
 
-    problem, inputs, grad_out = build_case(name, torch.float32)
+    problem, inputs, grad_out = build_case(name, dtype, device=device)
     reason = triton_engine.unsupported(problem)
     if reason is not None:
         return {"error": f"unsupported: {reason}"}
@@ -208,15 +220,17 @@ def run_case(name: str) -> dict:
     out = run_triton(problem)
     grads = torch.autograd.grad(out, inputs, grad_out)
     seconds = time.perf_counter() - start
-    ref_problem, ref_inputs, _ = build_case(name, torch.float64)
+    ref_problem, ref_inputs, _ = build_case(name, torch.float64, values_in=dtype)
     ref = run_reference(ref_problem)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double().cpu())
+    out, grads = out.cpu(), [t.cpu() for t in grads]
     empty_rows = ref.abs().amax(-1) == 0
     exact_zero = bool((out[empty_rows] == 0).all() and (grads[0][empty_rows] == 0).all())
     return {
         "seconds": seconds,
         "out": _relative_error(out, ref),
         "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
+        "scalar": [t.numel() == 1 for t in inputs],  # summed over every pair
         "empty_rows": int(empty_rows.sum()),
         "empty_rows_exact": exact_zero,
     }
@@ -235,15 +249,16 @@ def run_weights_case(name: str) -> dict:
     return {"out": _relative_error(out, ref_out), "weights": _relative_error(weights, ref_weights)}
 
 
-def run_dropout_case() -> dict:
-    """Runs in the interpreter subprocess. Dropout draws its own random numbers, so the
+def run_dropout_case(device="cpu") -> dict:
+    """Runs in the interpreter subprocess (or on CUDA). Dropout draws its own random numbers, so the
     reference reuses the kernels' keep mask, read from the weights of a run with the same seed:
     out, weights and gradients must then match float64."""
     from qkv.core.reference import expand_kv_heads, masked_softmax, scores_of
 
     dropout_p = 0.3
     g = torch.Generator().manual_seed(0)
-    base = [torch.randn(2, h, n, 40, generator=g) for h, n in ((2, 24), (1, 40), (1, 40))]
+    base = [torch.randn(2, h, n, 40, generator=g).to(device)
+            for h, n in ((2, 24), (1, 40), (1, 40))]
 
     def problem(tensors, weights):
         return build_problem(*tensors, mask=qkv.causal(), score_mod=qkv.alibi(2),
@@ -256,9 +271,10 @@ def run_dropout_case() -> dict:
     torch.manual_seed(7)
     inputs = [t.clone().requires_grad_() for t in base]
     out = run_triton(problem(inputs, False))
-    grad_out = torch.randn(out.shape, generator=g)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    ref_inputs = [t.double().requires_grad_() for t in base]
+    grad_out = torch.randn(out.shape, generator=g).to(device)
+    grads = [t.cpu() for t in torch.autograd.grad(out, inputs, grad_out)]
+    out, weights, grad_out = out.cpu(), weights.cpu(), grad_out.cpu()
+    ref_inputs = [t.double().cpu().requires_grad_() for t in base]
     probabilities, _ = masked_softmax(scores_of(problem(ref_inputs, False), *ref_inputs[:2]))
     ref_weights = probabilities * (weights != 0) / (1 - dropout_p)
     ref = ref_weights @ expand_kv_heads(ref_inputs[2], 2)
@@ -271,14 +287,15 @@ def run_dropout_case() -> dict:
     }
 
 
-def run_lse_sinks_case() -> dict:
-    """Runs in the interpreter subprocess: the kernels' lse (natural units, -inf on rows with
-    no key) and sinks applied on it, with gradients through both, against float64."""
+def run_lse_sinks_case(device="cpu") -> dict:
+    """Runs in the interpreter subprocess (or on CUDA): the kernels' lse (natural units, -inf
+    on rows with no key) and sinks applied on it, with gradients through both, vs float64."""
     from qkv.core.api import with_sinks
 
     g = torch.Generator().manual_seed(3)
-    base = [torch.randn(2, h, n, 40, generator=g) for h, n in ((4, 30), (2, 24), (2, 24))]
-    sinks = torch.randn(4, generator=g)
+    base = [torch.randn(2, h, n, 40, generator=g).to(device)
+            for h, n in ((4, 30), (2, 24), (2, 24))]
+    sinks = torch.randn(4, generator=g).to(device)
     weight = torch.randn(2, 4, 30, generator=g)
 
     def loss(tensors, sink, runner):
@@ -286,7 +303,7 @@ def run_lse_sinks_case() -> dict:
                                 similarity="l1", needs_lse=True)
         result = runner(problem)
         out, lse, _ = with_sinks(result.out, result.lse, None, sink)
-        return out, lse, out.square().sum() + (lse * weight).sum()
+        return out, lse, out.square().sum() + (lse * weight.to(lse)).sum()
 
     def triton_runner(problem):
         return triton_engine.plan(problem, on_cpu=True)()
@@ -297,8 +314,9 @@ def run_lse_sinks_case() -> dict:
 
     inputs = [t.clone().requires_grad_() for t in (*base, sinks)]
     out, lse, total = loss(inputs[:3], inputs[3], triton_runner)
-    grads = torch.autograd.grad(total, inputs)
-    ref_inputs = [t.double().requires_grad_() for t in (*base, sinks)]
+    grads = [t.cpu() for t in torch.autograd.grad(total, inputs)]
+    out, lse = out.cpu(), lse.cpu()
+    ref_inputs = [t.double().cpu().requires_grad_() for t in (*base, sinks)]
     ref_out, ref_lse, ref_total = loss(ref_inputs[:3], ref_inputs[3], reference_runner)
     ref_grads = torch.autograd.grad(ref_total, ref_inputs)
     return {

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The Triton engine on a GPU, in at most three runs of one device call each:
+#
+#   benchmarks/gpu_suite.sh tests OUT_DIR   # the CUDA test module vs float64 (fp32, bf16, fp16)
+#   benchmarks/gpu_suite.sh d128 OUT_DIR    # attention_gpu.py at D=128 (the issue's targets)
+#   benchmarks/gpu_suite.sh d64 OUT_DIR     # attention_gpu.py at D=64
+#
+# Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR.
+# Without a GPU (any machine, a clean checkout) the tests skip with their reason and the
+# benchmark runs its --smoke mode in Triton's interpreter, so the script itself is checked.
+# Environment: PYTHON (default python3), WORKERS (pytest-xdist workers, default 12),
+# TESTS_TIMEOUT / BENCH_BUDGET (seconds; defaults fit a 10-minute call).
+set -uo pipefail
+
+stages=${1:?usage: gpu_suite.sh tests|d128|d64[,...] OUT_DIR}
+out=${2:?usage: gpu_suite.sh tests|d128|d64[,...] OUT_DIR}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+mkdir -p "$out"
+cd "$root" || exit 1
+export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    gpu=1
+else
+    gpu=0
+    export TRITON_INTERPRET=1
+fi
+
+run_tests() {
+    local errors
+    errors=$(mktemp -d)
+    local xdist=()
+    if [ "$gpu" = 1 ] && "$py" -c 'import xdist' 2>/dev/null; then
+        xdist=(-n "${WORKERS:-12}")
+    fi
+    QKV_GPU_RESULTS=$errors timeout "${TESTS_TIMEOUT:-240}" "$py" -m pytest -q -p no:cacheprovider \
+        "${xdist[@]}" tests/core/test_triton_cuda.py 2>&1 | tee "$out/cuda_tests.log"
+    local status=${PIPESTATUS[0]}
+    "$py" - "$errors" "$out/cuda_errors.json" <<'EOF'
+import glob, json, sys
+merged = {}
+for path in glob.glob(f"{sys.argv[1]}/*.json"):
+    merged.update(json.load(open(path)))
+json.dump(merged, open(sys.argv[2], "w"), indent=1, sort_keys=True)
+worst = {}
+for name, r in merged.items():
+    dtype = name.rsplit("/", 1)[1] if "/" in name else "fp32"
+    out = r.get("out", 0.0)
+    grads = max(r.get("grads") or r.get("errors") or [0.0])
+    best = worst.setdefault(dtype, [0.0, "", 0.0, ""])
+    if out > best[0]:
+        best[0:2] = out, name
+    if grads > best[2]:
+        best[2:4] = grads, name
+print(f"\nerrors vs float64 ({len(merged)} results):")
+for dtype, (out, on, grads, gn) in sorted(worst.items()):
+    print(f"  {dtype}: worst out {out:.2e} ({on}); worst gradient {grads:.2e} ({gn})")
+EOF
+    rm -rf "$errors"
+    return "$status"
+}
+
+run_bench() {  # $1 = head dim
+    local args=(--d "$1")
+    if [ "$gpu" = 0 ]; then
+        args=(--smoke)
+    elif [ "$1" = 128 ]; then
+        args+=(--n 8192 1024)
+    else
+        args+=(--n 1024 4096 16384)
+    fi
+    "$py" benchmarks/attention_gpu.py "${args[@]}" --budget-s "${BENCH_BUDGET:-420}" 2>&1 \
+        | tee "$out/bench_d$1.md"
+    return "${PIPESTATUS[0]}"
+}
+
+status=0
+IFS=, read -ra wanted <<< "$stages"
+for stage in "${wanted[@]}"; do
+    echo "== $stage ($(date -u +%H:%M:%S), gpu=$gpu)"
+    case $stage in
+        tests) run_tests || status=1 ;;
+        d128) run_bench 128 || status=1 ;;
+        d64) run_bench 64 || status=1 ;;
+        *) echo "unknown stage '$stage': expected tests, d128 or d64" >&2; exit 2 ;;
+    esac
+done
+exit "$status"
