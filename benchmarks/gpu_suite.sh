@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The Triton engine on a GPU, in at most three runs of one device call each:
+# The Triton engine on a GPU, one stage per device call (or several joined, as time allows):
 #
 #   benchmarks/gpu_suite.sh tests OUT_DIR   # the CUDA test module vs float64 (fp32, bf16, fp16)
 #   benchmarks/gpu_suite.sh d128 OUT_DIR    # attention_gpu.py at D=128 (the issue's targets)
 #   benchmarks/gpu_suite.sh d64 OUT_DIR     # attention_gpu.py at D=64
+#   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64
 #
 # Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR.
 # Without a GPU (any machine, a clean checkout) the tests skip with their reason and the
@@ -12,8 +13,8 @@
 # TESTS_TIMEOUT / BENCH_BUDGET (seconds; defaults fit a 10-minute call).
 set -uo pipefail
 
-stages=${1:?usage: gpu_suite.sh tests|d128|d64[,...] OUT_DIR}
-out=${2:?usage: gpu_suite.sh tests|d128|d64[,...] OUT_DIR}
+stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles[,...] OUT_DIR}
+out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles[,...] OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -75,6 +76,17 @@ run_bench() {  # $1 = head dim
     return "${PIPESTATUS[0]}"
 }
 
+run_tiles() {
+    if [ "$gpu" = 0 ]; then
+        echo "tiles: needs a GPU (CUDA events); skipped"
+        return 0
+    fi
+    { "$py" benchmarks/triton_tiling.py --d 128 --n 8192 --heads 16 \
+        && "$py" benchmarks/triton_tiling.py --d 64 --n 8192 --heads 32; } 2>&1 \
+        | tee "$out/tiles.md"
+    return "${PIPESTATUS[0]}"
+}
+
 status=0
 IFS=, read -ra wanted <<< "$stages"
 for stage in "${wanted[@]}"; do
@@ -83,7 +95,8 @@ for stage in "${wanted[@]}"; do
         tests) run_tests || status=1 ;;
         d128) run_bench 128 || status=1 ;;
         d64) run_bench 64 || status=1 ;;
-        *) echo "unknown stage '$stage': expected tests, d128 or d64" >&2; exit 2 ;;
+        tiles) run_tiles || status=1 ;;
+        *) echo "unknown stage '$stage': expected tests, d128, d64 or tiles" >&2; exit 2 ;;
     esac
 done
 exit "$status"
