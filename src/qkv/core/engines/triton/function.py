@@ -69,8 +69,9 @@ def choose_tiling(kernel: int, d_pad: int, on_gpu: bool, element_bytes: int = 2)
         tiling = Tiling(Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(32, 32, 8, 2), d_pad)
     if element_bytes <= 2:
         return tiling
-    # fp32 tiles take twice the shared memory: at D = 128 the dQ kernel's 128 x 64 tiles in
-    # three stages need 288 KiB. Half the resident rows and two stages fit.
+    # fp32 tiles take twice the shared memory: at D = 128 the bf16 shapes need 224.5 KiB of
+    # the 227 (Triton 3.9, compiled as launched). Half the resident rows and two stages need
+    # at most 113 KiB; these ran on an H200.
     return Tiling(*(Tiles(max(t.block_m // 2, 32), t.block_n, t.num_warps, min(t.num_stages, 2))
                     for t in (tiling.fwd, tiling.dq, tiling.dkv)), tiling.block_d)
 
