@@ -37,15 +37,16 @@ class _Recorder:
 
 def _record_launches(monkeypatch, problem):
     from qkv.core.engines import triton as triton_engine
-    from qkv.core.engines.triton import function, kernels
+    from qkv.core.engines.triton import backward, function, kernels
 
     choose = function.choose_tiling
     monkeypatch.setattr(function, "choose_tiling",
                         lambda kernel, d, _, size: choose(kernel, d, True, size))
     recorders = {}
-    for name in ("fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel", "weights_kernel"):
-        recorders[name] = _Recorder(getattr(kernels, name))
-        monkeypatch.setattr(kernels, name, recorders[name])
+    for module, name in ((kernels, "fwd_kernel"), (backward, "bwd_kv_kernel"),
+                         (backward, "bwd_q_kernel"), (kernels, "weights_kernel")):
+        recorders[name] = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
     runner = triton_engine.plan(problem, on_cpu=True)
     assert not isinstance(runner, str), runner
     if problem.return_weights:

@@ -70,6 +70,9 @@ CASES = {
     "dot_bool_tensor": ({"mask": "dense"}, (2, 1, 1, 40, 40, 40, 24)),
     "l2_combined_masks": ({"similarity": "l2", "mask": "combined"}, (2, 1, 1, 40, 40, 40, 24)),
     "dot_custom_mask": ({"mask": "custom"}, BASE),
+    # Full tiles that are not consecutive (0 and 2 of each axis): the kernels look them up in
+    # the block table instead of counting them.
+    "dot_full_tiles_with_gaps": ({"mask": "gaps"}, (1, 2, 1, 40, 64, 40, 24)),
     "dot_alibi_learned_slopes": ({"mask": "causal", "score_mod": "alibi"}, BASE),
     "dot_relative_bias_table": ({"score_mod": "relative_bias"}, BASE),
     "dot_softcap_sliding": ({"mask": "sliding", "score_mod": "softcap"}, BASE),
@@ -113,6 +116,8 @@ def _mask(name: str | None, b: int, nq: int, nk: int, device="cpu"):
         "dense": lambda: _dense(b, nq, nk).to(device),
         "combined": lambda: (qkv.causal() | qkv.sliding_window(0, 2)) & qkv.padding(lengths),
         "custom": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q - kv) % 3 == 0) | (kv < 4)),
+        "gaps": lambda: qkv.custom_mask(lambda b, h, q, kv: ((q // 16) % 2 == 0)
+                                        & ((kv // 16) % 2 == 0)),
         "not_causal_or_graph": lambda: ~qkv.causal() | qkv.graph(_edges(nq, nk).to(device)),
         # Python's floor semantics on negative operands, whatever the backend's division does.
         "flex_doc": lambda: qkv.custom_mask(
@@ -393,6 +398,13 @@ def test_lse_and_sinks_match_float64_with_gradients(interpreter_results):
 def test_weights_with_gradients_needed_are_refused_with_a_reason():
     problem, _, _ = build_case("weights_l1_causal_gqa", torch.float32, return_weights=True)
     assert "log-sum-exp without a gradient" in triton_engine.unsupported(problem)
+
+
+def test_gaps_case_has_full_tiles_that_are_not_consecutive():
+    problem, _, _ = build_case("dot_full_tiles_with_gaps", torch.float64)
+    states = classify(problem.mask, 1, 2, problem.nq, problem.nk, 16, 16, "cpu")[0, 0]
+    full = (states == FULL).nonzero().tolist()
+    assert full == [[0, 0], [0, 2], [2, 0], [2, 2]], full
 
 
 def test_rows_without_keys_case_really_has_them():

@@ -22,7 +22,7 @@ from ...result import Result
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
-from . import kernels
+from . import backward, kernels
 from .blocks import classify, coarsen, column_table, row_table
 from .terms import TRACED, kernel_id
 from .variant import TracedVariant, trace_variant
@@ -274,7 +274,7 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
     t = plan.tiling.dkv
     table = plan.table(t, by_keys=True)
-    kernels.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
+    backward.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
         q, k, v, grad_out, lse, delta, scale, table, dk, dvv, *slot_args, strides,
         *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
         plan.seed, plan.dropout_p,
@@ -283,7 +283,7 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     )
     t = plan.tiling.dq
     table = plan.table(t)
-    kernels.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
+    backward.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, scale, table, dq, dscale, *slot_args, strides, *grad_args,
         *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed, plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
