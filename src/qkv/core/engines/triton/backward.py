@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import dropout_keep, load_rows, logits, pair_scores
+from .kernels import dropout_keep, key_tile, load_rows, logits, pair_scores, tile_run
 
 
 @triton.jit
@@ -77,10 +77,10 @@ def _dkv_tile(tile, dk, dv, col_sum, k, v, Qb, Kb, DOb, DKb, LSE, DELTA, offs_n,
     lse = tl.load(LSE + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
     delta = tl.load(DELTA + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=0.0)
     z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3,
-                     AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-                     TERM_FN)
+                    AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                    TERM_FN)
     s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3,
-                AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+               AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -153,9 +153,8 @@ def bwd_kv_kernel(
         for phase in tl.static_range(2):
             lo = 0 if phase == 0 else n_partial
             count = n_partial if phase == 0 else n_full
-            first = tl.load(col + 2 + lo, mask=count > 0, other=0)
-            last = tl.load(col + 1 + lo + count, mask=count > 0, other=0)
-            if phase == 1 and last - first == count - 1:  # counted, as in fwd_kernel
+            first, consecutive = tile_run(col, lo, count)
+            if phase == 1 and consecutive:  # full tiles, usually one run
                 for j in range(0, count):
                     dk, dv, col_sum = _dkv_tile(
                         first + j,
@@ -195,16 +194,10 @@ def _dq_tile(tile, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs
              PRECISION: tl.constexpr, TERM_FN: tl.constexpr, TERM_DQ_FN: tl.constexpr,
              TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
     """One key tile of the dQ kernel: (dq, row_sum, dscale) updated."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
-    k = q
-    if KERNEL < 2:  # the other terms load D in chunks
-        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
-    v = load_rows(Vb, offs_n, svn, NK, DVD, offs_v)
-    z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                     KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
-    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
-                KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    offs_n, kv_idx, k, v, z, s = key_tile(
+        tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ, NK,
+        OFFSET, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK,
+        HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -277,9 +270,8 @@ def bwd_q_kernel(
     for phase in tl.static_range(2):
         lo = 0 if phase == 0 else n_partial
         count = n_partial if phase == 0 else n_full
-        first = tl.load(row + 2 + lo, mask=count > 0, other=0)
-        last = tl.load(row + 1 + lo + count, mask=count > 0, other=0)
-        if phase == 1 and last - first == count - 1:  # counted, as in fwd_kernel
+        first, consecutive = tile_run(row, lo, count)
+        if phase == 1 and consecutive:  # full tiles, usually one run
             for j in range(0, count):
                 dq, row_sum, dscale = _dq_tile(
                     first + j, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs_m,

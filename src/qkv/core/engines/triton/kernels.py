@@ -57,9 +57,9 @@ def load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
 
 @triton.jit
 def pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                 KERNEL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
+                KERNEL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
     """z (BLOCK_M, BLOCK_N) fp32. For neg_sqdist it is unclamped (callers clamp at 0)."""
     if KERNEL == 0:
         z = tl.dot(q, tl.trans(k), input_precision=PRECISION)
@@ -90,8 +90,8 @@ def pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, 
 
 @triton.jit
 def logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
-            KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
-            MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr):
+           KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
+           MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr):
     """Base-2 logits: mod(scale·z)·log2 e, -inf outside the mask (and beyond Nk)."""
     if KERNEL == 1:
         z = tl.minimum(z, 0.0)
@@ -115,6 +115,39 @@ def dropout_keep(seed, bh, offs_m, offs_n, NK, DROPOUT_P):
 
 
 @triton.jit
+def tile_run(table_row, lo, count):
+    """The first of the ``count`` tiles listed from ``lo`` in a block-table row, and whether
+    they are consecutive. A consecutive run is counted, not looked up: with the index loaded
+    from the table inside the loop, Triton's pipeliner waits for every copy before each tile
+    (cp.async.wait_group 0 in the PTX) instead of keeping a stage in flight."""
+    first = tl.load(table_row + 2 + lo, mask=count > 0, other=0)
+    last = tl.load(table_row + 1 + lo + count, mask=count > 0, other=0)
+    return first, last - first == count - 1
+
+
+@triton.jit
+def key_tile(tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ,
+             NK, OFFSET, A0, A1, A2, A3, AS, D: tl.constexpr, DV: tl.constexpr,
+             D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr,
+             HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr,
+             MOD_FN: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
+    """Key tile ``tile`` against a program's query rows: its offsets, kv_idx, k (for the
+    chunked terms, q: they load D in chunks), v, the pair scores z and the base-2 logits s."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
+    k = q
+    if KERNEL < 2:
+        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
+    v = load_rows(Vb, offs_n, svn, NK, DV, offs_v)
+    z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+                    KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
+    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
+               KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    return offs_n, kv_idx, k, v, z, s
+
+
+@triton.jit
 def _fwd_tile(tile, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h,
               pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS,
               D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -123,16 +156,10 @@ def _fwd_tile(tile, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx,
               HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, DROPOUT: tl.constexpr,
               PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
     """One key tile of the forward's online softmax: (m_i, l_i, acc) updated."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
-    k = q
-    if KERNEL < 2:  # the other terms load D in chunks
-        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
-    v = load_rows(Vb, offs_n, svn, NK, DV, offs_v)
-    z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                     KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
-    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
-                KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    offs_n, kv_idx, k, v, z, s = key_tile(
+        tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ, NK,
+        OFFSET, A0, A1, A2, A3, AS, D, DV, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK,
+        HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -179,13 +206,8 @@ def fwd_kernel(
     for phase in tl.static_range(2):
         lo = 0 if phase == 0 else n_partial
         count = n_partial if phase == 0 else n_full
-        # Consecutive tiles (full ones usually are) are counted, not looked up: with the
-        # index loaded from the table inside the loop, Triton's pipeliner waits for every
-        # copy before each tile (cp.async.wait_group 0 in the PTX) instead of keeping two in
-        # flight.
-        first = tl.load(row + 2 + lo, mask=count > 0, other=0)
-        last = tl.load(row + 1 + lo + count, mask=count > 0, other=0)
-        if phase == 1 and last - first == count - 1:
+        first, consecutive = tile_run(row, lo, count)
+        if phase == 1 and consecutive:  # full tiles, usually one run
             for j in range(0, count):
                 m_i, l_i, acc = _fwd_tile(
                     first + j, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx,
@@ -247,9 +269,9 @@ def weights_kernel(
             if KERNEL < 2:  # the other terms load D in chunks
                 k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
             z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                             KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
+                            KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
             s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
-                        KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+                       KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
             if DROPOUT:
                 kept = dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
