@@ -32,12 +32,10 @@ from .test_triton_engine import (
     TOLERANCE,
     WEIGHT_CASES,
     _relative_error,
-    build_case,
     run_case,
     run_dropout_case,
     run_lse_sinks_case,
-    run_reference,
-    run_triton,
+    run_weights_case,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -88,13 +86,10 @@ def test_matrix_matches_float64_forward_and_gradients(name, dtype):
 
 @pytest.mark.parametrize("name", list(WEIGHT_CASES))
 def test_weights_from_saved_lse(name):
-    with torch.no_grad():
-        problem, _, _ = build_case(name, torch.float32, return_weights=True, device="cuda")
-        out, weights = run_triton(problem)
-        ref_out, ref_weights = run_reference(build_case(name, torch.float64, True)[0])
-    errors = _relative_error(out.cpu(), ref_out), _relative_error(weights.cpu(), ref_weights)
-    RESULTS[f"weights_{name}"] = {"out": errors[0], "weights": errors[1]}
-    assert max(errors) < TOLERANCE, errors
+    result = run_weights_case(name, "cuda")
+    RESULTS[f"weights_{name}"] = result
+    assert "error" not in result, result["error"]
+    assert max(result["out"], result["weights"]) < TOLERANCE, result
 
 
 def test_dropout_with_the_kernels_keep_mask():

@@ -23,7 +23,7 @@ import torch
 import qkv
 from qkv.core.engines import engine_names
 from qkv.core.engines import triton as triton_engine
-from qkv.core.engines.triton.blocks import block_tables, classify, coarsen
+from qkv.core.engines.triton.blocks import classify, coarsen, column_table, row_table
 from qkv.core.masks import EMPTY, FULL, PARTIAL
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
@@ -241,17 +241,19 @@ def run_case(name: str, device="cpu", dtype=torch.float32) -> dict:
     }
 
 
-def run_weights_case(name: str) -> dict:
-    """Runs in the interpreter subprocess: errors of output and weights vs float64."""
+def run_weights_case(name: str, device="cpu") -> dict:
+    """Runs in the interpreter subprocess (or on CUDA): errors of output and weights vs
+    float64."""
 
     with torch.no_grad():
-        problem, _, _ = build_case(name, torch.float32, return_weights=True)
+        problem, _, _ = build_case(name, torch.float32, return_weights=True, device=device)
         reason = triton_engine.unsupported(problem)
         if reason is not None:
             return {"error": f"unsupported: {reason}"}
         out, weights = run_triton(problem)
         ref_out, ref_weights = run_reference(build_case(name, torch.float64, True)[0])
-    return {"out": _relative_error(out, ref_out), "weights": _relative_error(weights, ref_weights)}
+    return {"out": _relative_error(out.cpu(), ref_out),
+            "weights": _relative_error(weights.cpu(), ref_weights)}
 
 
 def run_dropout_case(device="cpu") -> dict:
@@ -485,11 +487,11 @@ def test_coarsened_tile_states_equal_direct_classification(mask):
 def test_block_tables_list_partial_then_full_and_never_empty():
     states = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, PARTIAL]]]],
                           dtype=torch.uint8)
-    rows, cols = block_tables(states, nk=64, block_n=16)
+    rows, cols = row_table(states, nk=64, block_n=16), column_table(states, nk=64, block_n=16)
     assert rows[0, 0, 0].tolist()[:5] == [1, 2, 2, 0, 3]
     assert rows[0, 0, 1].tolist()[:3] == [1, 0, 3]
     assert cols[0, 0, 3].tolist()[:4] == [1, 1, 1, 0]
-    ragged, _ = block_tables(states, nk=60, block_n=16)  # last key tile padded: never FULL
+    ragged = row_table(states, nk=60, block_n=16)  # last key tile padded: never FULL
     assert ragged[0, 0, 0].tolist()[:5] == [2, 1, 2, 3, 0]
 
 

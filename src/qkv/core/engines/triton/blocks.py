@@ -70,7 +70,3 @@ def column_table(states: Tensor, nk: int, block_n: int) -> Tensor:
     """Query tiles per key tile (the dK/dV kernel)."""
     return _table(_ragged_partial(states, nk, block_n).transpose(-1, -2))
 
-
-def block_tables(states: Tensor, nk: int, block_n: int) -> tuple[Tensor, Tensor]:
-    """Row and column tables."""
-    return row_table(states, nk, block_n), column_table(states, nk, block_n)

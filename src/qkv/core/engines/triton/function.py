@@ -116,9 +116,7 @@ class KernelPlan:
     variant: Variant
     kernel: int
     tiling: Tiling
-    fine: Tensor  # tile states at the finest tiles of the three kernels, (fine_m, fine_n)
-    fine_m: int
-    fine_n: int
+    fine: Tensor  # tile states at the finest tiles of the three kernels (fine_tiles)
     nk: int
     offset: int
     precision: str
@@ -132,10 +130,18 @@ class KernelPlan:
         one table, not three."""
         key = (t, by_keys)
         if key not in self.tables:
-            states = coarsen(self.fine, t.block_m // self.fine_m, t.block_n // self.fine_n)
+            fine_m, fine_n = fine_tiles(self.tiling)
+            states = coarsen(self.fine, t.block_m // fine_m, t.block_n // fine_n)
             make = column_table if by_keys else row_table
             self.tables[key] = make(states, self.nk, t.block_n)
         return self.tables[key]
+
+
+def fine_tiles(tiling: Tiling) -> tuple[int, int]:
+    """(rows, keys) of the smallest tiles of the three kernels: every kernel's tile states are
+    coarsened from a classification at this size."""
+    tiles = (tiling.fwd, tiling.dq, tiling.dkv)
+    return min(t.block_m for t in tiles), min(t.block_n for t in tiles)
 
 
 def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropout_p: float,
@@ -147,15 +153,12 @@ def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropo
     if mask is not None:
         mask.check(batch, heads, nq, nk)
     tiling = choose_tiling(kernel, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
-    tiles = (tiling.fwd, tiling.dq, tiling.dkv)
-    fine_m, fine_n = min(t.block_m for t in tiles), min(t.block_n for t in tiles)
+    fine_m, fine_n = fine_tiles(tiling)
     return KernelPlan(
         variant=variant,
         kernel=kernel,
         tiling=tiling,
         fine=classify(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
-        fine_m=fine_m,
-        fine_n=fine_n,
         nk=nk,
         offset=nk - nq,
         precision="ieee" if fq.dtype == torch.float32 else "tf32",
