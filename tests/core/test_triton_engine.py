@@ -23,8 +23,8 @@ import torch
 import qkv
 from qkv.core.engines import engine_names
 from qkv.core.engines import triton as triton_engine
-from qkv.core.engines.triton.blocks import classify, coarsen, column_table, row_table
-from qkv.core.masks import EMPTY, FULL, PARTIAL
+from qkv.core.engines.triton.blocks import classify
+from qkv.core.masks import FULL
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
 from qkv.core.similarity import SIMILARITIES
@@ -469,30 +469,6 @@ def test_too_many_captured_tensors_is_a_clear_error():
         return s
 
     assert "at most 4" in triton_engine.unsupported(_user_problem(mod))
-
-
-@pytest.mark.parametrize(
-    "mask",
-    [qkv.causal(), qkv.sliding_window(20, 3), qkv.segments(torch.arange(100) // 30),
-     qkv.graph(_edges(100, 100), num_nodes=100),
-     qkv.custom_mask(lambda b, h, q, kv: (q + kv) % 7 < 3)],
-    ids=["causal", "sliding", "segments", "graph", "custom"],
-)
-def test_coarsened_tile_states_equal_direct_classification(mask):
-    fine = classify(mask, 1, 1, 100, 100, 16, 16, "cpu")
-    direct = classify(mask, 1, 1, 100, 100, 32, 64, "cpu")
-    assert torch.equal(coarsen(fine, 2, 4), direct)
-
-
-def test_block_tables_list_partial_then_full_and_never_empty():
-    states = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, PARTIAL]]]],
-                          dtype=torch.uint8)
-    rows, cols = row_table(states, nk=64, block_n=16), column_table(states, nk=64, block_n=16)
-    assert rows[0, 0, 0].tolist()[:5] == [1, 2, 2, 0, 3]
-    assert rows[0, 0, 1].tolist()[:3] == [1, 0, 3]
-    assert cols[0, 0, 3].tolist()[:4] == [1, 1, 1, 0]
-    ragged = row_table(states, nk=60, block_n=16)  # last key tile padded: never FULL
-    assert ragged[0, 0, 0].tolist()[:5] == [2, 1, 2, 3, 0]
 
 
 def run_compile_case(name: str) -> dict:

@@ -60,6 +60,11 @@ class Mask(Node):
         """Tensors the rule reads (moved along with the problem's device)."""
         return ()
 
+    def layout_key(self) -> tuple | None:
+        """A hashable key that, with the problem's shape, fixes ``tile_states``; None when the
+        rule reads tensors or user code, which can change between calls."""
+        return None
+
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:
         """The mask as a bool tensor of shape (B|1, H|1, Nq, Nk); True = may attend."""
         self.check(batch, heads, nq, nk)
@@ -114,10 +119,7 @@ def _reduce_tiles(allowed: Tensor, block_q: int, block_k: int, kb: int) -> Tenso
     shape = (bsz, hsz, qb, block_q, kb, block_k)
     has_any = any_.reshape(shape).any(dim=5).any(dim=3)
     has_all = all_.reshape(shape).all(dim=5).all(dim=3)
-    states = torch.full(has_any.shape, PARTIAL, dtype=torch.uint8, device=allowed.device)
-    states[~has_any] = EMPTY
-    states[has_all] = FULL
-    return states
+    return states_from(has_all, ~has_any)
 
 
 def tile_bounds(n: int, block: int, device) -> tuple[Tensor, Tensor]:
@@ -128,10 +130,10 @@ def tile_bounds(n: int, block: int, device) -> tuple[Tensor, Tensor]:
 
 def states_from(full: Tensor, empty: Tensor) -> Tensor:
     """Tile states (uint8) from bool tensors of FULL and EMPTY tiles; the rest PARTIAL."""
-    states = torch.full(full.shape, PARTIAL, dtype=torch.uint8, device=full.device)
-    states[empty] = EMPTY
-    states[full] = FULL
-    return states
+    # torch.where, not boolean indexing: on CUDA that waits for the GPU (a nonzero) every call.
+    partial = torch.full((), PARTIAL, dtype=torch.uint8, device=full.device)
+    states = torch.where(empty, torch.zeros_like(partial), partial)
+    return torch.where(full, torch.full_like(partial, FULL), states)
 
 
 class CausalMask(Mask):
@@ -144,6 +146,9 @@ class CausalMask(Mask):
         return SlidingWindowMask(None, 0).tile_states(
             batch, heads, nq, nk, block_q, block_k, device
         )
+
+    def layout_key(self):
+        return (type(self),)
 
     def __repr__(self) -> str:
         return "causal()"
@@ -177,6 +182,9 @@ class SlidingWindowMask(Mask):
             full = full & (k0 >= q1 - self.left)
             empty = empty | (k1 < q0 - self.left)
         return as_4d(states_from(full, empty))
+
+    def layout_key(self):
+        return (type(self), self.left, self.right)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.left}, {self.right})"
@@ -445,6 +453,10 @@ class AndMask(Mask):
             b, h, q_idx, kv_idx, offset
         )
 
+    def layout_key(self):
+        a, b = self.a.layout_key(), self.b.layout_key()
+        return None if a is None or b is None else (type(self), a, b)
+
     def tile_states(self, *args, **kwargs):
         # EMPTY < PARTIAL < FULL: a tile is as open as its more closed side.
         return torch.minimum(
@@ -485,6 +497,10 @@ class NotMask(Mask):
 
     def tile_states(self, *args, **kwargs):
         return FULL - self.inner.tile_states(*args, **kwargs)
+
+    def layout_key(self):
+        inner = self.inner.layout_key()
+        return None if inner is None else (type(self), inner)
 
     def __repr__(self) -> str:
         return f"~{self.inner!r}"

@@ -4,9 +4,15 @@ A row table (B|1, H|1, QB, 2 + KB) int32 lists, per query tile: the number of PA
 tiles, the number of FULL key tiles, then their indices (partial first, then full, each in
 ascending order). A column table (B|1, H|1, KB, 2 + QB) lists query tiles per key tile, for
 the dK/dV kernel. EMPTY tiles are never listed, so the kernels never visit them.
+
+Classifying and sorting take dozens of small GPU operations, as long as the kernels of a
+sparse mask on a long sequence: a mask that reads no tensors (``Mask.layout_key``) keeps
+its layout between calls of the same shape, as a FlexAttention user keeps a BlockMask.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -70,3 +76,47 @@ def column_table(states: Tensor, nk: int, block_n: int) -> Tensor:
     """Query tiles per key tile (the dK/dV kernel)."""
     return _table(_ragged_partial(states, nk, block_n).transpose(-1, -2))
 
+
+
+class BlockLayout:
+    """The tile states at the finest tiles (``fine_m`` x ``fine_n``) of a call's kernels, and
+    the block tables coarsened from them, each made when a kernel first needs it: a forward
+    without gradients builds one table, not three."""
+
+    def __init__(self, fine: Tensor, fine_m: int, fine_n: int, nk: int):
+        self.fine, self.fine_m, self.fine_n, self.nk = fine, fine_m, fine_n, nk
+        self.tables: dict[tuple[int, int, bool], Tensor] = {}
+
+    def table(self, block_m: int, block_n: int, by_keys: bool = False) -> Tensor:
+        """Key tiles per query tile of block_m x block_n tiles (query tiles per key tile if
+        ``by_keys``). Read-only: a layout may serve later calls."""
+        key = (block_m, block_n, by_keys)
+        if key not in self.tables:
+            states = coarsen(self.fine, block_m // self.fine_m, block_n // self.fine_n)
+            make = column_table if by_keys else row_table
+            self.tables[key] = make(states, self.nk, block_n)
+        return self.tables[key]
+
+
+_KEPT_LAYOUTS = 64
+_layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
+
+
+def block_layout(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, fine_m: int,
+                 fine_n: int, device) -> BlockLayout:
+    """The layout of ``mask`` on a (batch, heads, nq, nk) problem: the one kept from an
+    earlier call where the mask's layout_key allows (the last 64 kept), else made now."""
+    rule = ("none",) if mask is None else mask.layout_key()
+    if rule is None:
+        states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
+        return BlockLayout(states, fine_m, fine_n, nk)
+    key = (rule, batch, heads, nq, nk, fine_m, fine_n, torch.device(device))
+    layout = _layouts.get(key)
+    if layout is None:
+        states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
+        layout = _layouts[key] = BlockLayout(states, fine_m, fine_n, nk)
+        while len(_layouts) > _KEPT_LAYOUTS:
+            _layouts.popitem(last=False)
+    else:
+        _layouts.move_to_end(key)
+    return layout

@@ -11,7 +11,7 @@ score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
 from . import backward, kernels
-from .blocks import classify, coarsen, column_table, row_table
+from .blocks import BlockLayout, block_layout
 from .terms import TRACED, kernel_id
 from .variant import TracedVariant, trace_variant
 
@@ -116,25 +116,17 @@ class KernelPlan:
     variant: Variant
     kernel: int
     tiling: Tiling
-    fine: Tensor  # tile states at the finest tiles of the three kernels (fine_tiles)
+    layout: BlockLayout  # tile states and block tables at the tiling's tiles
     nk: int
     offset: int
     precision: str
     dropout_p: float
     seed: int  # dropout's Philox seed, drawn from torch's generator once per call
-    tables: dict = field(default_factory=dict, repr=False)
 
     def table(self, t: Tiles, by_keys: bool = False) -> Tensor:
         """Key tiles per query tile for kernel tiles ``t`` (query tiles per key tile if
-        ``by_keys``), made when a kernel first needs it: a forward without gradients builds
-        one table, not three."""
-        key = (t, by_keys)
-        if key not in self.tables:
-            fine_m, fine_n = fine_tiles(self.tiling)
-            states = coarsen(self.fine, t.block_m // fine_m, t.block_n // fine_n)
-            make = column_table if by_keys else row_table
-            self.tables[key] = make(states, self.nk, t.block_n)
-        return self.tables[key]
+        ``by_keys``)."""
+        return self.layout.table(t.block_m, t.block_n, by_keys)
 
 
 def fine_tiles(tiling: Tiling) -> tuple[int, int]:
@@ -158,7 +150,7 @@ def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropo
         variant=variant,
         kernel=kernel,
         tiling=tiling,
-        fine=classify(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
+        layout=block_layout(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
         nk=nk,
         offset=nk - nq,
         precision="ieee" if fq.dtype == torch.float32 else "tf32",

@@ -1,0 +1,105 @@
+"""Block tables and block layouts of the Triton engine (torch only: no Triton needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv.core.engines.triton import blocks
+from qkv.core.engines.triton.blocks import (
+    block_layout,
+    classify,
+    coarsen,
+    column_table,
+    row_table,
+)
+from qkv.core.masks import EMPTY, FULL, PARTIAL, states_from
+
+from .test_triton_engine import _edges
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [qkv.causal(), qkv.sliding_window(20, 3), qkv.segments(torch.arange(100) // 30),
+     qkv.graph(_edges(100, 100), num_nodes=100),
+     qkv.custom_mask(lambda b, h, q, kv: (q + kv) % 7 < 3)],
+    ids=["causal", "sliding", "segments", "graph", "custom"],
+)
+def test_coarsened_tile_states_equal_direct_classification(mask):
+    fine = classify(mask, 1, 1, 100, 100, 16, 16, "cpu")
+    direct = classify(mask, 1, 1, 100, 100, 32, 64, "cpu")
+    assert torch.equal(coarsen(fine, 2, 4), direct)
+
+
+def test_block_tables_list_partial_then_full_and_never_empty():
+    states = torch.tensor([[[[FULL, EMPTY, PARTIAL, FULL], [EMPTY, EMPTY, EMPTY, PARTIAL]]]],
+                          dtype=torch.uint8)
+    rows, cols = row_table(states, nk=64, block_n=16), column_table(states, nk=64, block_n=16)
+    assert rows[0, 0, 0].tolist()[:5] == [1, 2, 2, 0, 3]
+    assert rows[0, 0, 1].tolist()[:3] == [1, 0, 3]
+    assert cols[0, 0, 3].tolist()[:4] == [1, 1, 1, 0]
+    ragged = row_table(states, nk=60, block_n=16)  # last key tile padded: never FULL
+    assert ragged[0, 0, 0].tolist()[:5] == [2, 1, 2, 3, 0]
+
+
+def test_states_from_marks_full_over_empty_and_keeps_uint8():
+    full = torch.tensor([[True, False, False]])
+    empty = torch.tensor([[False, True, False]])
+    states = states_from(full, empty)
+    assert states.dtype == torch.uint8
+    assert states.tolist() == [[FULL, EMPTY, PARTIAL]]
+
+
+def _layout(mask, nq=100, nk=100):
+    return block_layout(mask, 2, 3, nq, nk, 16, 16, "cpu")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: None, qkv.causal, lambda: qkv.sliding_window(20, 3),
+     lambda: qkv.causal() & ~qkv.sliding_window(5),
+     lambda: qkv.causal() | qkv.sliding_window(4, 4)],
+    ids=["none", "causal", "sliding", "and_not", "or"],
+)
+def test_a_mask_without_tensors_keeps_its_layout_between_calls(make):
+    first, again = _layout(make()), _layout(make())  # equal masks, new objects
+    assert again is first
+    assert _layout(make(), nq=90) is not first
+    table = first.table(32, 32)
+    assert first.table(32, 32) is table
+    expected = row_table(coarsen(classify(make(), 2, 3, 100, 100, 16, 16, "cpu"), 2, 2), 100, 32)
+    assert torch.equal(table, expected)
+
+
+def test_a_layout_follows_a_changed_window():
+    mask = qkv.sliding_window(20)
+    before = _layout(mask)
+    mask.left = 60
+    after = _layout(mask)
+    assert after is not before
+    assert torch.equal(after.fine, classify(qkv.sliding_window(60), 2, 3, 100, 100, 16, 16, "cpu"))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: qkv.segments(torch.arange(100) // 30),
+     lambda: qkv.custom_mask(lambda b, h, q, kv: kv <= q),
+     lambda: qkv.causal() & qkv.segments(torch.arange(100) // 30)],
+    ids=["segments", "custom", "causal_and_segments"],
+)
+def test_a_mask_reading_tensors_or_user_code_is_classified_every_call(make):
+    mask = make()
+    assert mask.layout_key() is None
+    assert _layout(mask) is not _layout(mask)
+
+
+def test_only_the_last_layouts_are_kept(monkeypatch):
+    monkeypatch.setattr(blocks, "_KEPT_LAYOUTS", 3)
+    monkeypatch.setattr(blocks, "_layouts", type(blocks._layouts)())
+    first = [_layout(qkv.causal(), nq=n) for n in (10, 20, 30)]
+    assert _layout(qkv.causal(), nq=10) is first[0]  # now the most recent
+    _layout(qkv.causal(), nq=40)  # evicts nq=20, the least recent
+    assert len(blocks._layouts) == 3
+    assert _layout(qkv.causal(), nq=10) is first[0]
+    assert _layout(qkv.causal(), nq=20) is not first[1]
