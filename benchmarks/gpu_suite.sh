@@ -4,7 +4,9 @@
 #   benchmarks/gpu_suite.sh tests OUT_DIR   # the CUDA test module vs float64 (fp32, bf16, fp16)
 #   benchmarks/gpu_suite.sh d128 OUT_DIR    # attention_gpu.py at D=128 (the targets)
 #   benchmarks/gpu_suite.sh d64 OUT_DIR     # attention_gpu.py at D=64
-#   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64
+#   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64,
+#                                           # beside FlexAttention (its kernel source kept) and
+#                                           # a bare FA-2 forward
 #
 # Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR.
 # Without a GPU (any machine, a clean checkout) the tests skip with their reason and the
@@ -82,6 +84,7 @@ run_tiles() {
         return 0
     fi
     { "$py" benchmarks/triton_tiling.py --d 128 --n 8192 --heads 16 \
+        --flex-source "$out/flex_kernels_d128.py" \
         && "$py" benchmarks/triton_tiling.py --d 64 --n 8192 --heads 32; } 2>&1 \
         | tee "$out/tiles.md"
     return "${PIPESTATUS[0]}"

@@ -3,17 +3,26 @@ causal dot attention for candidate tilings, side by side, with SDPA's fastest ba
 same run (bf16, B·N = 16k).
 
 The engine is not autotuned (its block tables are built for one tiling before launch), so
-``function.choose_tiling`` is what this script replaces, one candidate at a time.
+``function.choose_tiling`` is what this script replaces, one candidate at a time. Two
+baselines beside SDPA tell the kernel body's cost from the tiles': compiled FlexAttention
+(which uses these forward tiles on an H100 at D = 128) and a bare FlashAttention-2 forward
+with the engine's forward tiles and none of its variant machinery (forward only, no mask).
+``--flex-source FILE`` writes the Triton code Inductor generated for FlexAttention.
 
-    python benchmarks/triton_tiling.py --d 128 --n 8192
+    python benchmarks/triton_tiling.py --d 128 --n 8192 --flex-source flex_kernels.py
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import qkv
 from qkv.core.engines.triton import function
@@ -44,6 +53,53 @@ def _patched(candidate):
     return choose
 
 
+@triton.jit
+def bare_forward(Q, K, V, O, qk_scale, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr):
+    """Plain attention, (B·H, N, D) contiguous, N a multiple of both blocks: the online
+    softmax and two tensor-core products per key tile, nothing else."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    base = tl.program_id(1).to(tl.int64) * N * D
+    q = tl.load(Q + base + rows[:, None] * D + offs_d[None, :])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, N, BLOCK_N):
+        keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k = tl.load(K + base + keys[:, None] * D + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + base + keys[:, None] * D + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + base + rows[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty))
+
+
+def _bare(q, k, v):
+    t = ORIGINAL(0, q.shape[-1], True).fwd
+    out = torch.empty_like(q)
+    grid = (q.shape[2] // t.block_m, q.shape[0] * q.shape[1])
+    bare_forward[grid](q, k, v, out, q.shape[-1] ** -0.5 * 1.4426950408889634, q.shape[2],
+                       BLOCK_M=t.block_m, BLOCK_N=t.block_n, D=q.shape[-1],
+                       num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
+
+
+def _write_flex_source(cache: str, path: str) -> None:
+    """Inductor's generated modules that hold a flex_attention template kernel, in one file."""
+    found = [f for f in sorted(glob.glob(f"{cache}/**/*.py", recursive=True))
+             if "flex_attention" in open(f).read()]
+    with open(path, "w") as out:
+        for f in found:
+            out.write(f"# ==== {os.path.relpath(f, cache)}\n{open(f).read()}\n")
+    print(f"\n{len(found)} generated FlexAttention modules written to {path}")
+
+
 def _ms(fn, reps=20) -> float:
     for _ in range(3):
         fn()
@@ -63,7 +119,15 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--flex-source", metavar="FILE",
+                        help="write the Triton code Inductor generated for FlexAttention")
     args = parser.parse_args()
+    cache = None
+    if args.flex_source:  # Inductor reads this when it first compiles
+        cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="flex_")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
     batch = max(1, 16384 // args.n)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, args.heads, args.n, args.d, device="cuda", generator=g,
@@ -84,7 +148,15 @@ def main() -> None:
         def sdpa(*t, causal=causal):
             return F.scaled_dot_product_attention(*t, is_causal=causal)
 
-        rows = [("SDPA (its own choice)", sdpa)]
+        block_mask = (create_block_mask(lambda b, h, i, j: j <= i, None, None, args.n, args.n)
+                      if causal else None)
+
+        def flex_rows(*t, block_mask=block_mask):
+            return flex(*t, block_mask=block_mask)
+
+        rows = [("SDPA (its own choice)", sdpa), ("FlexAttention (compiled)", flex_rows)]
+        if not causal:
+            rows.append(("bare FA-2 forward, the engine's forward tiles", _bare))
         for name in CANDIDATES:
             def ours(*t, causal=causal):
                 return qkv.attention(*t, mask=qkv.causal() if causal else None,
@@ -95,13 +167,16 @@ def main() -> None:
             try:
                 with torch.no_grad():
                     fwd = _ms(lambda fn=fn: fn(q, k, v))
-                both = _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
+                both = (float("nan") if fn is _bare else
+                        _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)))
             except Exception as e:  # a tiling that does not fit: say so, go on
                 print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:60]} | | | |")
                 continue
             print(f"| {name} | {causal} | {tflops(flops[causal], fwd):.0f} | "
                   f"{tflops(3.5 * flops[causal], both):.0f} | {fwd:.2f} | {both:.2f} |",
                   flush=True)
+    if cache is not None:
+        _write_flex_source(cache, args.flex_source)
 
 
 if __name__ == "__main__":

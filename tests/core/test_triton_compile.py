@@ -44,7 +44,8 @@ def _record_launches(monkeypatch, problem):
                         lambda kernel, d, _, size: choose(kernel, d, True, size))
     recorders = {}
     for module, name in ((kernels, "fwd_kernel"), (backward, "bwd_kv_kernel"),
-                         (backward, "bwd_q_kernel"), (kernels, "weights_kernel")):
+                         (backward, "bwd_q_kernel"), (kernels, "weights_kernel"),
+                         (kernels, "sq_norms_kernel")):
         recorders[name] = _Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     runner = triton_engine.plan(problem, on_cpu=True)
@@ -124,6 +125,8 @@ def test_kernels_compile_for_sm90(
     expected = ["fwd_kernel", "weights_kernel"] if weights else [
         "fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel"
     ]
+    if similarity == "l2":  # its squared norms: q's and k's, in each of the two passes
+        expected += ["sq_norms_kernel"] * 4
     assert [kernel.fn.__name__ for kernel, _, _ in launches] == expected
     for kernel, args, kwargs in launches:
         compiled = _compile(kernel, args, kwargs)

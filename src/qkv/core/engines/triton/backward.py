@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import dropout_keep, key_tile, load_rows, logits, pair_scores, tile_run
+from .kernels import dropout_keep, key_tile, load_rows, logits, pair_scores, sq_norms, tile_run
 
 
 @triton.jit
@@ -61,22 +61,24 @@ def _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, OUT, A0, A1, A
 
 
 @triton.jit
-def _dkv_tile(tile, dk, dv, col_sum, k, v, Qb, Kb, DOb, DKb, LSE, DELTA, offs_n, offs_d, offs_v,
-              kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET, SEED, DROPOUT_P,
+def _dkv_tile(tile, dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n, offs_d,
+              offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET, SEED, DROPOUT_P,
               A0, A1, A2, A3, AS, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
               MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
               MOD_BWD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
               TERM_FN: tl.constexpr, TERM_DK_FN: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
-    """One query tile of the dK/dV kernel: (dk, dv, col_sum) updated."""
+    """One query tile of the dK/dV kernel: (dk, dv, col_sum) updated. ``kn``: the key rows'
+    squared norms, QN: the query norms (B, H, Nq) (both read for neg_sqdist)."""
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
     q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
     do = load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
     lse = tl.load(LSE + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
     delta = tl.load(DELTA + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-    z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3,
+    qn = sq_norms(QN + (b * H + h) * NQ, offs_m, NQ, KERNEL)
+    z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3,
                     AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
                     TERM_FN)
     s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3,
@@ -113,7 +115,7 @@ def _dkv_tile(tile, dk, dv, col_sum, k, v, Qb, Kb, DOb, DKb, LSE, DELTA, offs_n,
 
 @triton.jit
 def bwd_kv_kernel(
-    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, DK, DV, A0, A1, A2, A3, AS,
+    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, QN, KN, DK, DV, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
     H, HKV, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
@@ -137,6 +139,7 @@ def bwd_kv_kernel(
     offs_v = tl.arange(0, DV_PAD)
     kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
     k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
+    kn = sq_norms(KN + pid_bh * NK, offs_n, NK, KERNEL)
     v = load_rows(Vb, offs_n, svn, NK, DVD, offs_v)
     DKb = DK + pid_bh * NK * D
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
@@ -158,7 +161,7 @@ def bwd_kv_kernel(
                 for j in range(0, count):
                     dk, dv, col_sum = _dkv_tile(
                         first + j,
-                        dk, dv, col_sum, k, v, Qb, Kb, DOb, DKb, LSE, DELTA, offs_n,
+                        dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
                         offs_d, offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
                         SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
                         BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
@@ -167,7 +170,7 @@ def bwd_kv_kernel(
                 for j in range(lo, lo + count):
                     dk, dv, col_sum = _dkv_tile(
                         tl.load(col + 2 + j),
-                        dk, dv, col_sum, k, v, Qb, Kb, DOb, DKb, LSE, DELTA, offs_n,
+                        dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
                         offs_d, offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
                         SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
                         BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
@@ -183,7 +186,8 @@ def bwd_kv_kernel(
 
 
 @triton.jit
-def _dq_tile(tile, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs_m, offs_d,
+def _dq_tile(tile, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, DQb, offs_m,
+             offs_d,
              offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED,
              DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D: tl.constexpr,
              DVD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -195,9 +199,9 @@ def _dq_tile(tile, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs
              TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
     """One key tile of the dQ kernel: (dq, row_sum, dscale) updated."""
     offs_n, kv_idx, k, v, z, s = key_tile(
-        tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ, NK,
-        OFFSET, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK,
-        HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
+        tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn,
+        NQ, NK, OFFSET, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL,
+        APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -230,7 +234,8 @@ def _dq_tile(tile, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs
 
 @triton.jit
 def bwd_q_kernel(
-    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, DQ, DSCALE, A0, A1, A2, A3, AS, G0, G1, G2, G3,
+    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, QN, KN, DQ, DSCALE, A0, A1, A2, A3, AS, G0, G1, G2,
+    G3,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
     H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
@@ -257,6 +262,8 @@ def bwd_q_kernel(
     offs_v = tl.arange(0, DV_PAD)
     q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
     q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
+    qn = sq_norms(QN + pid_bh * NQ, offs_m, NQ, KERNEL)
+    KNb = KN + (b * (H // GROUP) + h // GROUP) * NK
     do = load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
     lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
     delta = tl.load(DELTA + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
@@ -274,17 +281,17 @@ def bwd_q_kernel(
         if phase == 1 and consecutive:  # full tiles, usually one run
             for j in range(0, count):
                 dq, row_sum, dscale = _dq_tile(
-                    first + j, dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb, DQb, offs_m,
-                    offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET,
-                    SEED, DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D, DVD, D_PAD,
+                    first + j, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, DQb,
+                    offs_m, offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK,
+                    OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D, DVD, D_PAD,
                     BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD,
                     MOD_FN, MOD_BWD_FN, MOD_GRAD, SCALE_GRAD, DROPOUT, PRECISION, TERM_FN,
                     TERM_DQ_FN, TERM_GRAD, TERM_GRAD_FN)
         else:
             for j in range(lo, lo + count):
                 dq, row_sum, dscale = _dq_tile(
-                    tl.load(row + 2 + j), dq, row_sum, dscale, q, do, lse, delta, Qb, Kb, Vb,
-                    DQb, offs_m, offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn,
+                    tl.load(row + 2 + j), dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb,
+                    KNb, DQb, offs_m, offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn,
                     NQ, NK, OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D,
                     DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, phase == 0, HAS_MASK,
                     MASK_FN, HAS_MOD, MOD_FN, MOD_BWD_FN, MOD_GRAD, SCALE_GRAD, DROPOUT,

@@ -19,12 +19,13 @@ from torch import Tensor
 from ...problem import Problem
 from ...reference import expand_kv_heads
 from ...result import Result
+from ...similarity import NEG_SQDIST
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
-from .terms import TRACED, kernel_id
+from .terms import KERNELS_OF_TERMS, TRACED, kernel_id
 from .variant import TracedVariant, trace_variant
 
 _LOG2E = 1.4426950408889634
@@ -190,6 +191,24 @@ def _info_on(values: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+def squared_norms(plan: KernelPlan, q: Tensor, k: Tensor, dummy: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 ‖q‖² (B, H, Nq) and ‖k‖² (B, Hkv, Nk) for neg_sqdist, whose kernels read them (once
+    per call, not once per tile); ``dummy`` twice for the other kernels, which read neither."""
+    if plan.kernel != KERNELS_OF_TERMS[NEG_SQDIST.term]:
+        return dummy, dummy
+    batch = q.shape[0]
+    norms = []
+    for x in (q, k):
+        heads, n, d = x.shape[1:]
+        out = torch.empty(batch, heads, n, dtype=torch.float32, device=x.device)
+        block = 64
+        kernels.sq_norms_kernel[(-(-n // block), batch * heads)](
+            x, out, *_strides(x), heads, n, D=d, D_PAD=_pad(d), BLOCK=block, num_warps=4,
+            num_stages=1)
+        norms.append(out)
+    return norms[0], norms[1]
+
+
 def _common(plan: KernelPlan, q: Tensor, k: Tensor, v: Tensor) -> dict:
     return dict(
         GROUP=q.shape[1] // k.shape[1], D=q.shape[3], D_PAD=_pad(q.shape[3]),
@@ -209,8 +228,9 @@ def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, 
     slot_args, strides = _slot_args(slots, q.device)
     t = plan.tiling.fwd
     table = plan.table(t)
+    qn, kn = squared_norms(plan, q, k, scale)
     kernels.fwd_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, v, out, lse, scale, table, *slot_args, strides,
+        q, k, v, out, lse, scale, table, qn, kn, *slot_args, strides,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(table),
         heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, DV=dv, BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
@@ -227,10 +247,11 @@ def attention_weights(plan: KernelPlan, q, k, lse, scale, slots) -> Tensor:
     slot_args, info = _slot_args(slots, q.device)
     t = plan.tiling.fwd
     table = plan.table(t)
+    qn, kn = squared_norms(plan, q, k, scale)
     common = _common(plan, q, k, k)
     del common["DV_PAD"]
     kernels.weights_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, weights, lse, scale, table, *slot_args, info,
+        q, k, weights, lse, scale, table, qn, kn, *slot_args, info,
         *_strides(q), *_strides(k), *_strides(weights), *_strides(table),
         heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
@@ -267,10 +288,11 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn, TERM_DQ_FN=term_dq,
                   TERM_DK_FN=term_dk, TERM_GRAD=bool(need_slots), TERM_GRAD_FN=term_grad)
     strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
+    qn, kn = squared_norms(plan, q, k, dscale)
     t = plan.tiling.dkv
     table = plan.table(t, by_keys=True)
     backward.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
-        q, k, v, grad_out, lse, delta, scale, table, dk, dvv, *slot_args, strides,
+        q, k, v, grad_out, lse, delta, scale, table, qn, kn, dk, dvv, *slot_args, strides,
         *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
         plan.seed, plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
@@ -279,7 +301,8 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     t = plan.tiling.dq
     table = plan.table(t)
     backward.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, v, grad_out, lse, delta, scale, table, dq, dscale, *slot_args, strides, *grad_args,
+        q, k, v, grad_out, lse, delta, scale, table, qn, kn, dq, dscale, *slot_args, strides,
+        *grad_args,
         *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed, plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         MOD_GRAD=bool(need_slots), SCALE_GRAD=need_scale, **common,

@@ -56,18 +56,39 @@ def load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
 
 
 @triton.jit
-def pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+def sq_norms_kernel(X, OUT, sxb, sxh, sxn, H, N, D: tl.constexpr, D_PAD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Grid (ceil(N / BLOCK), B·H): OUT (B, H, N) fp32 = Σ_d X[b, h, n, d]², summed in fp32."""
+    pid_bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = load_rows(X + (pid_bh // H) * sxb + (pid_bh % H) * sxh, rows, sxn, N, D,
+                  tl.arange(0, D_PAD)).to(tl.float32)
+    tl.store(OUT + pid_bh * N + rows, tl.sum(x * x, 1), mask=rows < N)
+
+
+@triton.jit
+def sq_norms(NORMS, offs, n, KERNEL: tl.constexpr):
+    """‖x‖² of rows ``offs`` (< n) from sq_norms_kernel's output for neg_sqdist; unused zeros
+    (nothing loaded) for the other kernels."""
+    norms = offs.to(tl.float32) * 0.0
+    if KERNEL == 1:
+        norms = tl.load(NORMS + offs, mask=offs < n, other=0.0)
+    return norms
+
+
+@triton.jit
+def pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
                 KERNEL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
-    """z (BLOCK_M, BLOCK_N) fp32. For neg_sqdist it is unclamped (callers clamp at 0)."""
+    """z (BLOCK_M, BLOCK_N) fp32. For neg_sqdist (squared norms qn, kn precomputed: computed
+    per tile, they doubled the backward's instructions and spilled registers) it is
+    unclamped (callers clamp at 0)."""
     if KERNEL == 0:
         z = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     elif KERNEL == 1:
-        qf = q.to(tl.float32)
-        kf = k.to(tl.float32)
         z = 2.0 * tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        z = z - tl.sum(qf * qf, 1)[:, None] - tl.sum(kf * kf, 1)[None, :]
+        z = z - qn[:, None] - kn[None, :]
     elif KERNEL == 2:
         z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, D_PAD, BLOCK_D):
@@ -126,21 +147,23 @@ def tile_run(table_row, lo, count):
 
 
 @triton.jit
-def key_tile(tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ,
-             NK, OFFSET, A0, A1, A2, A3, AS, D: tl.constexpr, DV: tl.constexpr,
+def key_tile(tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn,
+             svn, NQ, NK, OFFSET, A0, A1, A2, A3, AS, D: tl.constexpr, DV: tl.constexpr,
              D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr,
              HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr,
              MOD_FN: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
     """Key tile ``tile`` against a program's query rows: its offsets, kv_idx, k (for the
-    chunked terms, q: they load D in chunks), v, the pair scores z and the base-2 logits s."""
+    chunked terms, q: they load D in chunks), v, the pair scores z and the base-2 logits s.
+    ``qn``: the query rows' squared norms; ``KNb``: the key head's (both for neg_sqdist)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
     k = q
     if KERNEL < 2:
         k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
     v = load_rows(Vb, offs_n, svn, NK, DV, offs_v)
-    z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+    kn = sq_norms(KNb, offs_n, NK, KERNEL)
+    z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
                     KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
     s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
@@ -148,8 +171,8 @@ def key_tile(tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sq
 
 
 @triton.jit
-def _fwd_tile(tile, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h,
-              pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS,
+def _fwd_tile(tile, m_i, l_i, acc, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale,
+              b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS,
               D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
               APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
@@ -157,9 +180,9 @@ def _fwd_tile(tile, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx,
               PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
     """One key tile of the forward's online softmax: (m_i, l_i, acc) updated."""
     offs_n, kv_idx, k, v, z, s = key_tile(
-        tile, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn, NQ, NK,
-        OFFSET, A0, A1, A2, A3, AS, D, DV, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK,
-        HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
+        tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn,
+        NQ, NK, OFFSET, A0, A1, A2, A3, AS, D, DV, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL,
+        APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
@@ -174,7 +197,7 @@ def _fwd_tile(tile, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx,
 
 @triton.jit
 def fwd_kernel(
-    Q, K, V, O, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
+    Q, K, V, O, LSE, SCALE, TABLE, QN, KN, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, stb, sth, stm,
     H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr,
@@ -183,7 +206,8 @@ def fwd_kernel(
     HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
     TERM_FN: tl.constexpr,
 ):
-    """Grid (ceil(Nq / BLOCK_M), B·H). Writes O (B, H, Nq, Dv) and base-2 LSE (B, H, Nq)."""
+    """Grid (ceil(Nq / BLOCK_M), B·H). Writes O (B, H, Nq, Dv) and base-2 LSE (B, H, Nq).
+    QN (B, H, Nq) and KN (B, Hkv, Nk): the features' squared norms (read for neg_sqdist)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -196,6 +220,8 @@ def fwd_kernel(
     offs_v = tl.arange(0, DV_PAD)
     q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
     q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
+    qn = sq_norms(QN + pid_bh * NQ, offs_m, NQ, KERNEL)
+    KNb = KN + (b * (H // GROUP) + h // GROUP) * NK
     scale = tl.load(SCALE + h)
     row = TABLE + b * stb + h * sth + pid_m * stm
     n_partial = tl.load(row)
@@ -210,14 +236,14 @@ def fwd_kernel(
         if phase == 1 and consecutive:  # full tiles, usually one run
             for j in range(0, count):
                 m_i, l_i, acc = _fwd_tile(
-                    first + j, m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d, offs_v, q_idx,
-                    scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED, DROPOUT_P,
+                    first + j, m_i, l_i, acc, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v,
+                    q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED, DROPOUT_P,
                     A0, A1, A2, A3, AS, D, DV, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL,
                     phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, DROPOUT, PRECISION, TERM_FN)
         else:
             for j in range(lo, lo + count):
                 m_i, l_i, acc = _fwd_tile(
-                    tl.load(row + 2 + j), m_i, l_i, acc, q, Qb, Kb, Vb, offs_m, offs_d,
+                    tl.load(row + 2 + j), m_i, l_i, acc, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d,
                     offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED,
                     DROPOUT_P, A0, A1, A2, A3, AS, D, DV, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D,
                     KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, DROPOUT, PRECISION,
@@ -234,7 +260,7 @@ def fwd_kernel(
 
 @triton.jit
 def weights_kernel(
-    Q, K, W, LSE, SCALE, TABLE, A0, A1, A2, A3, AS,
+    Q, K, W, LSE, SCALE, TABLE, QN, KN, A0, A1, A2, A3, AS,
     sqb, sqh, sqm, skb, skh, skn, swb, swh, swm, stb, sth, stm,
     H, NQ, NK, OFFSET, SEED, DROPOUT_P,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -255,6 +281,8 @@ def weights_kernel(
     q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
     q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
     lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
+    qn = sq_norms(QN + pid_bh * NQ, offs_m, NQ, KERNEL)
+    KNb = KN + (b * (H // GROUP) + h // GROUP) * NK
     scale = tl.load(SCALE + h)
     row = TABLE + b * stb + h * sth + pid_m * stm
     n_partial = tl.load(row)
@@ -268,8 +296,10 @@ def weights_kernel(
             k = q
             if KERNEL < 2:  # the other terms load D in chunks
                 k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
-            z = pair_scores(q, k, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                            KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
+            kn = sq_norms(KNb, offs_n, NK, KERNEL)
+            z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2,
+                            A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
+                            TERM_FN)
             s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
                        KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
