@@ -62,7 +62,7 @@ def _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, OUT, A0, A1, A
 
 @triton.jit
 def _dkv_tile(tile, dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n, offs_d,
-              offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET, SEED, DROPOUT_P,
+              offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET, SEED, DROPOUT_P,
               A0, A1, A2, A3, AS, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -70,46 +70,74 @@ def _dkv_tile(tile, dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN,
               MOD_BWD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
               TERM_FN: tl.constexpr, TERM_DK_FN: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
     """One query tile of the dK/dV kernel: (dk, dv, col_sum) updated. ``kn``: the key rows'
-    squared norms, QN: the query norms (B, H, Nq) (both read for neg_sqdist)."""
+    squared norms, QN: the query norms (B, H, Nq) (both read for neg_sqdist).
+
+    The tensor-core terms work on the transposed tile, keys as rows: p and ds are then the
+    left operands of dV's and dK's products as they stand. In the query-major tile each was
+    transposed through shared memory first (a store, a load and barriers per tile)."""
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
     q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
     do = load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
     lse = tl.load(LSE + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
     delta = tl.load(DELTA + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-    qn = sq_norms(QN + (b * H + h) * NQ, offs_m, NQ, KERNEL)
-    z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3,
-                    AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-                    TERM_FN)
-    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3,
-               AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
-    p = tl.exp2(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    if DROPOUT:
-        keep = dropout_keep(SEED, b * H + h, offs_m, offs_n, NK, DROPOUT_P)
-        p_kept = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
-        dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
-    else:
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    if HAS_MOD:
-        zc = tl.minimum(z, 0.0) if KERNEL == 1 else z
-        ds = MOD_BWD_FN(zc * scale, ds, p > 0.0, b, h, q_idx, kv_idx, OFFSET,
-                        A0, A1, A2, A3, AS, AS, AS, AS, AS, False)
-    dz = ds * scale
-    if KERNEL == 1:
-        dz = tl.where(z <= 0.0, dz, 0.0)
-    if KERNEL == 2:
-        _l1_grad_rows(tl.trans(dz), Kb, Qb, offs_n, offs_m, skn, sqm, NK, NQ, DKb, D,
-                      -1.0, D, D_PAD, BLOCK_D)
-    elif KERNEL == 3:
-        _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DKb, A0, A1,
-                        A2, A3, AS, AS, AS, AS, AS, D, D_PAD, BLOCK_D, True,
-                        TERM_DK_FN, False, TERM_GRAD_FN)
-    else:
-        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PRECISION)
-        col_sum += tl.sum(dz, 0)
+    if KERNEL < 2:
+        q_row = tl.minimum(offs_m, NQ - 1)[None, :]
+        kv_col = tl.minimum(offs_n, NK - 1)[:, None]
+        zt = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        if KERNEL == 1:
+            qn = sq_norms(QN + (b * H + h) * NQ, offs_m, NQ, KERNEL)
+            zt = 2.0 * zt - kn[:, None] - qn[None, :]
+        st = logits(zt, scale, b, h, q_row, kv_col, offs_n[:, None] < NK, OFFSET, A0, A1, A2,
+                    A3, AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+        pt = tl.exp2(st - lse[None, :])
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(SEED, b * H + h, offs_m[None, :], offs_n[:, None], NK,
+                                DROPOUT_P)
+            pt_kept = tl.where(keep, pt / (1.0 - DROPOUT_P), 0.0)
+            dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=PRECISION)
+            dpt = tl.where(keep, dpt / (1.0 - DROPOUT_P), 0.0)
+        else:
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        if HAS_MOD:
+            zct = tl.minimum(zt, 0.0) if KERNEL == 1 else zt
+            dst = MOD_BWD_FN(zct * scale, dst, pt > 0.0, b, h, q_row, kv_col, OFFSET,
+                             A0, A1, A2, A3, AS, AS, AS, AS, AS, False)
+        dzt = dst * scale
+        if KERNEL == 1:
+            dzt = tl.where(zt <= 0.0, dzt, 0.0)
+        dk += tl.dot(dzt.to(q.dtype), q, input_precision=PRECISION)
+        col_sum += tl.sum(dzt, 1)
+    else:  # the chunked terms (CUDA cores): query-major, like the dQ kernel
+        q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
+        kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
+        z = pair_scores(q, k, 0.0, 0.0, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2,
+                        A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
+        s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2,
+                   A3, AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+        p = tl.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(SEED, b * H + h, offs_m[:, None], offs_n[None, :], NK,
+                                DROPOUT_P)
+            p_kept = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
+            dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
+        else:
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_MOD:
+            ds = MOD_BWD_FN(z * scale, ds, p > 0.0, b, h, q_idx, kv_idx, OFFSET,
+                            A0, A1, A2, A3, AS, AS, AS, AS, AS, False)
+        dz = ds * scale
+        if KERNEL == 2:
+            _l1_grad_rows(tl.trans(dz), Kb, Qb, offs_n, offs_m, skn, sqm, NK, NQ, DKb, D,
+                          -1.0, D, D_PAD, BLOCK_D)
+        else:
+            _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DKb, A0, A1,
+                            A2, A3, AS, AS, AS, AS, AS, D, D_PAD, BLOCK_D, True,
+                            TERM_DK_FN, False, TERM_GRAD_FN)
     return dk, dv, col_sum
 
 
@@ -137,7 +165,6 @@ def bwd_kv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
-    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
     k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
     kn = sq_norms(KN + pid_bh * NK, offs_n, NK, KERNEL)
     v = load_rows(Vb, offs_n, svn, NK, DVD, offs_v)
@@ -162,7 +189,7 @@ def bwd_kv_kernel(
                     dk, dv, col_sum = _dkv_tile(
                         first + j,
                         dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
-                        offs_d, offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
+                        offs_d, offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
                         SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
                         BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
                         MOD_BWD_FN, DROPOUT, PRECISION, TERM_FN, TERM_DK_FN, TERM_GRAD_FN)
@@ -171,7 +198,7 @@ def bwd_kv_kernel(
                     dk, dv, col_sum = _dkv_tile(
                         tl.load(col + 2 + j),
                         dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
-                        offs_d, offs_v, kv_idx, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
+                        offs_d, offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
                         SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
                         BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
                         MOD_BWD_FN, DROPOUT, PRECISION, TERM_FN, TERM_DK_FN, TERM_GRAD_FN)
@@ -205,7 +232,7 @@ def _dq_tile(tile, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, 
     p = tl.exp2(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
-        keep = dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+        keep = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK, DROPOUT_P)
         dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
     ds = p * (dp - delta[:, None])
     zc = z

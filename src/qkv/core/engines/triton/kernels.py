@@ -110,10 +110,11 @@ def pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, 
 
 
 @triton.jit
-def logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
+def logits(z, scale, b, h, q_idx, kv_idx, key_ok, OFFSET, A0, A1, A2, A3, AS,
            KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
            MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr):
-    """Base-2 logits: mod(scale·z)·log2 e, -inf outside the mask (and beyond Nk)."""
+    """Base-2 logits: mod(scale·z)·log2 e, -inf outside the mask and where ``key_ok`` (keys
+    < Nk) is False. The indices broadcast against z: (m, 1) and (1, n), or transposed."""
     if KERNEL == 1:
         z = tl.minimum(z, 0.0)
     if HAS_MOD:
@@ -121,7 +122,7 @@ def logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS
     else:
         s = z * (scale * 1.4426950408889634)  # log2(e): exp2 below
     if APPLY_MASK:
-        allowed = (q_idx >= 0) & (offs_n[None, :] < NK)
+        allowed = (q_idx >= 0) & key_ok
         if HAS_MASK:
             allowed = allowed & MASK_FN(b, h, q_idx, kv_idx, OFFSET, A0, A1, A2, A3, AS)
         s = tl.where(allowed, s, float("-inf"))
@@ -129,10 +130,11 @@ def logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS
 
 
 @triton.jit
-def dropout_keep(seed, bh, offs_m, offs_n, NK, DROPOUT_P):
-    """Dropout's keep mask for a tile: one Philox stream per (batch, query head), one draw per
-    score, so the forward, both backward kernels and the weights kernel agree."""
-    return tl.rand(seed + bh, offs_m[:, None] * NK + offs_n[None, :]) >= DROPOUT_P
+def dropout_keep(seed, bh, rows, keys, NK, DROPOUT_P):
+    """Dropout's keep mask for a tile of query ``rows`` and ``keys`` (broadcastable index
+    tensors, either way round): one Philox stream per (batch, query head), one draw per score,
+    so the forward, both backward kernels and the weights kernel agree."""
+    return tl.rand(seed + bh, rows * NK + keys) >= DROPOUT_P
 
 
 @triton.jit
@@ -165,7 +167,7 @@ def key_tile(tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale,
     kn = sq_norms(KNb, offs_n, NK, KERNEL)
     z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
                     KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
-    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
+    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2, A3, AS,
                KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
     return offs_n, kv_idx, k, v, z, s
 
@@ -189,7 +191,7 @@ def _fwd_tile(tile, m_i, l_i, acc, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
-        keep = dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+        keep = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK, DROPOUT_P)
         p = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
@@ -300,11 +302,13 @@ def weights_kernel(
             z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2,
                             A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
                             TERM_FN)
-            s = logits(z, scale, b, h, q_idx, kv_idx, offs_n, NK, OFFSET, A0, A1, A2, A3, AS,
+            s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2,
+                       A3, AS,
                        KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
             if DROPOUT:
-                kept = dropout_keep(SEED, pid_bh, offs_m, offs_n, NK, DROPOUT_P)
+                kept = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK,
+                                    DROPOUT_P)
                 p = tl.where(kept, p / (1.0 - DROPOUT_P), 0.0)
             inside = (offs_m[:, None] < NQ) & (offs_n[None, :] < NK)
             tl.store(W + b * swb + h * swh + offs_m[:, None] * swm + offs_n[None, :],
