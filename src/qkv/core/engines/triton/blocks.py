@@ -77,7 +77,6 @@ def column_table(states: Tensor, nk: int, block_n: int) -> Tensor:
     return _table(_ragged_partial(states, nk, block_n).transpose(-1, -2))
 
 
-
 class BlockLayout:
     """The tile states at the finest tiles (``fine_m`` x ``fine_n``) of a call's kernels, and
     the block tables coarsened from them, each made when a kernel first needs it: a forward

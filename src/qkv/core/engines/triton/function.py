@@ -306,8 +306,8 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     table = plan.table(t)
     backward.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, scale, table, qn, kn, dq, dscale, *slot_args, strides,
-        *grad_args,
-        *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed, plan.dropout_p,
+        *grad_args, *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed,
+        plan.dropout_p,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
         MOD_GRAD=bool(need_slots), SCALE_GRAD=need_scale, **common,
     )

@@ -81,9 +81,9 @@ def pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, 
                 KERNEL: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                 PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
-    """z (BLOCK_M, BLOCK_N) fp32. For neg_sqdist (squared norms qn, kn precomputed: computed
-    per tile, they doubled the backward's instructions and spilled registers) it is
-    unclamped (callers clamp at 0)."""
+    """z (BLOCK_M, BLOCK_N) fp32. neg_sqdist reads the squared norms qn (BLOCK_M,) and kn
+    (BLOCK_N,), computed once per call (per tile they doubled the backward's instructions),
+    and is unclamped (callers clamp at 0)."""
     if KERNEL == 0:
         z = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     elif KERNEL == 1:
