@@ -7,6 +7,10 @@
 #   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64,
 #                                           # beside FlexAttention (its kernel source kept) and
 #                                           # a bare FA-2 forward
+#   BASELINE_SRC=DIR benchmarks/gpu_suite.sh ab OUT_DIR
+#                                           # triton_tiling.py at D=128 on the src in DIR (an
+#                                           # older commit's, unpacked with git archive before
+#                                           # the call), then on this tree's, in one run
 #
 # Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR.
 # Without a GPU (any machine, a clean checkout) the tests skip with their reason and the
@@ -15,8 +19,8 @@
 # TESTS_TIMEOUT / BENCH_BUDGET (seconds; defaults fit a 10-minute call).
 set -uo pipefail
 
-stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles[,...] OUT_DIR}
-out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles[,...] OUT_DIR}
+stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles|ab[,...] OUT_DIR}
+out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles|ab[,...] OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -90,6 +94,22 @@ run_tiles() {
     return "${PIPESTATUS[0]}"
 }
 
+run_ab() {
+    local base=${BASELINE_SRC:?ab: set BASELINE_SRC to the src folder of an older commit}
+    if [ "$gpu" = 0 ]; then
+        echo "ab: needs a GPU (CUDA events); skipped"
+        return 0
+    fi
+    local failed=0
+    : > "$out/ab.md"
+    for src in "$base" "$root/src"; do
+        echo "### src: $src" | tee -a "$out/ab.md"
+        PYTHONPATH="$src:$root" "$py" benchmarks/triton_tiling.py --d 128 --n 8192 --heads 16 \
+            2>&1 | tee -a "$out/ab.md" || failed=1
+    done
+    return "$failed"
+}
+
 status=0
 IFS=, read -ra wanted <<< "$stages"
 for stage in "${wanted[@]}"; do
@@ -99,7 +119,8 @@ for stage in "${wanted[@]}"; do
         d128) run_bench 128 || status=1 ;;
         d64) run_bench 64 || status=1 ;;
         tiles) run_tiles || status=1 ;;
-        *) echo "unknown stage '$stage': expected tests, d128, d64 or tiles" >&2; exit 2 ;;
+        ab) run_ab || status=1 ;;
+        *) echo "unknown stage '$stage': expected tests, d128, d64, tiles or ab" >&2; exit 2 ;;
     esac
 done
 exit "$status"
