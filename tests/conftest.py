@@ -22,6 +22,7 @@ def load_pretrained_once():
 # that no worker is left running one of them alone at the end; the rest keep their order.
 LONG_FILES = (
     "tests/core/test_triton_engine.py",  # 170: the whole interpreter matrix, one subprocess
+    "tests/core/test_triton_compile.py",  # 140 on a fresh clone (Triton's cache is cold), else 5
     "tests/core/test_gradcheck.py",  # 100
     "tests/test_chat_terminal.py",  # 70
     "tests/models/test_pretrained_llama.py",  # 60
