@@ -103,3 +103,17 @@ def test_only_the_last_layouts_are_kept(monkeypatch):
     assert len(blocks._layouts) == 3
     assert _layout(qkv.causal(), nq=10) is first[0]
     assert _layout(qkv.causal(), nq=20) is not first[1]
+
+
+def test_no_layout_is_kept_or_reused_while_a_cuda_graph_is_captured(monkeypatch):
+    kept = _layout(qkv.causal(), nq=70)
+    monkeypatch.setattr(blocks, "_capturing", lambda device: True)
+    during = _layout(qkv.causal(), nq=70)
+    assert during is not kept and torch.equal(during.fine, kept.fine)
+    assert _layout(qkv.causal(), nq=71) is not _layout(qkv.causal(), nq=71)
+    monkeypatch.setattr(blocks, "_capturing", lambda device: False)
+    assert _layout(qkv.causal(), nq=70) is kept
+
+
+def test_capture_is_only_asked_of_cuda_devices():
+    assert not blocks._capturing(torch.device("cpu"))

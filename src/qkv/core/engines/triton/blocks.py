@@ -101,15 +101,23 @@ _KEPT_LAYOUTS = 64
 _layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: a kept layout
+    used by a graph could be evicted and freed while the graph still reads it."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def block_layout(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, fine_m: int,
                  fine_n: int, device) -> BlockLayout:
     """The layout of ``mask`` on a (batch, heads, nq, nk) problem: the one kept from an
-    earlier call where the mask's layout_key allows (the last 64 kept), else made now."""
+    earlier call where the mask's layout_key allows (the last 64 kept), else made now; always
+    made now while a CUDA graph is captured (the graph then owns it)."""
+    device = torch.device(device)
     rule = ("none",) if mask is None else mask.layout_key()
-    if rule is None:
+    if rule is None or _capturing(device):
         states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
         return BlockLayout(states, fine_m, fine_n, nk)
-    key = (rule, batch, heads, nq, nk, fine_m, fine_n, torch.device(device))
+    key = (rule, batch, heads, nq, nk, fine_m, fine_n, device)
     layout = _layouts.get(key)
     if layout is None:
         states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
