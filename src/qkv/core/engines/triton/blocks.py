@@ -12,6 +12,7 @@ its layout between calls of the same shape, as a FlexAttention user keeps a Bloc
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -99,6 +100,7 @@ class BlockLayout:
 
 _KEPT_LAYOUTS = 64
 _layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
+_lock = threading.Lock()  # calls from several threads share the kept layouts
 
 
 def _capturing(device: torch.device) -> bool:
@@ -118,12 +120,14 @@ def block_layout(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, fi
         states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
         return BlockLayout(states, fine_m, fine_n, nk)
     key = (rule, batch, heads, nq, nk, fine_m, fine_n, device)
-    layout = _layouts.get(key)
-    if layout is None:
-        states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
-        layout = _layouts[key] = BlockLayout(states, fine_m, fine_n, nk)
+    with _lock:
+        layout = _layouts.get(key)
+        if layout is not None:
+            _layouts.move_to_end(key)
+            return layout
+    states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
+    with _lock:
+        layout = _layouts.setdefault(key, BlockLayout(states, fine_m, fine_n, nk))
         while len(_layouts) > _KEPT_LAYOUTS:
             _layouts.popitem(last=False)
-    else:
-        _layouts.move_to_end(key)
     return layout
