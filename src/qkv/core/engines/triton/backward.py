@@ -214,8 +214,7 @@ def bwd_kv_kernel(
 
 @triton.jit
 def _dq_tile(tile, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, DQb, offs_m,
-             offs_d,
-             offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED,
+             offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED,
              DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D: tl.constexpr,
              DVD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
