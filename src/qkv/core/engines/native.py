@@ -168,8 +168,8 @@ class TileLoops:
     """C loops for one pairwise term on tiles: ``scores(q, k, out)`` and
     ``add_grads(ds, q, k, dq, dk) -> grads of tensors``, which adds the term's gradients into
     dq and dk and returns one gradient per tensor in ``tensors`` (the tensors the loops read,
-    as autograd should see them). Generated loops also run along graph edges:
-    ``edge_scores(q_rows, k_rows, target, source)`` and
+    as autograd should see them; 0 for those that need none). Generated loops also run along
+    graph edges: ``edge_scores(q_rows, k_rows, target, source)`` and
     ``edge_grads(ds, q_rows, k_rows, target, source, dq, dk) -> grads of tensors``, laid out
     as ``edge_scores`` and ``edge_kernel_grads`` below; None for the hand-written L1 loops
     (the edge loops here take L1 by its id)."""

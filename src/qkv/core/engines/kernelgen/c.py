@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from . import c_vec
 from .c_text import HEADER, TERM_EDGES, TERM_LOOPS, TERM_ROW, TRANSPOSE
 from .derivative import depends_on, derivative, loads_in
 from .emit import COMMON_OPS, Emitter
@@ -180,16 +181,17 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
     ctype, fsuffix = _C_TYPES[dtype]
     graph = root.graph
     pq, pk = graph.leaf(TERM_ARGS[0], FLOAT), graph.leaf(TERM_ARGS[1], FLOAT)
+    d_q, d_k = derivative(root, pq, {}), derivative(root, pk, {})
     parts = [HEADER, TRANSPOSE.format(T=ctype),
              _function("term", root, ctype, fsuffix, fma_sub=True),
-             _function("term_dq", derivative(root, pq, {}), ctype, fsuffix),
-             _function("term_dk", derivative(root, pk, {}), ctype, fsuffix)]
+             _function("term_dq", d_q, ctype, fsuffix),
+             _function("term_dk", d_k, ctype, fsuffix)]
     decls = sums = updates = stores = tensor_stores = edge_updates = ""
     for n, load in enumerate(loads_in(root, {}).values()):
         slot, *index = load.args
         d_load = derivative(root, load, {})
-        if d_load is None:
-            continue
+        if d_load is None or not graph.slots[slot].requires_grad:
+            continue  # no sums: its gradient, never read, stays 0
         if any(depends_on(i, {pq.args[0], pk.args[0]}) for i in index):
             # Its sums are kept per lane of d, over many q and k values.
             raise CompileError("a tensor that needs a gradient is indexed by q or k values")
@@ -206,10 +208,18 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
                          f"A3)] += (double)(gj * term_d{n}({_EARGS}));")
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
+    vector_groups = ""
+    if not updates:  # the vector loops keep no tensor's gradient sums
+        try:
+            functions, vector_groups = c_vec.vector_groups(
+                d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots)
+            parts.append(functions)
+        except CompileError:
+            pass  # the scalar loops take all of d
     row = TERM_ROW.format(T=ctype, GARGS=_GARGS, SUMS=sums, UPDATES=updates, STORES=stores)
     parts.append(TERM_LOOPS.format(T=ctype, F=fsuffix, ARGS=_ARGS, CONST_SLOTS=slots,
                                GRAD_SLOTS=grads, SUM_DECLS=decls, SLOT_ARGS=_SLOT_ARGS,
-                               SUM_STORES=tensor_stores, ROW=row))
+                               SUM_STORES=tensor_stores, ROW=row, VECTOR_GROUPS=vector_groups))
     parts.append(TERM_EDGES.format(T=ctype, EARGS=_EARGS, CONST_SLOTS=slots, GRAD_SLOTS=grads,
                                EDGE_UPDATES=edge_updates))
     return "\n\n".join(parts)

@@ -185,7 +185,8 @@ void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int
     for (int64_t b = 0; b < nb; b++) {{
         const {T} *sb = ds + b * m * n, *qb = q + b * q_step, *kb = k + b * k_step;
         {T} *dqb = dq + b * dq_step, *dkb = dk + b * dk_step;
-        for (int64_t c0 = 0; c0 < d; c0 += LANES) {{
+        int64_t c0 = 0;{VECTOR_GROUPS}
+        for (; c0 < d; c0 += LANES) {{
             if (d - c0 >= LANES)
                 term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, {SLOT_ARGS});
             else

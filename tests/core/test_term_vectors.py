@@ -1,0 +1,92 @@
+"""A traced term's gradient loops on CPU vector types (``kernelgen.c_vec``): which terms get
+them, and that they give the reference's gradients, and the scalar loops' (the lanes of d
+past the last whole vector, a dense mask's zero ds, key groups cut short by the tile)."""
+
+import pytest
+import torch
+
+import qkv
+from qkv.core.engines import native
+from qkv.core.engines.kernelgen import c as c_target
+from qkv.core.engines.kernelgen import c_vec
+from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
+
+from .conftest import rand_qkv
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not native.available(torch.float32), reason="no C compiler")]
+
+D = 19  # whole vectors of d and 3 lanes past them, for 4, 8 and 16 lanes
+FIXED = torch.linspace(0.5, 1.5, D)  # captured, needs no gradient
+LEARNED = torch.linspace(0.5, 1.5, D).requires_grad_()
+
+VECTOR_TERMS = {
+    "l1": lambda q, k: -(q - k).abs(),
+    "cubed": lambda q, k: -(q - k).abs() ** 3,
+    "clipped": lambda q, k: -torch.minimum((q - k) ** 2, torch.ones_like(q)),
+    "asymmetric": lambda q, k: -torch.where(q > k, q - k, 2 * (k - q)),
+    "gaussian": lambda q, k: torch.exp(-(q - k) ** 2),
+    "fixed_weight": lambda q, k: -FIXED * (q - k).abs(),
+}
+
+
+def _source(term, dtype=torch.float32) -> str:
+    graph = Graph("cpu", D)
+    return c_target._source(trace_term(term, graph), dtype)
+
+
+@pytest.mark.parametrize("name", VECTOR_TERMS)
+def test_terms_of_float_values_get_vector_loops(name):
+    for dtype in (torch.float32, torch.float64):
+        assert "term_grads_vec(" in _source(VECTOR_TERMS[name], dtype)
+
+
+def test_a_tensor_that_needs_a_gradient_keeps_the_scalar_loops():
+    """Its sums stay in the scalar loops; the same tensor without a gradient has none."""
+    assert "term_grads_vec(" not in _source(lambda q, k: -LEARNED * (q - k).abs())
+    assert "total_0" in _source(lambda q, k: -LEARNED * (q - k).abs())
+    assert "total_0" not in _source(VECTOR_TERMS["fixed_weight"])
+
+
+def test_integer_arithmetic_has_no_vector_form():
+    graph = Graph("cpu", D)
+    pd = graph.leaf("pd", "int")
+    with pytest.raises(CompileError, match="integer"):
+        c_vec.vector_groups(graph.leaf("pq", "float") * (pd + 1).float(), None, pd, "float",
+                            "const float *A0")
+
+
+def _attention(term, dtype, mask, backend="fused"):
+    q, k, v = (t.to(dtype).requires_grad_() for t in rand_qkv(2, 4, 2, 37, 45, D, 5, seed=4))
+    out = qkv.attention(q, k, v, similarity=qkv.Similarity(term), mask=mask, backend=backend)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5),
+                           dtype=torch.float64).to(dtype)
+    return torch.autograd.grad(out, (q, k, v), upstream)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "dense"])
+@pytest.mark.parametrize("name", VECTOR_TERMS)
+def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name, mask):
+    """45 keys: two whole groups of 16 and a cut one; causal and a dense mask leave ds 0 on
+    some of a query's keys and on all of them."""
+    dense = torch.rand(2, 1, 37, 45, generator=torch.Generator().manual_seed(6)) > 0.5
+    dense[:, :, :3] = False
+    mask = {"none": None, "causal": qkv.causal(), "dense": dense}[mask]
+    term = VECTOR_TERMS[name]
+    ref = _attention(term, torch.float64, mask, backend="reference")
+    vector = _attention(term, torch.float32, mask)
+    for g, r in zip(vector, ref, strict=True):
+        assert _rel(g, r) < 1e-5
+    assert _rel(_attention(term, torch.float64, mask)[0], ref[0]) < 1e-12
+
+    def declined(*args):
+        raise CompileError("scalar loops only, for this test")
+
+    monkeypatch.setattr(c_vec, "vector_groups", declined)
+    scalar = _attention(term, torch.float32, mask)
+    for g, s in zip(vector, scalar, strict=True):
+        assert _rel(g, s) < 1e-6
