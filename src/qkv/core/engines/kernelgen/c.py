@@ -202,8 +202,8 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
         sums += f"\n            double sum_{n} = 0;"
         updates += f"\n                sum_{n} += (double)KEEP(gj * term_d{n}({_GARGS}));"
         stores += f"\n            total_{n}[l] += sum_{n};"
-        tensor_stores += (f"\n        for (int64_t l = 0; l < lanes; l++) "
-                          f"G{slot}[term_i{n}(0, 0, c0 + l, A0, A1, A2, A3)] += total_{n}[l];")
+        tensor_stores += (f"\n        for (int64_t l = 0; l < lanes; l++) G{slot}[term_i{n}"
+                          f"(0, 0, c0 + l, A0, A1, A2, A3)] += total_{n}[l] * scale;")
         edge_updates += (f"\n                    G{slot}[term_i{n}(qr[c], qr[c], c, A0, A1, A2, "
                          f"A3)] += (double)(gj * term_d{n}({_EARGS}));")
     slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
@@ -226,8 +226,8 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
 
 
 _TERM_SIGNATURES = {
-    "term_scores": [_PTR] * 3 + [_I64] * 6 + [_PTR] * (1 + MAX_SLOTS),
-    "term_grads": [_PTR] * 5 + [_I64] * 8 + [_PTR] * (2 * MAX_SLOTS),
+    "term_scores": [_PTR] * 3 + [_I64] * 6 + [_PTR, ctypes.c_double] + [_PTR] * MAX_SLOTS,
+    "term_grads": [_PTR] * 5 + [_I64] * 8 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
     "term_edge_scores": [_PTR] * 5 + [_I64] * 7 + [_PTR] * MAX_SLOTS,
     "term_edge_grads": [_PTR] * 7 + [_I64] * 7 + [_PTR] * (2 * MAX_SLOTS),
 }
@@ -269,10 +269,13 @@ def _warn_untraced(pair, error: Exception) -> None:
                       stacklevel=2)
 
 
-def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | None:
+def traced_loops(pair, dtype: torch.dtype, head_dim: int,
+                 scale: float = 1.0) -> native.TileLoops | None:
     """C loops for ``pair`` (a ``similarity.Pairwise`` without C loops of its own) in
     ``dtype`` with head dim ``head_dim``, traced from its term now (so they read the tensors
-    the term captures as they are now), or None when it does not trace or nothing builds."""
+    the term captures as they are now), or None when it does not trace or nothing builds.
+    The tile loops' scores and gradients are those of ``scale`` times the term; the edge
+    loops' are the term's (the graph engine scales each edge's score with its modifier)."""
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
     graph = Graph("cpu", head_dim)
@@ -292,10 +295,10 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int) -> native.TileLoops | 
         return None
     slots = tuple(graph.slots)  # autograd sees these: their gradients flow to what they came from
     values = [t.detach().to(dtype).contiguous() for t in slots]
-    return native.TileLoops(*_bind(functions, values, dtype), tensors=slots)
+    return native.TileLoops(*_bind(functions, values, dtype, scale), tensors=slots)
 
 
-def _bind(functions, values: list[Tensor], dtype: torch.dtype):
+def _bind(functions, values: list[Tensor], dtype: torch.dtype, scale: float = 1.0):
     """scores(q, k, out), add_grads(ds, q, k, dq, dk), edge_scores(q_rows, k_rows, target,
     source) and edge_grads(ds, q_rows, k_rows, target, source, dq, dk) over the C functions
     with the slot values (see ``native.TileLoops``)."""
@@ -312,7 +315,7 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
             out = q.new_empty(nb, m, n)
         kt = q.new_empty(_BLOCK * d)
         scores_fn(q3.data_ptr(), k3.data_ptr(), out.data_ptr(), nb, m, n, d, q_step, k_step,
-                  kt.data_ptr(), *pointers)
+                  kt.data_ptr(), scale, *pointers)
         return out.view(*q.shape[:-1], n)
 
     def add_grads(ds: Tensor, q: Tensor, k: Tensor, dq: Tensor, dk: Tensor):
@@ -326,7 +329,7 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype):
         def add(dq_rows, dk_rows):
             grads_fn(ds3.data_ptr(), q3.data_ptr(), k3.data_ptr(), dq_rows[0].data_ptr(),
                      dk_rows[0].data_ptr(), nb, m, n, d, q_step, k_step, dq_rows[1],
-                     dk_rows[1], *pointers, *sum_pointers)
+                     dk_rows[1], scale, *pointers, *sum_pointers)
 
         native.add_rows_into(add, dq, dk)
         return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))

@@ -112,11 +112,15 @@ static void transpose_block(const {T} *k, int64_t n0, int64_t cols, int64_t d, {
 TERM_LOOPS = """
 /* GCC's unroll-and-jam (on at -O3) jams two steps of the d loop into the key loop and then
  * keeps the key sums in memory, not in registers: a user L1's scores took 1.58-1.79 ms per
- * 8 x 256 x 256 tile with it and 1.23-1.31 ms without (the built-in L1: 1.18-1.27 ms). */
+ * 8 x 256 x 256 tile with it and 1.23-1.31 ms without (the built-in L1: 1.18-1.27 ms).
+ * The scores and the gradients take the call's scale (a number) where they store, instead of
+ * the engine's pass over each tile of scores and of ds. */
 #pragma GCC push_options
 #pragma GCC optimize("no-loop-unroll-and-jam")
 void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, int64_t n,
-                 int64_t d, int64_t q_step, int64_t k_step, {T} *kt, {CONST_SLOTS}) {{
+                 int64_t d, int64_t q_step, int64_t k_step, {T} *kt, double scale_,
+                 {CONST_SLOTS}) {{
+    const {T} scale = ({T})scale_;
     for (int64_t b = 0; b < nb; b++) {{
         const {T} *qb = q + b * q_step, *kb = k + b * k_step;
         {T} *ob = out + b * m * n;
@@ -132,7 +136,7 @@ void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, in
                     for (int64_t j = 0; j < BLOCK; j++) acc[j] += term({ARGS});
                 }}
                 {T} *oi = ob + i * n + n0;
-                for (int64_t j = 0; j < cols; j++) oi[j] = acc[j];
+                for (int64_t j = 0; j < cols; j++) oi[j] = acc[j] * scale;
             }}
         }}
     }}
@@ -149,7 +153,7 @@ void term_scores(const {T} *q, const {T} *k, {T} *out, int64_t nb, int64_t m, in
  * cpu_kernels.c). Inlined with lanes = LANES, the lane loops have a fixed count. */
 static inline __attribute__((always_inline)) void term_grads_lanes(
         const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
-        int64_t d, int64_t c0, int64_t lanes, {CONST_SLOTS}, {GRAD_SLOTS}) {{
+        int64_t d, int64_t c0, int64_t lanes, {T} scale, {CONST_SLOTS}, {GRAD_SLOTS}) {{
     for (int64_t j0 = 0; j0 < n; j0 += KEYS) {{
         const int64_t keys = n - j0 < KEYS ? n - j0 : KEYS;
         {T} kc[KEYS][LANES], acc[KEYS][LANES];{SUM_DECLS}
@@ -175,22 +179,26 @@ static inline __attribute__((always_inline)) void term_grads_lanes(
             }}
         }}
         for (int64_t u = 0; u < keys; u++)
-            for (int64_t l = 0; l < lanes; l++) dkb[(j0 + u) * d + c0 + l] += acc[u][l];{SUM_STORES}
+            for (int64_t l = 0; l < lanes; l++)
+                dkb[(j0 + u) * d + c0 + l] += acc[u][l] * scale;{SUM_STORES}
     }}
 }}
 
 void term_grads(const {T} *ds, const {T} *q, const {T} *k, {T} *dq, {T} *dk, int64_t nb,
                 int64_t m, int64_t n, int64_t d, int64_t q_step, int64_t k_step,
-                int64_t dq_step, int64_t dk_step, {CONST_SLOTS}, {GRAD_SLOTS}) {{
+                int64_t dq_step, int64_t dk_step, double scale_, {CONST_SLOTS},
+                {GRAD_SLOTS}) {{
+    const {T} scale = ({T})scale_;
     for (int64_t b = 0; b < nb; b++) {{
         const {T} *sb = ds + b * m * n, *qb = q + b * q_step, *kb = k + b * k_step;
         {T} *dqb = dq + b * dq_step, *dkb = dk + b * dk_step;
         int64_t c0 = 0;{VECTOR_GROUPS}
         for (; c0 < d; c0 += LANES) {{
             if (d - c0 >= LANES)
-                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, {SLOT_ARGS});
+                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, LANES, scale, {SLOT_ARGS});
             else
-                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, d - c0, {SLOT_ARGS});
+                term_grads_lanes(sb, qb, kb, dqb, dkb, m, n, d, c0, d - c0, scale,
+                                 {SLOT_ARGS});
         }}
     }}
 }}
@@ -209,7 +217,7 @@ TERM_ROW = """
                     tq += KEEP(gj * term_dq({GARGS}));
                     acc[u][l] += KEEP(gj * term_dk({GARGS}));{UPDATES}
                 }}
-                dqi[l] += tq;{STORES}
+                dqi[l] += tq * scale;{STORES}
             }}"""
 
 

@@ -58,7 +58,7 @@ _LANEWISE = """static inline qkv_v qkv_v_{name}(qkv_v x) {{
 GROUP = """
 static inline __attribute__((always_inline)) void term_grads_vec(
         const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
-        int64_t d, int64_t c0, int64_t keys, const uint8_t *zeros, int64_t groups,
+        int64_t d, int64_t c0, int64_t keys, const uint8_t *zeros, int64_t groups, {T} scale,
         {CONST_SLOTS}) {{
     const int64_t pd = c0;
     qkv_v kc[KEYS], acc[KEYS], v;
@@ -87,11 +87,11 @@ static inline __attribute__((always_inline)) void term_grads_vec(
                 acc[u] += g * term_dk_v(x, kc[u], pd, A0, A1, A2, A3);
             }}
         }}
-        v = qkv_vload(dqb + i * d + c0) + (even + odd);
+        v = qkv_vload(dqb + i * d + c0) + (even + odd) * scale;
         memcpy(dqb + i * d + c0, &v, sizeof v);
     }}
     for (int64_t u = 0; u < keys; u++) {{
-        v = qkv_vload(dkb + u * d + c0) + acc[u];
+        v = qkv_vload(dkb + u * d + c0) + acc[u] * scale;
         memcpy(dkb + u * d + c0, &v, sizeof v);
     }}
 }}"""
@@ -114,10 +114,10 @@ GROUPS = """
                 int64_t j0 = 0;
                 for (; j0 + KEYS <= n; j0 += KEYS)
                     term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,
-                                   KEYS, zeros + j0 / KEYS, groups, A0, A1, A2, A3);
+                                   KEYS, zeros + j0 / KEYS, groups, scale, A0, A1, A2, A3);
                 if (j0 < n)
                     term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,
-                                   n - j0, zeros + j0 / KEYS, groups, A0, A1, A2, A3);
+                                   n - j0, zeros + j0 / KEYS, groups, scale, A0, A1, A2, A3);
             }
             free(zeros);
         }"""
