@@ -26,6 +26,7 @@ VECTOR_TERMS = {
     "clipped": lambda q, k: -torch.minimum((q - k) ** 2, torch.ones_like(q)),
     "asymmetric": lambda q, k: -torch.where(q > k, q - k, 2 * (k - q)),
     "gaussian": lambda q, k: torch.exp(-(q - k) ** 2),
+    "abs_times": lambda q, k: -(q - k).abs() * (q + 2 * k),
     "fixed_weight": lambda q, k: -FIXED * (q - k).abs(),
 }
 

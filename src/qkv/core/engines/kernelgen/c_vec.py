@@ -40,7 +40,8 @@ static inline qkv_v qkv_vsel(qkv_vi m, qkv_v a, qkv_v b) {{
     return (qkv_v)((m & (qkv_vi)a) | (~m & (qkv_vi)b));
 }}
 static inline qkv_vi qkv_vsel_i(qkv_vi m, qkv_vi a, qkv_vi b) {{ return (m & a) | (~m & b); }}
-static inline qkv_v qkv_vabs(qkv_v x) {{ return (qkv_v)((qkv_vi)x & ~(qkv_vi)QV(-0.0)); }}
+/* -QV(0) is -0 in every lane: the sign bits (QV(-0.0) would be 0 + -0, that is +0) */
+static inline qkv_v qkv_vabs(qkv_v x) {{ return (qkv_v)((qkv_vi)x & ~(qkv_vi)(-QV(0))); }}
 static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v); return v; }}
 {MATH}"""
 
