@@ -13,7 +13,9 @@ run).
 It covers terms of float values, comparisons and selects, reading captured tensors at d or
 as scalars, whose tensors need no gradient sums; anything else (index arithmetic, a tensor
 read elsewhere, a tensor's gradient) is a ``CompileError``, and the term keeps the scalar
-loops for all of d. The lanes of d past the last whole vector always take the scalar loops.
+loops for all of d. (A tensor's sums, kept in double per lane, made a weighted L1 with a
+learnable weight slower here than on the scalar loops: 12.8 against 9.3 ms per tile.) The
+lanes of d past the last whole vector always take the scalar loops.
 """
 
 from __future__ import annotations
