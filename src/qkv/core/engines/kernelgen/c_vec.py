@@ -10,22 +10,20 @@ built-in's) and a loop over a group of keys like the built-in's: a user's L1 gra
 5.37 -> 4.79 ms per 8 x 128 x 512 tile, one core of a Zen 3 (the built-in 3.82 in the same
 run).
 
-It covers terms of float values, comparisons and selects, reading captured tensors at d or
-as scalars, whose tensors need no gradient sums; anything else (index arithmetic, a tensor
-read elsewhere, a tensor's gradient) is a ``CompileError``, and the term keeps the scalar
-loops for all of d. (A tensor's sums, kept in double per lane, made a weighted L1 with a
-learnable weight slower here than on the scalar loops: 12.8 against 9.3 ms per tile.) The
-lanes of d past the last whole vector always take the scalar loops.
+It covers small terms (``MAX_OPERATIONS``) of float arithmetic, comparisons and selects,
+reading captured tensors at d or as scalars, whose tensors need no gradient sums; anything
+else (index arithmetic, exp and the other math functions, a tensor read elsewhere, a
+tensor's gradient) is a ``CompileError``, and the term keeps the scalar loops for all of d.
+(A tensor's sums, kept in double per lane, made a weighted L1 with a learnable weight slower
+here than on the scalar loops: 12.8 against 9.3 ms per tile; a Gaussian exp(-(q-k)^2) took
+46 against 37 ms with exp lane by lane.) The lanes of d past the last whole vector always
+take the scalar loops.
 """
 
 from __future__ import annotations
 
 from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, CompileError, Sym
-
-# Vector forms of the header's inline math (``c_text.FAST_MATH``) and libm, lane by lane.
-_MATH = {"exp": ("qkv_expf", "exp"), "tanh": ("qkv_tanhf", "tanh"), "log": ("logf", "log"),
-         "sqrt": ("sqrtf", "sqrt"), "sin": ("sinf", "sin"), "cos": ("cosf", "cos")}
 
 PRELUDE = """
 #if defined(__AVX512F__)
@@ -45,13 +43,7 @@ static inline qkv_vi qkv_vsel_i(qkv_vi m, qkv_vi a, qkv_vi b) {{ return (m & a) 
 /* -QV(0) is -0 in every lane: the sign bits (QV(-0.0) would be 0 + -0, that is +0) */
 static inline qkv_v qkv_vabs(qkv_v x) {{ return (qkv_v)((qkv_vi)x & ~(qkv_vi)(-QV(0))); }}
 static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v); return v; }}
-{MATH}"""
-
-_LANEWISE = """static inline qkv_v qkv_v_{name}(qkv_v x) {{
-    qkv_v r;
-    for (int64_t l = 0; l < VL; l++) r[l] = {fn}(x[l]);
-    return r;
-}}"""
+"""
 
 # One group of up to KEYS keys against every query, over the vector of d at c0 (the built-in
 # L1's l1_key_group): the keys' values and dk sums stay in registers while the queries stream
@@ -190,9 +182,6 @@ def _cast(e: VectorEmitter, n: Sym) -> str:
 
 VectorEmitter.OPS = {
     **COMMON_OPS,
-    **{op: (lambda name: lambda e, n: f"qkv_v_{name}({e.as_float(n.args[0])})")(op)
-       for op in _MATH},
-    "sigmoid": lambda e, n: f"(QV(1) / (QV(1) + qkv_v_exp(-{e.as_float(n.args[0])})))",
     "invert": lambda e, n: f"(~{e.ref(n.args[0])})",
     "abs": lambda e, n: f"qkv_vabs({e.ref(n.args[0])})",
     "minimum": _extremum,
@@ -213,15 +202,33 @@ def _vector_function(name: str, root, pd: Sym, ctype: str) -> str:
                       f"    return {result};", "}"])
 
 
+# The vector loop holds 2 x KEYS vectors of keys and sums; a term's derivatives past this
+# many operations spill them, and the scalar loops were faster (8 x 128 x 512 tile, one Zen 3
+# core, alternating: |q-k| with 8 operations 5.18 -> 4.81 ms, a weighted |q-k| with 9
+# 7.92 -> 6.32; -|q-k| q with 13 8.01 -> 9.78, -|q-k|^3 with 22 7.95 -> 9.67).
+MAX_OPERATIONS = 10
+
+
+def _operations(root, found: dict[int, Sym]) -> dict[int, Sym]:
+    if isinstance(root, Sym) and root.op != "arg" and id(root) not in found:
+        found[id(root)] = root
+        for a in root.args:
+            _operations(a, found)
+    return found
+
+
 def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str) -> tuple[str, str]:
     """(functions, loop) for a term whose derivatives in q_d and k_d are ``d_q`` and ``d_k``
     (graphs or numbers): the C that goes before ``c_text.TERM_LOOPS`` and the loop over whole
-    vectors of d that goes into its ``term_grads``. A ``CompileError`` when either derivative
-    has no vector form."""
+    vectors of d that goes into its ``term_grads``. A ``CompileError`` when a derivative has
+    no vector form (an integer value, exp and the other math functions, which have none
+    here), or the two have more than ``MAX_OPERATIONS`` together."""
+    count = len(_operations(d_k, _operations(d_q, {})))
+    if count > MAX_OPERATIONS:
+        raise CompileError(f"the derivatives have {count} operations; the vector loop takes "
+                           f"{MAX_OPERATIONS} at most")
     itype = "int32_t" if ctype == "float" else "int64_t"
-    fsuffix = 0 if ctype == "float" else 1
-    math = "\n".join(_LANEWISE.format(name=op, fn=fns[fsuffix]) for op, fns in _MATH.items())
-    functions = [PRELUDE.format(T=ctype, I=itype, MATH=math),
+    functions = [PRELUDE.format(T=ctype, I=itype),
                  _vector_function("term_dq_v", d_q, pd, ctype),
                  _vector_function("term_dk_v", d_k, pd, ctype),
                  GROUP.format(T=ctype, CONST_SLOTS=const_slots)]
