@@ -85,6 +85,8 @@ CASES = {
     # FlexAttention-style callables that index one dimension at a time (bias[b][kv_idx]).
     "flex_bias_table_doc_mask": ({"mask": "flex_doc", "score_mod": "flex"},
                                  (2, 2, 1, 40, 40, 16, 16)),
+    # torch.relu, torch.sign and .square(), traced as selects and products.
+    "dot_relu_sign_square_score_mod": ({"mask": "causal", "score_mod": "functions"}, BASE),
 }
 
 # Every registered similarity (built-in and the user-defined examples of conftest, whose terms
@@ -160,6 +162,9 @@ def _score_mod(name: str | None, leaves: list[torch.Tensor]):
         return lambda s, b, h, q, kv: s + bias[b][kv] + table[h][q - kv + 63]
     if name == "batch":
         return lambda s, b, h, q, kv: s + b * 0.5 - (h == 1) * 0.25
+    if name == "functions":
+        return lambda s, b, h, q, kv: (s - 0.5 * torch.relu(s - 1.0) + 0.1 * torch.sign(s)
+                                       + s.square() / 64)
     temperature = leaves[0]
     return lambda s, b, h, q, kv: torch.where(q >= kv, s * temperature, s - 1.0) + torch.tanh(s)
 

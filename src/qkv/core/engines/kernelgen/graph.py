@@ -215,6 +215,21 @@ class Sym:
     def sin(self): return self._unary("sin", FLOAT)
     def cos(self): return self._unary("cos", FLOAT)
 
+    def square(self): return self * self
+    def rsqrt(self): return 1.0 / self.sqrt()
+
+    def sign(self):
+        """-1, 0 or 1 in the value's kind; 0 for NaN and for -0, as torch.sign on CPU."""
+        g, one = self.graph, 1.0 if self.kind == FLOAT else 1
+        kind = INT if self.kind == BOOL else self.kind
+        below = g.node("where", (self < 0, -one, 0 * one), kind)
+        return g.node("where", (self > 0, one, below), kind)
+
+    def relu(self):
+        """max(x, 0) as torch.relu: NaN stays NaN and -0 stays -0."""
+        return self.graph.node("where", (self < 0, 0.0 if self.kind == FLOAT else 0, self),
+                               self.kind)
+
     def clamp(self, min=None, max=None):
         result, g = self, self.graph
         if min is not None:
@@ -286,7 +301,8 @@ class Sym:
             return handler(graph, *args, **kwargs)
         if name.startswith("__") and isinstance(args[0], Tensor):  # tensor <op> traced value
             return getattr(graph.lift(args[0]), name)(*args[1:])
-        if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max"):
+        if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max",
+                                   "square", "rsqrt", "sign", "relu"):
             return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
         raise CompileError(f"torch.{name} has no form in the kernel generators (C and Triton)")
 
