@@ -1,11 +1,13 @@
-"""torch.square, torch.sign, torch.relu and torch.rsqrt in a user's term or score modifier
-trace into the kernel generators (no fallback to torch on tiles), with torch's values on
-special inputs and the reference's gradients."""
+"""torch.square, torch.sign, torch.relu and torch.rsqrt, and the method spellings of the
+operators (q.sub(k), x.pow(2), ...), in a user's term or score modifier trace into the kernel
+generators (no fallback to torch on tiles), with torch's values on special inputs and the
+reference's gradients."""
 
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import qkv
 from qkv.core.engines import native
@@ -21,6 +23,11 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 def term(q, k):
     return -torch.relu(q - k).square() - 0.5 * torch.sign(q - k) * (k * k + 1).rsqrt()
+
+
+def methods(q, k):
+    x = q.sub(k).abs().pow(2).mul(0.5).add(1, alpha=2)
+    return -x.reciprocal().div(2) - F.relu(q.subtract(k), inplace=False).multiply(k)
 
 
 def mod(score, b, h, q_idx, kv_idx):
@@ -40,13 +47,13 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("kind", ["term", "score_mod"])
+@pytest.mark.parametrize("kind", ["term", "methods", "score_mod"])
 def test_they_trace_to_c_and_match_the_reference(kind):
-    kwargs = ({"similarity": qkv.Similarity(term)} if kind == "term"
-              else {"score_mod": UserScoreMod(mod)})
+    kwargs = ({"similarity": qkv.Similarity({"term": term, "methods": methods}[kind])}
+              if kind != "score_mod" else {"score_mod": UserScoreMod(mod)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a term that does not trace warns
-        if kind == "term":
+        if kind != "score_mod":
             assert c_target.traced_loops(kwargs["similarity"].pairwise, torch.float32, 6)
         else:
             assert c_mod.traced_mod(kwargs["score_mod"], torch.float32) is not None
@@ -70,3 +77,10 @@ def test_sign_and_relu_keep_torchs_values_on_special_inputs():
         kept = ~want.isnan()
         assert torch.equal(out[kept], want[kept])
         assert torch.equal(torch.signbit(out[kept]), torch.signbit(want[kept])), fn
+
+
+def test_a_rounding_mode_that_does_not_compile_is_named():
+    from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
+
+    with pytest.raises(CompileError, match="rounding_mode='trunc'"):
+        trace_term(lambda q, k: q.div(k, rounding_mode="trunc"), Graph("cpu", 4))

@@ -215,6 +215,23 @@ class Sym:
     def sin(self): return self._unary("sin", FLOAT)
     def cos(self): return self._unary("cos", FLOAT)
 
+    # The method spellings of the operators (q.sub(k), x.pow(2), ...).
+    def add(self, other, *, alpha=1): return self + (other if alpha == 1 else other * alpha)
+    def sub(self, other, *, alpha=1): return self - (other if alpha == 1 else other * alpha)
+    def mul(self, other): return self * other
+    def pow(self, exponent): return self ** exponent
+    def reciprocal(self): return 1.0 / self
+    multiply, subtract = mul, sub
+
+    def div(self, other, *, rounding_mode=None):
+        if rounding_mode is None:
+            return self / other
+        if rounding_mode == "floor":
+            return self // other
+        raise CompileError(f"div with rounding_mode={rounding_mode!r} does not compile")
+
+    divide = true_divide = div
+
     def square(self): return self * self
     def rsqrt(self): return 1.0 / self.sqrt()
 
@@ -225,8 +242,9 @@ class Sym:
         below = g.node("where", (self < 0, -one, 0 * one), kind)
         return g.node("where", (self > 0, one, below), kind)
 
-    def relu(self):
-        """max(x, 0) as torch.relu: NaN stays NaN and -0 stays -0."""
+    def relu(self, inplace=False):
+        """max(x, 0) as torch.relu: NaN stays NaN and -0 stays -0. (``inplace``, which
+        ``F.relu`` passes, means nothing for a traced value.)"""
         return self.graph.node("where", (self < 0, 0.0 if self.kind == FLOAT else 0, self),
                                self.kind)
 
@@ -302,7 +320,7 @@ class Sym:
         if name.startswith("__") and isinstance(args[0], Tensor):  # tensor <op> traced value
             return getattr(graph.lift(args[0]), name)(*args[1:])
         if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max",
-                                   "square", "rsqrt", "sign", "relu"):
+                                   "square", "rsqrt", "sign", "relu", "reciprocal"):
             return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
         raise CompileError(f"torch.{name} has no form in the kernel generators (C and Triton)")
 
