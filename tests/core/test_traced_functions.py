@@ -13,6 +13,7 @@ import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_mod
+from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
 from qkv.core.scores import UserScoreMod
 
 from .conftest import rand_qkv
@@ -80,7 +81,5 @@ def test_sign_and_relu_keep_torchs_values_on_special_inputs():
 
 
 def test_a_rounding_mode_that_does_not_compile_is_named():
-    from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
-
     with pytest.raises(CompileError, match="rounding_mode='trunc'"):
         trace_term(lambda q, k: q.div(k, rounding_mode="trunc"), Graph("cpu", 4))
