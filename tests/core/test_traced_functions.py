@@ -1,19 +1,20 @@
 """torch.square, torch.sign, torch.relu and torch.rsqrt, and the method spellings of the
 operators (q.sub(k), x.pow(2), ...), in a user's term or score modifier trace into the kernel
 generators (no fallback to torch on tiles), with torch's values on special inputs and the
-reference's gradients."""
+reference's gradients; FlexAttention's mask combinators trace too."""
 
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_mod
-from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
+from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_mask, trace_term
 from qkv.core.scores import UserScoreMod
 
 from .conftest import rand_qkv
@@ -83,3 +84,13 @@ def test_sign_and_relu_keep_torchs_values_on_special_inputs():
 def test_a_rounding_mode_that_does_not_compile_is_named():
     with pytest.raises(CompileError, match="rounding_mode='trunc'"):
         trace_term(lambda q, k: q.div(k, rounding_mode="trunc"), Graph("cpu", 4))
+
+
+def test_flex_attentions_mask_combinators_trace():
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    for rule in (and_masks(causal, noop_mask), or_masks(causal, noop_mask), noop_mask):
+        trace_mask(qkv.custom_mask(rule), Graph("cpu"))
+    with pytest.raises(CompileError, match=r"shape \(2,\)"):
+        trace_mask(qkv.custom_mask(lambda b, h, q, kv: b.new_ones((2,)) > 0), Graph("cpu"))

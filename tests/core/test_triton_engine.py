@@ -19,6 +19,7 @@ import traceback
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import and_masks, or_masks
 
 import qkv
 from qkv.core.engines import engine_names
@@ -85,6 +86,7 @@ CASES = {
     # FlexAttention-style callables that index one dimension at a time (bias[b][kv_idx]).
     "flex_bias_table_doc_mask": ({"mask": "flex_doc", "score_mod": "flex"},
                                  (2, 2, 1, 40, 40, 16, 16)),
+    "dot_flex_and_or_masks": ({"mask": "flex_combinators"}, BASE),
     # torch.relu, torch.sign and .square(), traced as selects and products.
     "dot_relu_sign_square_score_mod": ({"mask": "causal", "score_mod": "functions"}, BASE),
 }
@@ -125,6 +127,10 @@ def _mask(name: str | None, b: int, nq: int, nk: int, device="cpu"):
         "flex_doc": lambda: qkv.custom_mask(
             lambda b, h, q, kv: doc[b][q] == doc[b][kv]
         ),
+        # FlexAttention's own combinators, which start from b.new_ones(()) / new_zeros(()).
+        "flex_combinators": lambda: qkv.custom_mask(or_masks(
+            and_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: q - kv <= 9),
+            lambda b, h, q, kv: kv < 2)),
         "floor_division": lambda: qkv.custom_mask(
             lambda b, h, q, kv: (((q - kv) // 3) % 2 == 0) | (q // 4 == kv // 4)
         ),

@@ -232,6 +232,22 @@ class Sym:
 
     divide = true_divide = div
 
+    # x.new_ones(()) and friends: a constant (FlexAttention's and_masks, or_masks and noop_mask
+    # start from one).
+    def new_ones(self, size=(), *, dtype=None, **kwargs): return self._new(size, 1, dtype)
+    def new_zeros(self, size=(), *, dtype=None, **kwargs): return self._new(size, 0, dtype)
+
+    def new_full(self, size, fill_value, *, dtype=None, **kwargs):
+        return self._new(size, fill_value, dtype)
+
+    def _new(self, size, value, dtype):
+        if tuple(size) != ():
+            raise CompileError(f"new_ones/new_zeros/new_full of shape {tuple(size)}: only a "
+                               "scalar, shape (), compiles")
+        kind = self.kind if dtype is None else _kind_of_dtype(dtype)
+        return self.graph.node("full", (self, {BOOL: bool, INT: int, FLOAT: float}[kind](value)),
+                               kind)
+
     def square(self): return self * self
     def rsqrt(self): return 1.0 / self.sqrt()
 
