@@ -1,6 +1,7 @@
 """The score modifier's C loops: the backward keeps d mod / d score from its recompute (one
 evaluation per pair) exactly when no tensor the modifier reads needs a gradient; the inline
-tanh and exp the generated C calls are as exact as they say."""
+tanh and exp the generated C calls are as exact as they say; integer and bool tensors the
+modifier reads are read as they are."""
 
 import ctypes
 
@@ -10,6 +11,7 @@ import torch
 import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c_mod, c_text
+from qkv.core.scores import UserScoreMod
 
 
 def test_the_slope_is_kept_only_without_tensor_gradients():
@@ -31,6 +33,32 @@ def test_kept_slope_gives_the_reference_gradients():
         grads.append(torch.autograd.grad((out * out).sum(), (q, k, v)))
     for fused, reference in zip(*grads, strict=True):
         torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_integer_and_bool_tensors_are_read_as_they_are(dtype):
+    """Document ids (int64), a bucket table (int32) into a learnable float bias, and a bool
+    flag per key: the modifier gets C loops, and the reference's values and gradients."""
+    n = 45
+    docs = torch.arange(n) // 10
+    buckets = (torch.arange(2 * n - 1) - (n - 1)).abs().clamp(max=7).to(torch.int32)
+    flag = torch.arange(n) % 3 == 0
+    bias = torch.linspace(-1, 1, 8, dtype=dtype).requires_grad_()
+
+    def mod(s, b, h, q, kv):
+        return s + bias[buckets[q - kv + n - 1]] - 2.0 * (docs[q] != docs[kv]) + 0.5 * flag[kv]
+
+    assert c_mod.traced_mod(UserScoreMod(mod), dtype) is not None
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64).to(dtype).requires_grad_()
+               for _ in range(3))
+    grads = []
+    for backend in ("fused", "reference"):
+        out = qkv.attention(q, k, v, score_mod=UserScoreMod(mod), backend=backend)
+        grads.append((out, *torch.autograd.grad((out * out).sum(), (q, k, v, bias))))
+    tolerance = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {}
+    for fused, reference in zip(*grads, strict=True):
+        torch.testing.assert_close(fused, reference, **tolerance)
 
 
 def _inline_math():

@@ -12,8 +12,9 @@ them; in float, exp and tanh are the inline forms of ``c_text.FAST_MATH``:
   gradients of the float tensors the modifier reads that need one (ALiBi slopes, a bias
   table, a learnable cap), summed in double.
 
-A modifier that does not trace, or reads a tensor that is not float, has no loops here; the
-engine then runs it with torch under autograd, as before.
+Tensors it reads that are integer or bool (document ids, bucket tables) are read as they
+are. A modifier that does not trace, or reads a tensor of another type, has no loops here;
+the engine then runs it with torch under autograd, as before.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from .derivative import depends_on, derivative, loads_in
 from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_mod
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+# Captured tensors that are not float (segment or document ids, bucket tables) are read as
+# they are: their C element types. Float ones are cast to the call's dtype.
+_INT_C_TYPES = {torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t",
+                torch.int8: "int8_t", torch.uint8: "uint8_t", torch.bool: "uint8_t"}
 _ARGS = "row[j] * scale, b, h, q, k0 + j, offset, A0, A1, A2, A3"
 _ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads b, h, q only
 _SIGNATURES = {
@@ -39,7 +44,14 @@ _SIGNATURES = {
 }
 
 
-def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT,
+def _slot_params(slots: list[Tensor], ctype: str) -> str:
+    """The slot parameters A0..A3 of the generated functions, each of its tensor's C type."""
+    types = [_INT_C_TYPES.get(t.dtype, ctype) for t in slots]
+    types += [ctype] * (MAX_SLOTS - len(types))
+    return ", ".join(f"const {c} *A{i}" for i, c in enumerate(types))
+
+
+def _function(name: str, root, ctype: str, fsuffix: str, params: str, kind: str = FLOAT,
               slope=None) -> str:
     """A C function of (score, b, h, q_idx, kv_idx, offset, slots) returning ``root``: a
     graph, a number, or a callable that writes its lines into an emitter and returns the
@@ -49,7 +61,6 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT,
     e = CEmitter(ctype, fsuffix, float_literals=True)
     value = lambda x: e.ref(x) if isinstance(x, Sym) else repr(float(x or 0.0))  # noqa: E731
     result = root(e) if callable(root) else value(root)
-    params = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     store = []
     if slope is not None:
         params += f", {ctype} *d_score"
@@ -119,11 +130,12 @@ void mod_scores_ds({T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq,
 
 def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
     ctype, fsuffix = _C_TYPES[dtype]
+    slots = _slot_params(root.graph.slots, ctype)
     score = root.graph.leaf("score", FLOAT)
     d_score = derivative(root, score, {})
-    parts = [HEADER, _function("mod", root, ctype, fsuffix),
-             _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix),
-             _function("mod_pair", root, ctype, fsuffix, slope=0.0 if d_score is None
+    parts = [HEADER, _function("mod", root, ctype, fsuffix, slots),
+             _function("mod_ds", 0.0 if d_score is None else d_score, ctype, fsuffix, slots),
+             _function("mod_pair", root, ctype, fsuffix, slots, slope=0.0 if d_score is None
                        else d_score)]
     scatter = decls = reduce = updates = stores = ""
     for n, load in enumerate(loads_in(root, {}).values()):
@@ -131,9 +143,9 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
         d_load = derivative(root, load, {})
         if slot not in grad_slots or d_load is None:
             continue
-        parts.append(_function(f"mod_d{n}", d_load, ctype, fsuffix))
+        parts.append(_function(f"mod_d{n}", d_load, ctype, fsuffix, slots))
         parts.append(_function(f"mod_i{n}", lambda e, load=load: flat_offset(e, load), ctype,
-                               fsuffix, INT))
+                               fsuffix, slots, INT))
         if any(depends_on(i, {"kv_idx", "score"}) for i in index):  # a slot element per pair
             scatter += (f"\n        for (int64_t j = 0; j < bk; j++) if (g[j] != 0) "
                         f"G{slot}[mod_i{n}({_ARGS})] += (double)(g[j] * mod_d{n}({_ARGS}));")
@@ -144,7 +156,6 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
                         f"\n            total_{n} += (double)qkv_keep{fsuffix}(gj * d{n}, "
                         "gj != 0);")
             stores += f"\n        G{slot}[mod_i{n}({_ROW_ARGS})] += total_{n};"
-    slots = ", ".join(f"const {ctype} *A{i}" for i in range(MAX_SLOTS))
     grads = ", ".join(f"double *G{i}" for i in range(MAX_SLOTS))
     parts.append(_LOOPS.format(T=ctype, KEEP=f"qkv_keep{fsuffix}", ARGS=_ARGS, SLOTS=slots,
                                GRADS=grads, SCATTER=scatter, DECLS=decls, REDUCE=reduce,
@@ -212,8 +223,8 @@ class ModLoops:
 
 def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     """C loops for ``score_mod`` (a ``scores.ScoreMod``) in ``dtype``, traced now (so they read
-    the tensors it captures as they are now), or None: it does not trace, reads a tensor that
-    is not float, or nothing builds."""
+    the tensors it captures as they are now), or None: it does not trace, reads a tensor of
+    another type than float, integer or bool, or nothing builds."""
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
     graph = Graph("cpu")
@@ -221,7 +232,7 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
         root = trace_score_mod(score_mod, graph)
     except Exception:  # noqa: BLE001  any modifier this tracer cannot follow runs in torch
         return None
-    if not all(t.is_floating_point() for t in graph.slots):
+    if not all(t.is_floating_point() or t.dtype in _INT_C_TYPES for t in graph.slots):
         return None
     grad_slots = [i for i, t in enumerate(graph.slots) if t.requires_grad]
     try:
@@ -231,7 +242,8 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     functions = load_functions(source, "score_mod", _SIGNATURES)
     if functions is None:
         return None
-    values = [t.detach().to(dtype).contiguous() for t in graph.slots]
+    values = [(t.detach().to(dtype) if t.is_floating_point() else t).contiguous()
+              for t in graph.slots]
     derivatives = [derivative(root, graph.leaf("score", FLOAT), {})] + [
         derivative(root, load, {}) for load in loads_in(root, {}).values()
         if load.args[0] in grad_slots]
