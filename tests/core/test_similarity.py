@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from qkv.core.engines import tiles
+from qkv.core.problem import build_problem
 from qkv.core.similarity import PAIRWISE, pairwise_sum
 
 from .conftest import rand_qkv
@@ -74,6 +76,25 @@ def test_tensor_scale_per_head_and_its_gradient():
     torch.testing.assert_close(out[:, :1], expected)
     out.sum().backward()
     assert temperature.grad is not None and torch.all(temperature.grad != 0)
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot", "l2", "l1"])
+def test_a_learnable_scale_on_the_fused_engine(similarity):
+    """A per-head temperature (Swin V2's cosine attention) under softcap and causal: the
+    reference's values and gradients. dot and cosine fold it into the query features, so the
+    tiles run without autograd; L2 and L1 cannot (its sign is not known) and keep it."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(h=2, hkv=2, nq=37, nk=37, d=8, dv=4))
+    results = []
+    for backend in ("fused", "reference"):
+        temperature = torch.tensor([2.0, 0.5], dtype=torch.float64, requires_grad=True)
+        out = qkv.attention(q, k, v, similarity=similarity, scale=temperature,
+                            score_mod=qkv.softcap(3.0), mask=qkv.causal(), backend=backend)
+        results.append((out, *torch.autograd.grad((out * out).sum(), (q, k, v, temperature))))
+    for fused, reference in zip(*results, strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-12)
+    problem = build_problem(q, k, v, similarity=similarity, scale=temperature)
+    folded = tiles.features(problem)[3] is None
+    assert folded == (similarity in ("cosine", "dot"))
 
 
 def sdpa(q, k, v, **kwargs):

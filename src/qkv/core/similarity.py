@@ -171,8 +171,10 @@ class Pairwise(Node):
     lifted_matrix: Callable[..., Tensor] | None = None
     # (q, k, scale) -> features whose scores are scale times q and k's, or None where the
     # term cannot absorb that scale: a tiled engine folds it in once per call (O(N·D))
-    # instead of multiplying every tile of scores.
-    fold_scale: Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor] | None] | None = None
+    # instead of multiplying every tile of scores. ``scale`` is a number or a tensor
+    # broadcastable to q (a learnable temperature, per head as (1, H, 1, 1)).
+    fold_scale: Callable[[Tensor, Tensor, float | Tensor],
+                         tuple[Tensor, Tensor] | None] | None = None
 
     def tensors(self) -> tuple[Tensor, ...]:
         """Floating-point tensors the term reads: gradients reach them."""
@@ -189,19 +191,21 @@ class Pairwise(Node):
         return self.term(q, k).sum(-1)
 
 
-def _fold_into_q(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    return q * scale, k  # s·(q·k) = (s·q)·k
+def _fold_into_q(q: Tensor, k: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor]:
+    return q * scale, k  # s·(q·k) = (s·q)·k, for a learnable (per-head) tensor s as well
 
 
-def _fold_sqrt(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
-    if scale <= 0:
+def _fold_sqrt(q: Tensor, k: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor] | None:
+    if isinstance(scale, Tensor) or scale <= 0:  # a tensor's sign is not known here
         return None
     root = math.sqrt(scale)  # s·‖q-k‖² = ‖√s·q - √s·k‖² for s > 0
     return q * root, k * root
 
 
-def _fold_both(q: Tensor, k: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
-    return (q * scale, k * scale) if scale > 0 else None  # s·|q-k| = |s·q - s·k| for s > 0
+def _fold_both(q: Tensor, k: Tensor, scale: float | Tensor) -> tuple[Tensor, Tensor] | None:
+    if isinstance(scale, Tensor) or scale <= 0:  # a tensor's sign is not known here
+        return None
+    return q * scale, k * scale  # s·|q-k| = |s·q - s·k| for s > 0
 
 
 DOT = Pairwise("dot", lambda q, k: q * k, dot_scores, dot_tile_grads, fold_scale=_fold_into_q)

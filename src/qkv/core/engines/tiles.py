@@ -320,13 +320,17 @@ def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, se
 
 def features(p: Problem):
     """Query and key features in the accumulation dtype, v cast alike, and the scale left for
-    the tiles (None when folded into the features: ``Pairwise.fold_scale``)."""
+    the tiles (None when folded into the features: ``Pairwise.fold_scale``). A learnable
+    scale folded into the features gets its gradient from autograd through that product
+    (O(N·D)), and the tiles run as for a number: no autograd graph per tile."""
     acc = accumulation_dtype(p.q.dtype)
     q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
     metric = None if p.metric is None else p.metric.to(acc)
     fq, fk = p.similarity.features(q, k, metric)
     scale, fold = p.scale, p.similarity.pairwise.fold_scale
-    folded = None if isinstance(scale, Tensor) or fold is None else fold(fq, fk, scale)
+    folded = None
+    if fold is not None:
+        folded = fold(fq, fk, p.scale_tensor().to(acc) if isinstance(scale, Tensor) else scale)
     if folded is not None:
         (fq, fk), scale = folded, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
