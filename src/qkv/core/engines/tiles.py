@@ -43,8 +43,9 @@ MAX_TILE_ELEMENTS = 1 << 23
 class TileSpec:
     """A problem as the tile loops see it: features already applied, shapes fixed.
 
-    ``scale`` is None when it was folded into the query features (dot kernel, float scale)
-    or into a traced term's loops, else a float or a tensor broadcastable to (B, H, 1, 1)."""
+    ``scale`` is None when it was folded into the features (``Pairwise.fold_scale``: a dot
+    term's float or tensor scale, a positive float for L2 and L1) or into a traced term's
+    loops, else a float or a tensor broadcastable to (B, H, 1, 1)."""
 
     pair: Pairwise
     scale: float | Tensor | None
