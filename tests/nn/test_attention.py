@@ -142,6 +142,23 @@ def test_returned_weights_and_similarities():
     assert m.metric.grad is not None
 
 
+def test_a_learnable_per_head_temperature_trains_with_the_module():
+    """Swin V2's cosine attention: scale an nn.Parameter of shape (H,), registered with the
+    module, its gradient that of the same attention called directly."""
+    torch.manual_seed(0)
+    temperature = torch.nn.Parameter(torch.tensor([4.0, 10.0]))
+    m = MultiHeadAttention(8, 2, similarity="cosine", scale=temperature)
+    assert any(p is temperature for p in m.parameters())
+    x = torch.randn(2, 5, 8)
+    m(x).square().sum().backward()
+    grad = temperature.grad.clone()
+    temperature.grad = None
+    q, k, v = (proj(x).view(2, 5, 2, 4).transpose(1, 2) for proj in (m.q_proj, m.k_proj, m.v_proj))
+    out = qkv.attention(q, k, v, similarity="cosine", scale=temperature, backend="reference")
+    m.out_proj(out.transpose(1, 2).reshape(2, 5, 8)).square().sum().backward()
+    torch.testing.assert_close(grad, temperature.grad)
+
+
 def test_bad_heads():
     with pytest.raises(ValueError, match="divisible by n_head"):
         MultiHeadAttention(10, 3)

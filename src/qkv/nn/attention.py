@@ -71,7 +71,8 @@ class MultiHeadAttention(nn.Module):
         similarity, scale: passed to ``qkv.attention``: a registered similarity name or a
             ``qkv.Similarity``; "mahalanobis" adds a learnable metric L (H, d_k, d_k),
             initialized to the identity, and a user similarity's ``nn.Parameter``s join the
-            module's parameters.
+            module's parameters, as does a scale that is an ``nn.Parameter`` of shape () or
+            (H,) (a learnable temperature: Swin V2's cosine attention).
         rope: a shared RotaryEmbedding applied to q and k (self-attention only).
         is_cross: True for encoder-decoder attention (keys come from a memory, which a cache
             keeps after the first call).
@@ -83,8 +84,9 @@ class MultiHeadAttention(nn.Module):
     def __init__(
         self, d_model: int, n_head: int, *, n_kv_head: int | None = None,
         kdim: int | None = None, vdim: int | None = None, bias: bool = True,
-        dropout: float = 0.0, similarity: str | Similarity = "dot", scale: float | None = None,
-        head_dim: int | None = None, rope: RotaryEmbedding | None = None,
+        dropout: float = 0.0, similarity: str | Similarity = "dot",
+        scale: float | Tensor | None = None, head_dim: int | None = None,
+        rope: RotaryEmbedding | None = None,
         is_cross: bool = False,
     ):
         super().__init__()
