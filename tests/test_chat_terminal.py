@@ -22,22 +22,29 @@ if shutil.which("tmux") is None:
 
 
 class Terminal:
-    """A detached tmux session running one command; ``screen()`` is what a user sees."""
+    """A detached tmux session running one command; ``screen()`` is what a user sees.
+
+    Each terminal has a tmux server of its own (``-L``): on a shared server, a session
+    started while the previous test's last session was being killed met the server on its
+    way out ("server exited unexpectedly", seen once in CI)."""
 
     def __init__(self, command: str):
         self.name = f"qkv-chat-{uuid.uuid4().hex[:8]}"
         env = f"PYTHONPATH={SRC} QKV_CACHE={os.environ.get('QKV_CACHE', '')}"
         # The exit status stays on the screen after the command ends.
         shell = f"env {env} {command}; echo EXIT=$?; sleep 120"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "150", "-y", "50",
-                        shell], check=True)
+        self.tmux("new-session", "-d", "-s", self.name, "-x", "150", "-y", "50", shell)
+        self.socket = Path(self.tmux("display-message", "-p", "#{socket_path}").strip())
+
+    def tmux(self, *args: str, check: bool = True) -> str:
+        return subprocess.run(["tmux", "-L", self.name, *args], check=check,
+                              capture_output=True, text=True).stdout
 
     def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        self.tmux("send-keys", "-t", self.name, *keys)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t",
-                               self.name], check=True, capture_output=True, text=True).stdout
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", self.name)
 
     def wait_for(self, predicate, timeout: float = 120.0) -> str:
         deadline = time.monotonic() + timeout
@@ -49,7 +56,8 @@ class Terminal:
         raise AssertionError(f"timed out; the screen:\n{self.screen()}")
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], check=False)
+        self.tmux("kill-server", check=False)
+        self.socket.unlink(missing_ok=True)  # tmux leaves its socket file behind
 
 
 @pytest.fixture
