@@ -187,7 +187,7 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
              _function("term_dq", d_q, ctype, fsuffix),
              _function("term_dk", d_k, ctype, fsuffix)]
     decls = sums = updates = stores = tensor_stores = edge_updates = ""
-    for n, load in enumerate(loads_in(root, {}).values()):
+    for n, load in enumerate(loads_in(root).values()):
         slot, *index = load.args
         d_load = derivative(root, load, {})
         if d_load is None or not graph.slots[slot].requires_grad:

@@ -138,7 +138,7 @@ def _source(root: Sym, grad_slots: set[int], dtype: torch.dtype) -> str:
              _function("mod_pair", root, ctype, fsuffix, slots, slope=0.0 if d_score is None
                        else d_score)]
     scatter = decls = reduce = updates = stores = ""
-    for n, load in enumerate(loads_in(root, {}).values()):
+    for n, load in enumerate(loads_in(root).values()):
         slot, *index = load.args
         d_load = derivative(root, load, {})
         if slot not in grad_slots or d_load is None:
@@ -245,7 +245,7 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     values = [(t.detach().to(dtype) if t.is_floating_point() else t).contiguous()
               for t in graph.slots]
     derivatives = [derivative(root, graph.leaf("score", FLOAT), {})] + [
-        derivative(root, load, {}) for load in loads_in(root, {}).values()
+        derivative(root, load, {}) for load in loads_in(root).values()
         if load.args[0] in grad_slots]
     needs_raw = any(depends_on(d, {"score"}) for d in derivatives)
     slope_is_one = not isinstance(derivatives[0], Sym) and derivatives[0] == 1

@@ -22,6 +22,7 @@ take the scalar loops.
 
 from __future__ import annotations
 
+from .derivative import operations_in
 from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, CompileError, Sym
 
@@ -209,21 +210,13 @@ def _vector_function(name: str, root, pd: Sym, ctype: str) -> str:
 MAX_OPERATIONS = 10
 
 
-def _operations(root, found: dict[int, Sym]) -> dict[int, Sym]:
-    if isinstance(root, Sym) and root.op != "arg" and id(root) not in found:
-        found[id(root)] = root
-        for a in root.args:
-            _operations(a, found)
-    return found
-
-
 def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str) -> tuple[str, str]:
     """(functions, loop) for a term whose derivatives in q_d and k_d are ``d_q`` and ``d_k``
     (graphs or numbers): the C that goes before ``c_text.TERM_LOOPS`` and the loop over whole
     vectors of d that goes into its ``term_grads``. A ``CompileError`` when a derivative has
     no vector form (an integer value, exp and the other math functions, which have none
     here), or the two have more than ``MAX_OPERATIONS`` together."""
-    count = len(_operations(d_k, _operations(d_q, {})))
+    count = len(operations_in(d_k, operations_in(d_q)))
     if count > MAX_OPERATIONS:
         raise CompileError(f"the derivatives have {count} operations; the vector loop takes "
                            f"{MAX_OPERATIONS} at most")

@@ -104,11 +104,17 @@ def depends_on(node, names: set[str]) -> bool:
     return any(depends_on(a, names) for a in node.args)
 
 
-def loads_in(node, found: dict[int, Sym]) -> dict[int, Sym]:
-    """Every captured-tensor load under ``node``, by node id."""
-    if isinstance(node, Sym) and id(node) not in found:
-        if node.op == "load":
-            found[id(node)] = node
+def operations_in(node, found: dict[int, Sym] | None = None) -> dict[int, Sym]:
+    """Every operation under ``node`` (leaves excluded), by node id, in the order first met,
+    added to ``found``; each shared node is visited once."""
+    found = {} if found is None else found
+    if isinstance(node, Sym) and node.op != "arg" and id(node) not in found:
+        found[id(node)] = node
         for a in node.args:
-            loads_in(a, found)
+            operations_in(a, found)
     return found
+
+
+def loads_in(node) -> dict[int, Sym]:
+    """Every captured-tensor load under ``node``, by node id, in the order first met."""
+    return {key: n for key, n in operations_in(node).items() if n.op == "load"}

@@ -224,7 +224,7 @@ def _mod_bwd_source(mod_root: Sym, grad_slots: set[int]) -> str:
     d_score = derivative(mod_root, score, {})
     d_score_text = "0.0" if d_score is None else top.ref(d_score)
     inner = TritonEmitter("        ", top)
-    for load in loads_in(mod_root, {}).values():
+    for load in loads_in(mod_root).values():
         slot, *index = load.args
         if load.kind != FLOAT or slot not in grad_slots:
             continue
@@ -262,7 +262,7 @@ def _term_function(name: str, root) -> str:
 def _term_grad_source(term_root: Sym, grad_slots: set[int]) -> str:
     d_leaf = term_root.graph.leaf(TERM_ARGS[2], INT)
     e = TritonEmitter("    ")
-    for load in loads_in(term_root, {}).values():
+    for load in loads_in(term_root).values():
         slot, *index = load.args
         if load.kind != FLOAT or slot not in grad_slots:
             continue
