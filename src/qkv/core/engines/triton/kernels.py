@@ -303,8 +303,7 @@ def weights_kernel(
                             A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
                             TERM_FN)
             s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2,
-                       A3, AS,
-                       KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+                       A3, AS, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
             p = tl.exp2(s - lse[:, None])
             if DROPOUT:
                 kept = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK,
