@@ -18,6 +18,7 @@ import argparse
 import glob
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -93,11 +94,12 @@ def _bare(q, k, v):
 
 def _write_flex_source(cache: str, path: str) -> None:
     """Inductor's generated modules that hold a flex_attention template kernel, in one file."""
-    found = [f for f in sorted(glob.glob(f"{cache}/**/*.py", recursive=True))
-             if "flex_attention" in open(f).read()]
+    files = sorted(glob.glob(f"{cache}/**/*.py", recursive=True))
+    sources = {f: Path(f).read_text() for f in files}
+    found = [f for f in files if "flex_attention" in sources[f]]
     with open(path, "w") as out:
         for f in found:
-            out.write(f"# ==== {os.path.relpath(f, cache)}\n{open(f).read()}\n")
+            out.write(f"# ==== {os.path.relpath(f, cache)}\n{sources[f]}\n")
     print(f"\n{len(found)} generated FlexAttention modules written to {path}")
 
 
