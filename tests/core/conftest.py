@@ -40,6 +40,12 @@ def similarity_inputs(name: str, heads: int, d: int, dtype=torch.float64, seed=2
     return metric, learnable + list(SIMILARITIES[name].tensors())
 
 
+def rel_err(a, b) -> float:
+    """‖a - b‖ / ‖b‖ in float64, for tensors that may need gradients."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def rand_qkv(
     b=2, h=4, hkv=2, nq=5, nk=7, d=6, dv=3, dtype=torch.float64, requires_grad=False, seed=0
 ):

@@ -10,7 +10,7 @@ import torch
 import qkv
 from qkv.core.engines import graph_gather, tiles
 
-from .conftest import rand_qkv
+from .conftest import rand_qkv, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,10 +49,6 @@ def dense_expected(q, k, v, bias, table, doc, allowed_extra=None):
     scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, -1).nan_to_num(0.0)
     return weights @ vv
-
-
-def rel_err(a, b):
-    return float((a.detach() - b.detach()).norm() / b.detach().norm())
 
 
 @pytest.mark.parametrize("backend", ["reference", "fused"])

@@ -11,7 +11,7 @@ from qkv.core.engines import graph_gather, plan, tiles
 from qkv.core.problem import build_problem
 from qkv.core.similarity import SIMILARITIES as REGISTRY
 
-from .conftest import mask_cases, rand_qkv, registered_similarities
+from .conftest import mask_cases, rand_qkv, registered_similarities, rel_err
 
 B, H, HKV, NQ, NK, D, DV = 2, 4, 2, 37, 45, 8, 5
 SIMILARITIES = registered_similarities(D)
@@ -62,11 +62,6 @@ def run(backend, q, k, v, params, similarity, mask, mod, **extra):
         q, k, v, mask=mask, score_mod=make_mod(mod, params), similarity=similarity,
         metric=metric, backend=backend, **extra,
     )
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def grads_of(out, inputs, seed=4):

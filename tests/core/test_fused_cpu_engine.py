@@ -15,14 +15,9 @@ from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
 
-from .conftest import rand_qkv
+from .conftest import rand_qkv, rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def spec_for(mask, nq, nk, block_q, block_k, batch=1, heads=1):

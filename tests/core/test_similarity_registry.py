@@ -13,17 +13,19 @@ from qkv.core.engines import graph_gather, native, tiles
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.similarity import BUILTIN, SIMILARITIES
 
-from .conftest import EXAMPLE_D, mask_cases, rand_qkv, registered_similarities, similarity_inputs
+from .conftest import (
+    EXAMPLE_D,
+    mask_cases,
+    rand_qkv,
+    registered_similarities,
+    rel_err,
+    similarity_inputs,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, H, HKV, NQ, NK, DV = 2, 4, 2, 9, 11, 3
 MASKS = list(mask_cases(B, NQ, NK))
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def run(name, mask, dtype, backend, metric):

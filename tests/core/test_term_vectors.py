@@ -11,7 +11,7 @@ from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_vec
 from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
 
-from .conftest import rand_qkv
+from .conftest import rand_qkv, rel_err
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not native.available(torch.float32), reason="no C compiler")]
@@ -71,10 +71,6 @@ def _attention(term, dtype, mask, backend="fused"):
     return torch.autograd.grad(out, (q, k, v), upstream)
 
 
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.parametrize("mask", ["none", "causal", "dense"])
 @pytest.mark.parametrize("name", VECTOR_TERMS)
 def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name, mask):
@@ -87,8 +83,8 @@ def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name
     ref = _attention(term, torch.float64, mask, backend="reference")
     vector = _attention(term, torch.float32, mask)
     for g, r in zip(vector, ref, strict=True):
-        assert _rel(g, r) < 1e-5
-    assert _rel(_attention(term, torch.float64, mask)[0], ref[0]) < 1e-12
+        assert rel_err(g, r) < 1e-5
+    assert rel_err(_attention(term, torch.float64, mask)[0], ref[0]) < 1e-12
 
     def declined(*args):
         raise CompileError("scalar loops only, for this test")
@@ -96,4 +92,4 @@ def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name
     monkeypatch.setattr(c_vec, "vector_groups", declined)
     scalar = _attention(term, torch.float32, mask)
     for g, s in zip(vector, scalar, strict=True):
-        assert _rel(g, s) < 1e-6
+        assert rel_err(g, s) < 1e-6

@@ -17,7 +17,7 @@ from qkv.core.engines.kernelgen import c_mod
 from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_mask, trace_term
 from qkv.core.scores import UserScoreMod
 
-from .conftest import rand_qkv
+from .conftest import rand_qkv, rel_err
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not native.available(torch.float32), reason="no C compiler")]
@@ -44,11 +44,6 @@ def _grads(dtype, backend, **kwargs):
     return (out, *torch.autograd.grad(out, (q, k, v), upstream))
 
 
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.mark.parametrize("kind", ["term", "methods", "score_mod"])
 def test_they_trace_to_c_and_match_the_reference(kind):
     kwargs = ({"similarity": qkv.Similarity({"term": term, "methods": methods}[kind])}
@@ -63,8 +58,8 @@ def test_they_trace_to_c_and_match_the_reference(kind):
                                                                           "fused", **kwargs)
     ref = _grads(torch.float64, "reference", **kwargs)
     for a, b, r in zip(fused64, fused32, ref, strict=True):
-        assert _rel(a, r) < 1e-12
-        assert _rel(b, r) < 1e-5
+        assert rel_err(a, r) < 1e-12
+        assert rel_err(b, r) < 1e-5
 
 
 def test_sign_and_relu_keep_torchs_values_on_special_inputs():
