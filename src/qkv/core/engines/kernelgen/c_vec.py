@@ -35,13 +35,15 @@ PRELUDE = """
 typedef {T} qkv_v __attribute__((vector_size(VBYTES)));
 typedef {I} qkv_vi __attribute__((vector_size(VBYTES)));
 #define VL ((int64_t)(VBYTES / sizeof({T})))
-#define QV(x) ((qkv_v){{0}} + ({T})(x))
+/* x in every lane: -0 + x is x for every x, so this is a broadcast; +0 + x is an addition
+ * the compiler keeps (it is -0 for x = -0), one more operation per key and query */
+#define QV(x) (-(qkv_v){{0}} + ({T})(x))
 /* a where m is all ones, else b (m from a vector comparison: all ones or all zeros) */
 static inline qkv_v qkv_vsel(qkv_vi m, qkv_v a, qkv_v b) {{
     return (qkv_v)((m & (qkv_vi)a) | (~m & (qkv_vi)b));
 }}
 static inline qkv_vi qkv_vsel_i(qkv_vi m, qkv_vi a, qkv_vi b) {{ return (m & a) | (~m & b); }}
-/* -QV(0) is -0 in every lane: the sign bits (QV(-0.0) would be 0 + -0, that is +0) */
+/* -QV(0) is -0 in every lane: the sign bits */
 static inline qkv_v qkv_vabs(qkv_v x) {{ return (qkv_v)((qkv_vi)x & ~(qkv_vi)(-QV(0))); }}
 static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v); return v; }}
 """
