@@ -9,7 +9,8 @@ import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_vec
-from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_term
+from qkv.core.engines.kernelgen.graph import CompileError, Graph
+from qkv.core.engines.kernelgen.trace import trace_term
 
 from .conftest import rand_qkv, rel_err
 

@@ -14,7 +14,8 @@ import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_mod
-from qkv.core.engines.kernelgen.graph import CompileError, Graph, trace_mask, trace_term
+from qkv.core.engines.kernelgen.graph import CompileError, Graph
+from qkv.core.engines.kernelgen.trace import trace_mask, trace_term
 from qkv.core.scores import UserScoreMod
 
 from .conftest import rand_qkv, rel_err

@@ -11,6 +11,7 @@ Nothing here knows the built-in kernels: each engine keeps its own table of them
 for generated code only for what it has no code of its own for.
 """
 
-from .graph import CompileError, Graph, Sym, trace_mask, trace_score_mod, trace_term
+from .graph import CompileError, Graph, Sym
+from .trace import trace_mask, trace_score_mod, trace_term
 
 __all__ = ["CompileError", "Graph", "Sym", "trace_mask", "trace_score_mod", "trace_term"]

@@ -1,7 +1,7 @@
 """A similarity's pairwise term compiled to C tile loops from its own definition.
 
 A term without C loops of its own (a user's ``qkv.Similarity``) is traced once per call
-(``graph.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
+(``trace.trace_term``) into an expression graph over q_d, k_d and d. This module writes that
 graph, its derivatives in q_d and k_d and in every tensor it reads (``derivative``),
 into the same loops the built-in L1 has (``cpu_kernels.c``): the scores with keys innermost
 on a transposed block held in cache, so the compiler vectorizes the term across keys; the
@@ -31,7 +31,8 @@ from . import c_vec
 from .c_text import HEADER, TERM_EDGES, TERM_LOOPS, TERM_ROW, TRANSPOSE
 from .derivative import depends_on, derivative, loads_in
 from .emit import COMMON_OPS, Emitter
-from .graph import BOOL, FLOAT, INT, MAX_SLOTS, TERM_ARGS, CompileError, Graph, Sym, trace_term
+from .graph import BOOL, FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym
+from .trace import TERM_ARGS, trace_term
 
 _BLOCK = 64  # keys per transposed block, as in cpu_kernels.c
 _C_TYPES = {torch.float32: ("float", "f"), torch.float64: ("double", "")}

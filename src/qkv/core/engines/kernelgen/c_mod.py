@@ -1,7 +1,7 @@
 """A score modifier compiled to C tile loops from its own definition.
 
 The modifier (``scores.py``: ALiBi, softcap, relative bias, a user's callable) is traced
-once per call (``graph.trace_score_mod``) into a graph over (score, b, h, q_idx, kv_idx,
+once per call (``trace.trace_score_mod``) into a graph over (score, b, h, q_idx, kv_idx,
 offset). This module writes that graph and its derivatives (``derivative``) into two loops
 over a tile of scores (B, H, bq, bk) whose key index is innermost, so the compiler vectorizes
 them; in float, exp and tanh are the inline forms of ``c_text.FAST_MATH``:
@@ -28,7 +28,8 @@ from .. import native
 from .c import _C_TYPES, CEmitter, flat_offset, load_functions
 from .c_text import HEADER
 from .derivative import depends_on, derivative, loads_in
-from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym, trace_score_mod
+from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym
+from .trace import trace_score_mod
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 # Captured tensors that are not float (segment or document ids, bucket tables) are read as

@@ -1,17 +1,12 @@
-"""Tracing a mask rule, a score modifier or a similarity's pairwise term into an expression
-graph that an engine can compile (the targets: ``kernelgen.c`` and ``kernelgen.triton``).
+"""The expression graph that traced code records (``trace``) and the code generators write
+out (``kernelgen.c``, ``kernelgen.triton``, with derivatives from ``derivative``).
 
-The single definitions in ``masks.py``, ``scores.py`` and ``similarity.py`` are ordinary torch
-code. An engine calls them once per request with symbolic stand-ins (``Sym``) for ``score``,
-``b``, ``h``, ``q_idx``, ``kv_idx`` and ``offset`` (or a term's q_d, k_d and d); every
-operator, torch function and tensor lookup they perform records a node instead of computing.
-A code generator then writes the graph out, with its derivatives (``derivative``). This is
-how FlexAttention derives its kernels from ``score_mod`` / ``mask_mod``, done here with a
-small tracer instead of TorchDynamo.
-
-Tensors a rule reads (padding lengths, segment ids, ALiBi slopes, a bias table) become
-*slots*: kernel arguments that the generated code gathers from with ``tl.load``.
-Anything that cannot become straight-line Triton code raises ``CompileError`` naming it.
+A node (``Sym``) is one operation on other nodes, Python numbers and *slots*: the tensors a
+traced rule reads (padding lengths, segment ids, ALiBi slopes, a bias table), which become
+kernel arguments that the generated code gathers from. ``Graph`` hash-conses the nodes, so a
+value computed twice is one node. ``Sym`` stands in for a tensor while a rule is traced: its
+operators record nodes, and what has no straight-line form (Python control flow on a value,
+its shape, a conversion to a Python number) raises ``CompileError`` naming it.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ MAX_SLOTS = 4  # the kernels pass this many tensor arguments through to generate
 # Per slot, the int64 info tensor AS holds 4 strides, the element count and its bit length.
 SLOT_INFO = 6
 
-_UNARY_FLOAT = ("exp", "log", "tanh", "sigmoid", "sqrt", "sin", "cos")
 _COMPARISONS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 
@@ -32,7 +26,7 @@ class CompileError(ValueError):
     """A mask or score modifier that the Triton engine cannot compile."""
 
 
-def _kind_of_dtype(dtype: torch.dtype) -> str:
+def kind_of_dtype(dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return BOOL
     return FLOAT if dtype.is_floating_point else INT
@@ -91,7 +85,7 @@ class Graph:
         for i in index:
             if isinstance(i, Sym) and i.kind == FLOAT:
                 raise CompileError("a captured tensor is indexed with a float expression")
-        return self.node("load", (self.slot(tensor), *index), _kind_of_dtype(tensor.dtype))
+        return self.node("load", (self.slot(tensor), *index), kind_of_dtype(tensor.dtype))
 
     def lift(self, value):
         """A Sym, a Python number, or a 0-d captured tensor (loaded as a scalar)."""
@@ -125,7 +119,7 @@ def _key(arg):
     return ("sym", id(arg)) if isinstance(arg, Sym) else (type(arg).__name__, arg)
 
 
-def _kind(value) -> str:
+def kind_of(value) -> str:
     if isinstance(value, Sym):
         return value.kind
     if isinstance(value, bool):
@@ -133,8 +127,8 @@ def _kind(value) -> str:
     return INT if isinstance(value, int) else FLOAT
 
 
-def _arith_kind(*values) -> str:
-    return FLOAT if any(_kind(v) == FLOAT for v in values) else INT
+def arith_kind(*values) -> str:
+    return FLOAT if any(kind_of(v) == FLOAT for v in values) else INT
 
 
 class Sym:
@@ -153,13 +147,13 @@ class Sym:
         if op in _COMPARISONS:
             kind = BOOL
         elif op in ("and", "or", "xor"):
-            kind = BOOL if _kind(a) == _kind(b) == BOOL else INT
-            if FLOAT in (_kind(a), _kind(b)):
+            kind = BOOL if kind_of(a) == kind_of(b) == BOOL else INT
+            if FLOAT in (kind_of(a), kind_of(b)):
                 raise CompileError(f"bitwise {op} of a float expression")
         elif op == "truediv":
             kind = FLOAT
         else:
-            kind = _arith_kind(a, b)
+            kind = arith_kind(a, b)
         return self.graph.node(op, (a, b), kind)
 
     def _unary(self, op: str, kind: str | None = None):
@@ -244,7 +238,7 @@ class Sym:
         if tuple(size) != ():
             raise CompileError(f"new_ones/new_zeros/new_full of shape {tuple(size)}: only a "
                                "scalar, shape (), compiles")
-        kind = self.kind if dtype is None else _kind_of_dtype(dtype)
+        kind = self.kind if dtype is None else kind_of_dtype(dtype)
         return self.graph.node("full", (self, {BOOL: bool, INT: int, FLOAT: float}[kind](value)),
                                kind)
 
@@ -267,9 +261,9 @@ class Sym:
     def clamp(self, min=None, max=None):
         result, g = self, self.graph
         if min is not None:
-            result = g.node("maximum", (result, g.lift(min)), _arith_kind(result, min))
+            result = g.node("maximum", (result, g.lift(min)), arith_kind(result, min))
         if max is not None:
-            result = g.node("minimum", (result, g.lift(max)), _arith_kind(result, max))
+            result = g.node("minimum", (result, g.lift(max)), arith_kind(result, max))
         return result
 
     clip = clamp
@@ -292,7 +286,7 @@ class Sym:
         if isinstance(target, (Sym, Tensor)):
             target = target.dtype
         if isinstance(target, torch.dtype):
-            return self._cast(_kind_of_dtype(target))
+            return self._cast(kind_of_dtype(target))
         return self
 
     def type_as(self, other): return self.to(other)
@@ -324,54 +318,12 @@ class Sym:
     def shape(self):
         raise CompileError("the shape of a traced value is not known at compile time")
 
-    # -- torch functions -----------------------------------------------------------------
+    # -- torch functions (``trace``) ---------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", repr(func))
-        graph = next(a.graph for a in _flat(args, kwargs) if isinstance(a, Sym))
-        handler = _TORCH_HANDLERS.get(name)
-        if handler is not None:
-            return handler(graph, *args, **kwargs)
-        if name.startswith("__") and isinstance(args[0], Tensor):  # tensor <op> traced value
-            return getattr(graph.lift(args[0]), name)(*args[1:])
-        if name in _UNARY_FLOAT + ("abs", "neg", "clamp", "clip", "clamp_min", "clamp_max",
-                                   "square", "rsqrt", "sign", "relu", "reciprocal"):
-            return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
-        raise CompileError(f"torch.{name} has no form in the kernel generators (C and Triton)")
+        from .trace import torch_function  # its handlers build on Graph and Sym
 
-
-def _flat(args, kwargs):
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, (tuple, list)):
-            yield from a
-        else:
-            yield a
-
-
-def _where(graph, cond, x, y):
-    cond, x, y = graph.lift(cond), graph.lift(x), graph.lift(y)
-    kind = BOOL if _kind(x) == _kind(y) == BOOL else _arith_kind(x, y)
-    return graph.node("where", (cond, x, y), kind)
-
-
-def _extremum(op):
-    def handler(graph, a, b):
-        a, b = graph.lift(a), graph.lift(b)
-        return graph.node(op, (a, b), _arith_kind(a, b))
-
-    return handler
-
-
-def _filled(fill):
-    def handler(graph, like, *args, dtype=None, **kwargs):
-        like = graph.lift(like)
-        kind = _kind_of_dtype(dtype) if dtype is not None else _kind(like)
-        value = {BOOL: bool, INT: int, FLOAT: float}[kind](fill if fill is not None else args[0])
-        # ``value`` in the broadcast shape of ``like``
-        return graph.node("full", (like, value), kind)
-
-    return handler
+        return torch_function(func, args, kwargs or {})
 
 
 class PartialLoad:
@@ -383,14 +335,15 @@ class PartialLoad:
         self.graph, self.tensor, self.index = graph, tensor, index
 
     def __getitem__(self, index):
-        return _getitem(self.graph, self.tensor, self.index + _as_tuple(index))
+        return index_into(self.graph, self.tensor, self.index + _as_tuple(index))
 
 
 def _as_tuple(index) -> tuple:
     return index if isinstance(index, tuple) else (index,)
 
 
-def _getitem(graph, tensor, index):
+def index_into(graph, tensor, index):
+    """``tensor[index]`` in traced code: a load, or a ``PartialLoad`` while indices are missing."""
     if isinstance(tensor, Sym):
         return tensor[index]
     index = _as_tuple(index)
@@ -399,89 +352,3 @@ def _getitem(graph, tensor, index):
     ):
         return PartialLoad(graph, tensor, index)
     return graph.load(tensor, index)
-
-
-def _tensor_to(graph, tensor, *args, **kwargs):
-    # ``table.to(score)``: the kernel reads every captured float tensor in fp32 anyway.
-    return tensor if isinstance(tensor, Tensor) else tensor.to(*args, **kwargs)
-
-
-def _searchsorted(graph, sorted_sequence, values, *, right=False, side=None, **kwargs):
-    if not isinstance(sorted_sequence, Tensor) or sorted_sequence.dim() != 1:
-        raise CompileError("torch.searchsorted compiles only for a captured 1-D sorted tensor")
-    if kwargs.get("sorter") is not None or kwargs.get("out_int32") or kwargs.get("out") is not None:
-        raise CompileError("torch.searchsorted: sorter, out and out_int32 do not compile")
-    right = right or side == "right"
-    slot = graph.slot(sorted_sequence)
-    return graph.node("searchsorted", (slot, graph.lift(values), right), INT)
-
-
-def _binary(method: str):
-    """torch.mul(a, b) and friends (also what ``tensor * traced`` dispatches to)."""
-
-    def handler(graph, a, b, **kwargs):
-        if kwargs:
-            raise CompileError(f"torch.{method.strip('_')} with keyword arguments does not compile")
-        return getattr(graph.lift(a), method)(b)
-
-    return handler
-
-
-_TORCH_HANDLERS = {
-    "add": _binary("__add__"),
-    "sub": _binary("__sub__"),
-    "mul": _binary("__mul__"),
-    "div": _binary("__truediv__"),
-    "true_divide": _binary("__truediv__"),
-    "pow": _binary("__pow__"),
-    "where": _where,
-    "minimum": _extremum("minimum"),
-    "maximum": _extremum("maximum"),
-    "zeros_like": _filled(0),
-    "ones_like": _filled(1),
-    "full_like": _filled(None),
-    "__getitem__": _getitem,
-    "to": _tensor_to,
-    "searchsorted": _searchsorted,
-}
-
-
-def trace_mask(mask, graph: Graph) -> Sym | bool:
-    """The mask rule as a graph over (b, h, q_idx, kv_idx, offset)."""
-    g = graph
-    return g.lift(
-        mask.mask_mod(
-            g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT), g.leaf("kv_idx", INT),
-            g.leaf("offset", INT),
-        )
-    )
-
-
-TERM_ARGS = ("pq", "pk", "pd")  # the generated term functions' q_d, k_d and d
-
-
-def trace_term(term, graph: Graph) -> Sym:
-    """A similarity's per-dimension term as a graph over (q_d, k_d) and the dimension d."""
-    g = graph
-    pq, pk = g.leaf(TERM_ARGS[0], FLOAT), g.leaf(TERM_ARGS[1], FLOAT)
-    g.per_dim = g.leaf(TERM_ARGS[2], INT)
-    try:
-        out = g.lift(term(pq, pk))
-    finally:
-        g.per_dim = None
-    if not isinstance(out, Sym):
-        raise CompileError("the pairwise term returned a constant; it must depend on q_d, k_d")
-    return out._cast(FLOAT)
-
-
-def trace_score_mod(score_mod, graph: Graph) -> Sym:
-    """The score modifier as a graph over (score, b, h, q_idx, kv_idx, offset)."""
-    g = graph
-    out = score_mod(
-        g.leaf("score", FLOAT), g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT),
-        g.leaf("kv_idx", INT), g.leaf("offset", INT),
-    )
-    out = g.lift(out)
-    if not isinstance(out, Sym):
-        raise CompileError("the score modifier returned a constant; it must return a score")
-    return out._cast(FLOAT)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernelgen.graph import CompileError, Graph, trace_mask, trace_score_mod, trace_term
+from ..kernelgen.graph import CompileError, Graph
+from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import generate_source
 from .terms import kernel_id
 
