@@ -11,6 +11,8 @@ its shape, a conversion to a Python number) raises ``CompileError`` naming it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,8 @@ class Graph:
         # While a pairwise term is traced: its dimension index d, at which a captured 1-D
         # tensor used whole is read (a per-dimension weight broadcasts along d, as in torch).
         self.per_dim: Sym | None = None
+        # While user code is traced (``trace``): a torch function applied to a value.
+        self.torch_function: Callable | None = None
         self.nodes: dict[tuple, Sym] = {}
         self.slots: list[Tensor] = []
         self._slot_of: dict[int, int] = {}
@@ -318,12 +322,16 @@ class Sym:
     def shape(self):
         raise CompileError("the shape of a traced value is not known at compile time")
 
-    # -- torch functions (``trace``) ---------------------------------------------------------
+    # -- torch functions: what ``trace`` installs on the graph it traces into ---------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .trace import torch_function  # its handlers build on Graph and Sym
-
-        return torch_function(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        values = [*args, *kwargs.values()]
+        values += [v for a in values if isinstance(a, (tuple, list)) for v in a]
+        graph = next(a.graph for a in values if isinstance(a, Sym))
+        if graph.torch_function is None:
+            raise CompileError(f"{func} on a traced value outside tracing")
+        return graph.torch_function(graph, func, args, kwargs)
 
 
 class PartialLoad:

@@ -35,10 +35,10 @@ _METHODS = ("exp", "log", "tanh", "sigmoid", "sqrt", "sin", "cos", "abs", "neg",
             "clamp_min", "clamp_max", "square", "rsqrt", "sign", "relu", "reciprocal")
 
 
-def torch_function(func, args: tuple, kwargs: dict):
-    """``func(*args, **kwargs)`` where some argument is a traced value: a node."""
+def torch_function(graph: Graph, func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)`` where some argument is a value traced into ``graph``: a node.
+    The trace functions below install it on their graph (``Graph.torch_function``)."""
     name = getattr(func, "__name__", repr(func))
-    graph = next(a.graph for a in _flat(args, kwargs) if isinstance(a, Sym))
     handler = TORCH_HANDLERS.get(name)
     if handler is not None:
         return handler(graph, *args, **kwargs)
@@ -47,14 +47,6 @@ def torch_function(func, args: tuple, kwargs: dict):
     if name in _METHODS:
         return getattr(graph.lift(args[0]), name)(*args[1:], **kwargs)
     raise CompileError(f"torch.{name} has no form in the kernel generators (C and Triton)")
-
-
-def _flat(args, kwargs):
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, (tuple, list)):
-            yield from a
-        else:
-            yield a
 
 
 def _where(graph, cond, x, y):
@@ -130,6 +122,7 @@ TORCH_HANDLERS = {
 def trace_mask(mask, graph: Graph) -> Sym | bool:
     """The mask rule as a graph over (b, h, q_idx, kv_idx, offset)."""
     g = graph
+    g.torch_function = torch_function
     return g.lift(
         mask.mask_mod(
             g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT), g.leaf("kv_idx", INT),
@@ -144,6 +137,7 @@ TERM_ARGS = ("pq", "pk", "pd")  # the generated term functions' q_d, k_d and d
 def trace_term(term, graph: Graph) -> Sym:
     """A similarity's per-dimension term as a graph over (q_d, k_d) and the dimension d."""
     g = graph
+    g.torch_function = torch_function
     pq, pk = g.leaf(TERM_ARGS[0], FLOAT), g.leaf(TERM_ARGS[1], FLOAT)
     g.per_dim = g.leaf(TERM_ARGS[2], INT)
     try:
@@ -158,6 +152,7 @@ def trace_term(term, graph: Graph) -> Sym:
 def trace_score_mod(score_mod, graph: Graph) -> Sym:
     """The score modifier as a graph over (score, b, h, q_idx, kv_idx, offset)."""
     g = graph
+    g.torch_function = torch_function
     out = score_mod(
         g.leaf("score", FLOAT), g.leaf("b", INT), g.leaf("h", INT), g.leaf("q_idx", INT),
         g.leaf("kv_idx", INT), g.leaf("offset", INT),
