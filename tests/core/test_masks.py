@@ -116,8 +116,8 @@ def test_tile_states_property(nq, nk, bq, bk, left, right, seed):
 
 
 def test_mask_cases_cover_every_mask_kind():
-    """The engine x mask matrices iterate ``mask_cases``: a mask class defined in masks.py
-    without a case there fails here, so it cannot go untested."""
+    """The engine x mask matrices iterate ``mask_cases``: a mask class that
+    ``qkv.core.masks`` exports without a case there fails here, so it cannot go untested."""
     from qkv.core import masks
 
     from .conftest import mask_cases, mask_kinds

@@ -1,139 +1,15 @@
-"""Mask objects: which keys each query may attend to.
-
-A mask is one small rule, ``mask_mod(b, h, q_idx, kv_idx, offset) -> bool``, evaluated on
-broadcastable index tensors. ``offset = Nk - Nq`` aligns queries to the bottom right of the
-score matrix, so query ``i`` sits at key position ``i + offset`` (what a KV cache needs).
-
-Every engine derives from the same rule:
-- the reference materializes it as a (B|1, H|1, Nq, Nk) bool tensor;
-- the fused engines evaluate it per tile, and first ask ``tile_states`` which
-  (query-block, key-block) tiles are EMPTY (skip), FULL (no masking) or PARTIAL.
-
-Masks combine with ``&``, ``|`` and ``~``. ``tile_states`` is exact for EMPTY and FULL where it
-says so; PARTIAL is always a safe answer.
-"""
+"""The built-in mask rules (causal, sliding window, padding, segments, graph, a user's
+FlexAttention-style ``mask_mod``), each with a fast ``tile_states`` where its structure
+gives one, and the functions that make them."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .pointwise import pointwise
-from .structure import Node, values_readable
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-# Evaluate at most this many mask entries at once when classifying tiles generically.
-_CHUNK_ELEMENTS = 1 << 22
-
-
-def index_grid(batch: int, heads: int, nq: int, nk: int, device) -> tuple[Tensor, ...]:
-    """Index tensors shaped (B,1,1,1), (1,H,1,1), (1,1,Nq,1), (1,1,1,Nk)."""
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    q = torch.arange(nq, device=device).view(1, 1, -1, 1)
-    k = torch.arange(nk, device=device).view(1, 1, 1, -1)
-    return b, h, q, k
-
-
-def as_4d(t: Tensor) -> Tensor:
-    """Leading size-1 dims up to 4-D: a rule's result broadcastable to (B, H, Nq, Nk)."""
-    while t.dim() < 4:
-        t = t.unsqueeze(0)
-    return t
-
-
-def _blocks(n: int, block: int) -> int:
-    return (n + block - 1) // block
-
-
-class Mask(Node):
-    """Base class. Subclasses define ``mask_mod`` and may speed up ``tile_states``."""
-
-    def mask_mod(self, b, h, q_idx, kv_idx, offset: int) -> Tensor:
-        raise NotImplementedError
-
-    def check(self, batch: int, heads: int, nq: int, nk: int) -> None:
-        """Raise ValueError if the mask cannot apply to a (batch, heads, nq, nk) problem."""
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        """Tensors the rule reads (moved along with the problem's device)."""
-        return ()
-
-    def layout_key(self) -> tuple | None:
-        """A hashable key that, with the problem's shape, fixes ``tile_states``; None when the
-        rule reads tensors or user code, which can change between calls."""
-        return None
-
-    def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:
-        """The mask as a bool tensor of shape (B|1, H|1, Nq, Nk); True = may attend."""
-        self.check(batch, heads, nq, nk)
-        b, h, q, k = index_grid(batch, heads, nq, nk, device)
-        allowed = as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
-        return allowed.expand(allowed.shape[0], allowed.shape[1], nq, nk)
-
-    def tile_states(
-        self, batch: int, heads: int, nq: int, nk: int, block_q: int, block_k: int, device=None,
-        grid: int = 1,
-    ) -> Tensor:
-        """Classify tiles: uint8 (B|1, H|1, ceil(Nq/block_q), ceil(Nk/block_k)) of
-        EMPTY / PARTIAL / FULL. This generic version evaluates the rule chunk by chunk, each
-        of about _CHUNK_ELEMENTS entries per ``grid`` (batch, head) pairs it fills."""
-        self.check(batch, heads, nq, nk)
-        b, h, _, k = index_grid(batch, heads, nq, nk, device)
-        kb = _blocks(nk, block_k)
-        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, nk * block_q * grid)) * block_q
-        chunks = []
-        for q0 in range(0, nq, rows_per_chunk):
-            q1 = min(nq, q0 + rows_per_chunk)
-            q = torch.arange(q0, q1, device=device).view(1, 1, -1, 1)
-            allowed = as_4d(torch.as_tensor(self.mask_mod(b, h, q, k, nk - nq), device=device))
-            allowed = allowed.expand(allowed.shape[0], allowed.shape[1], q1 - q0, nk)
-            chunks.append(_reduce_tiles(allowed, block_q, block_k, kb))
-        return torch.cat(chunks, dim=2)
-
-    def __and__(self, other) -> Mask:
-        return AndMask(self, as_mask(other))
-
-    def __rand__(self, other) -> Mask:
-        return AndMask(as_mask(other), self)
-
-    def __or__(self, other) -> Mask:
-        return OrMask(self, as_mask(other))
-
-    def __ror__(self, other) -> Mask:
-        return OrMask(as_mask(other), self)
-
-    def __invert__(self) -> Mask:
-        return NotMask(self)
-
-
-def _reduce_tiles(allowed: Tensor, block_q: int, block_k: int, kb: int) -> Tensor:
-    """(B', H', rows, Nk) bool -> (B', H', ceil(rows/block_q), kb) tile states."""
-    bsz, hsz, rows, nk = allowed.shape
-    qb = _blocks(rows, block_q)
-    pad = (0, kb * block_k - nk, 0, qb * block_q - rows)
-    # Padding beyond the matrix must count as neither allowed (for "any") nor denied (for "all").
-    any_ = torch.nn.functional.pad(allowed, pad, value=False)
-    all_ = torch.nn.functional.pad(allowed, pad, value=True)
-    shape = (bsz, hsz, qb, block_q, kb, block_k)
-    has_any = any_.reshape(shape).any(dim=5).any(dim=3)
-    has_all = all_.reshape(shape).all(dim=5).all(dim=3)
-    return states_from(has_all, ~has_any)
-
-
-def tile_bounds(n: int, block: int, device) -> tuple[Tensor, Tensor]:
-    """First and last index of each block."""
-    start = torch.arange(0, n, block, device=device)
-    return start, torch.clamp(start + block - 1, max=n - 1)
-
-
-def states_from(full: Tensor, empty: Tensor) -> Tensor:
-    """Tile states (uint8) from bool tensors of FULL and EMPTY tiles; the rest PARTIAL."""
-    # torch.where, not boolean indexing: on CUDA that waits for the GPU (a nonzero) every call.
-    partial = torch.full((), PARTIAL, dtype=torch.uint8, device=full.device)
-    states = torch.where(empty, torch.zeros_like(partial), partial)
-    return torch.where(full, torch.full_like(partial, FULL), states)
+from ..pointwise import pointwise
+from ..structure import values_readable
+from .base import Mask, as_4d, block_count, states_from, tile_bounds
 
 
 class CausalMask(Mask):
@@ -230,7 +106,7 @@ class PaddingMask(Mask):
         self.check(batch, heads, nq, nk)
         lengths = self.lengths.to(device).view(-1, 1, 1, 1)
         k0, k1 = (t.view(1, 1, 1, -1) for t in tile_bounds(nk, block_k, device))
-        qb = _blocks(nq, block_q)
+        qb = block_count(nq, block_q)
         full = (k1 < lengths).expand(-1, -1, qb, -1)
         empty = (k0 >= lengths).expand(-1, -1, qb, -1)
         return states_from(full, empty)
@@ -281,7 +157,7 @@ class SegmentMask(Mask):
 
         def block_range(ids, block):
             n = ids.shape[1]
-            nb = _blocks(n, block)
+            nb = block_count(n, block)
             padded = torch.nn.functional.pad(ids.to(device), (0, nb * block - n), mode="replicate")
             blocks = padded.view(ids.shape[0], nb, block)
             return blocks.amin(-1), blocks.amax(-1)
@@ -363,7 +239,7 @@ class GraphMask(Mask):
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
         self.check(batch, heads, nq, nk)
-        qb, kb = _blocks(nq, block_q), _blocks(nk, block_k)
+        qb, kb = block_count(nq, block_q), block_count(nk, block_k)
         tile = (self.target // block_q) * kb + self.source // block_k
         counts = torch.bincount(tile, minlength=qb * kb).view(qb, kb).to(device)
         rows = torch.full((qb,), block_q, device=device)
@@ -374,49 +250,6 @@ class GraphMask(Mask):
 
     def __repr__(self) -> str:
         return f"graph({self.num_edges} edges)"
-
-
-class TensorMask(Mask):
-    """A bool tensor broadcastable to (B, H, Nq, Nk); True = may attend."""
-
-    def __init__(self, allowed: Tensor):
-        if not isinstance(allowed, Tensor):
-            raise TypeError(
-                f"mask must be a bool tensor or a qkv mask; got {type(allowed).__name__}"
-            )
-        if allowed.dtype != torch.bool:
-            raise TypeError(
-                f"mask must be a bool tensor (True = may attend); got dtype {allowed.dtype}. "
-                "For an additive float bias use score_mod."
-            )
-        if allowed.dim() > 4:
-            raise ValueError(f"mask must have at most 4 dims (B, H, Nq, Nk); got {allowed.dim()}")
-        self.given_shape = tuple(allowed.shape)
-        self.allowed = as_4d(allowed)
-
-    def tensors(self):
-        return (self.allowed,)
-
-    def check(self, batch, heads, nq, nk):
-        target = (batch, heads, nq, nk)
-        if any(s not in (1, t) for s, t in zip(self.allowed.shape, target, strict=True)):
-            raise ValueError(
-                f"mask of shape {self.given_shape} does not broadcast to (B, H, Nq, Nk) = {target}"
-            )
-
-    def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        a = self.allowed.to(q_idx.device)
-        idx = [i if a.shape[d] > 1 else 0 for d, i in enumerate((b, h, q_idx, kv_idx))]
-        return a[idx[0], idx[1], idx[2], idx[3]]
-
-    def materialize(self, batch, heads, nq, nk, device=None):
-        self.check(batch, heads, nq, nk)
-        a = self.allowed.to(device)
-        return a.expand(a.shape[0], a.shape[1], nq, nk)
-
-    def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
-        allowed = self.materialize(batch, heads, nq, nk, device)
-        return _reduce_tiles(allowed, block_q, block_k, _blocks(nk, block_k))
 
 
 class CustomMask(Mask):
@@ -435,86 +268,6 @@ class CustomMask(Mask):
         # Per-score evaluation fills every (b, h): chunks are counted with both.
         return super().tile_states(batch, heads, nq, nk, block_q, block_k, device,
                                    grid=batch * heads)
-
-
-class AndMask(Mask):
-    def __init__(self, a: Mask, b: Mask):
-        self.a, self.b = a, b
-
-    def check(self, *shape):
-        self.a.check(*shape)
-        self.b.check(*shape)
-
-    def tensors(self):
-        return self.a.tensors() + self.b.tensors()
-
-    def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        return self.a.mask_mod(b, h, q_idx, kv_idx, offset) & self.b.mask_mod(
-            b, h, q_idx, kv_idx, offset
-        )
-
-    def layout_key(self):
-        a, b = self.a.layout_key(), self.b.layout_key()
-        return None if a is None or b is None else (type(self), a, b)
-
-    def tile_states(self, *args, **kwargs):
-        # EMPTY < PARTIAL < FULL: a tile is as open as its more closed side.
-        return torch.minimum(
-            self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs)
-        )
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} & {self.b!r})"
-
-
-class OrMask(AndMask):
-    def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        return self.a.mask_mod(b, h, q_idx, kv_idx, offset) | self.b.mask_mod(
-            b, h, q_idx, kv_idx, offset
-        )
-
-    def tile_states(self, *args, **kwargs):
-        return torch.maximum(
-            self.a.tile_states(*args, **kwargs), self.b.tile_states(*args, **kwargs)
-        )
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} | {self.b!r})"
-
-
-class NotMask(Mask):
-    def __init__(self, inner: Mask):
-        self.inner = inner
-
-    def check(self, *shape):
-        self.inner.check(*shape)
-
-    def tensors(self):
-        return self.inner.tensors()
-
-    def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        return ~self.inner.mask_mod(b, h, q_idx, kv_idx, offset)
-
-    def tile_states(self, *args, **kwargs):
-        return FULL - self.inner.tile_states(*args, **kwargs)
-
-    def layout_key(self):
-        inner = self.inner.layout_key()
-        return None if inner is None else (type(self), inner)
-
-    def __repr__(self) -> str:
-        return f"~{self.inner!r}"
-
-
-def as_mask(mask) -> Mask | None:
-    """None, a bool tensor or a Mask -> Mask (or None)."""
-    if mask is None or isinstance(mask, Mask):
-        return mask
-    if isinstance(mask, Tensor):
-        return TensorMask(mask)
-    raise TypeError(
-        f"mask must be None, a bool tensor or a qkv mask object; got {type(mask).__name__}"
-    )
 
 
 def causal() -> Mask:

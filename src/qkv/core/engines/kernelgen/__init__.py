@@ -1,7 +1,8 @@
 """The kernel generator: a variant's single definitions written out as kernel code.
 
-- ``graph``: tracing. A mask rule, a score modifier or a pairwise term, called once with
-  symbolic stand-ins, records an expression graph over the tensors it reads (slots).
+- ``trace``: tracing. A mask rule, a score modifier or a pairwise term, called once with
+  symbolic stand-ins, records an expression graph (``graph``) over the tensors it reads
+  (slots).
 - ``derivative``: that graph's forward-mode derivatives, as graphs.
 - ``emit``: one emitter; a target is a table of what each operation is in its language.
 - ``c`` and ``triton``: the two targets, with the functions each engine loads (C tile loops

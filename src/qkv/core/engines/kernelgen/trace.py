@@ -2,7 +2,7 @@
 graph (``graph``) that an engine can compile (the targets: ``kernelgen.c`` and
 ``kernelgen.triton``).
 
-The single definitions in ``masks.py``, ``scores.py`` and ``similarity.py`` are ordinary torch
+The single definitions in ``masks``, ``scores.py`` and ``similarity.py`` are ordinary torch
 code. An engine calls them once per request with symbolic stand-ins (``Sym``) for ``score``,
 ``b``, ``h``, ``q_idx``, ``kv_idx`` and ``offset`` (or a term's q_d, k_d and d); every
 operator, torch function and tensor lookup they perform records a node instead of computing.
