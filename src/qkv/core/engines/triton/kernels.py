@@ -149,26 +149,42 @@ def tile_run(table_row, lo, count):
 
 
 @triton.jit
+def key_logits(offs_n, q, qn, Qb, Kb, KNb, offs_m, offs_d, q_idx, scale, b, h, sqm, skn, NQ, NK,
+               OFFSET, A0, A1, A2, A3, AS, D: tl.constexpr, D_PAD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
+               PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
+    """The keys ``offs_n`` against a program's query rows: kv_idx, k (for the chunked terms,
+    q: they load D in chunks), the pair scores z and the base-2 logits s. ``qn``: the query
+    rows' squared norms; ``KNb``: the key head's (both for neg_sqdist)."""
+    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
+    k = q
+    if KERNEL < 2:
+        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
+    kn = sq_norms(KNb, offs_n, NK, KERNEL)
+    z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
+                    KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
+    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2, A3, AS,
+               KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    return kv_idx, k, z, s
+
+
+@triton.jit
 def key_tile(tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn,
              svn, NQ, NK, OFFSET, A0, A1, A2, A3, AS, D: tl.constexpr, DV: tl.constexpr,
              D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr,
              HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr,
              MOD_FN: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr):
-    """Key tile ``tile`` against a program's query rows: its offsets, kv_idx, k (for the
-    chunked terms, q: they load D in chunks), v, the pair scores z and the base-2 logits s.
-    ``qn``: the query rows' squared norms; ``KNb``: the key head's (both for neg_sqdist)."""
+    """Key tile ``tile`` against a program's query rows: its offsets, v (loaded first, as
+    before the scores) and ``key_logits``."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
-    k = q
-    if KERNEL < 2:
-        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
     v = load_rows(Vb, offs_n, svn, NK, DV, offs_v)
-    kn = sq_norms(KNb, offs_n, NK, KERNEL)
-    z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
-                    KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
-    s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2, A3, AS,
-               KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    kv_idx, k, z, s = key_logits(
+        offs_n, q, qn, Qb, Kb, KNb, offs_m, offs_d, q_idx, scale, b, h, sqm, skn, NQ, NK, OFFSET,
+        A0, A1, A2, A3, AS, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK, HAS_MASK,
+        MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
     return offs_n, kv_idx, k, v, z, s
 
 
@@ -294,16 +310,10 @@ def weights_kernel(
         hi = n_partial if phase == 0 else n_partial + n_full
         for j in range(lo, hi):
             offs_n = tl.load(row + 2 + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
-            k = q
-            if KERNEL < 2:  # the other terms load D in chunks
-                k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
-            kn = sq_norms(KNb, offs_n, NK, KERNEL)
-            z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2,
-                            A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION,
-                            TERM_FN)
-            s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2,
-                       A3, AS, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+            _, _, _, s = key_logits(
+                offs_n, q, qn, Qb, Kb, KNb, offs_m, offs_d, q_idx, scale, b, h, sqm, skn, NQ,
+                NK, OFFSET, A0, A1, A2, A3, AS, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL,
+                phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
             p = tl.exp2(s - lse[:, None])
             if DROPOUT:
                 kept = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK,
