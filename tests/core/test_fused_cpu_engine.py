@@ -4,13 +4,15 @@ dispatch, dropout, multi-worker runs, returned weights and the O(N) memory prope
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 import qkv
 from qkv.core import EMPTY, FULL
-from qkv.core.engines import graph_gather, plan, tiles, workers
+from qkv.core.engines import fused_cpu, graph_gather, plan, tiles, workers
 from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
@@ -265,6 +267,96 @@ def test_run_split_runs_every_block_once(order_free):
     assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
     if not order_free:
         assert ran == workers.split_blocks(plan, 2, len)
+
+
+def _chain_run(plan, slow_worker: str | None, chain_bytes: int = 1):
+    """run_in_chains on two workers, each step appending (index, worker) to its chain's
+    list; the worker named ``slow_worker`` (by its first item) sleeps in each step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    first: dict[int, str] = {}
+
+    def step(i, ran, worker):
+        first.setdefault(worker, "slow" if not first else "fast")
+        if first[worker] == slow_worker:
+            time.sleep(0.02)
+        ran.append((i, worker))
+
+    try:
+        return workers.run_in_chains(step, plan, len, start_chain=list,
+                                     start_worker=lambda: threading.get_ident(),
+                                     chain_bytes=chain_bytes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_chains_run_each_item_once_in_order_and_let_the_faster_worker_take_more():
+    """Three chains for two workers: each non-empty block runs once, each chain's blocks in
+    ascending order on whichever worker, the chains the same (fixed by the plan) whatever the
+    workers' speeds; with one worker sleeping in every step, the other runs most blocks."""
+    plan = [[(0, 1, False)] * c for c in [2, 0, 5, 1, 1, 3, 0, 4, 2, 2, 1, 3, 2, 1]]
+    even = _chain_run(plan, None)
+    uneven = _chain_run(plan, "slow")
+    assert len(even) == 3 == workers.chain_count(2, 12, 1)
+    for chains in (even, uneven):
+        indices = [[i for i, _ in chain] for chain in chains]
+        assert all(chain == sorted(chain) for chain in indices)
+        assert sorted(i for chain in indices for i in chain) == [
+            i for i, c in enumerate(plan) if c]
+        assert indices == workers.split_blocks(plan, 3, len)
+    by_worker: dict[int, int] = {}
+    for _, worker in (step for chain in uneven for step in chain):
+        by_worker[worker] = by_worker.get(worker, 0) + 1
+    assert max(by_worker.values()) >= 8  # of 12; a fixed split gives each worker 6
+
+
+def test_chain_count_keeps_the_sums_within_the_budget():
+    budget = workers.CHAIN_BUDGET_BYTES
+    assert workers.chain_count(2, 100, 16 << 20) == 3  # N=4096: 16 MiB a chain
+    assert workers.chain_count(4, 100, budget // 5) == 5
+    assert workers.chain_count(2, 100, budget // 2) == 2  # never fewer than the workers
+    assert workers.chain_count(3, 2, 1) == 2  # nor more than the items
+    assert workers.chain_count(1, 100, 1) == 1
+
+
+def test_the_backward_sums_the_same_bits_whichever_worker_is_slow(monkeypatch):
+    """The key-side sums go by chain, not by worker: a worker slowed in every block (so it
+    runs fewer of them) leaves every gradient bit for bit the same, fused and graph engines."""
+    monkeypatch.setattr(tiles, "BLOCK_Q", 4)
+    monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
+    monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 16)
+    q, k, v = rand_qkv(1, 4, 2, 37, 37, 8, 8, requires_grad=True, dtype=torch.float32)
+    graph = qkv.graph(torch.rand(37, 37, generator=torch.Generator().manual_seed(4)) > 0.6)
+    calls: list[int] = []  # the thread of each slowed call; the first one's thread sleeps
+
+    def slowed(real):
+        def run(*args):
+            calls.append(threading.get_ident())
+            if calls[-1] == calls[0]:
+                time.sleep(0.01)
+            return real(*args)
+        return run
+
+    cases = (("fused", {"mask": qkv.causal(), "score_mod": qkv.alibi(4)}),
+             ("graph", {"mask": graph}))
+    steps = ((fused_cpu, "_backward_block"), (graph_gather, "_backward_chunk"))
+    real = {name: getattr(module, name) for module, name in steps}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for backend, kwargs in cases:
+            results = []
+            for patch in (False, True):
+                calls.clear()
+                for module, name in steps:
+                    monkeypatch.setattr(module, name,
+                                        slowed(real[name]) if patch else real[name])
+                out = qkv.attention(q, k, v, backend=backend, **kwargs)
+                results.append(torch.autograd.grad(out.square().sum(), (q, k, v)))
+            assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), backend
+            assert len(set(calls)) == 2  # both workers ran steps of the slowed path
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_block_sizes_shrink_for_many_heads():

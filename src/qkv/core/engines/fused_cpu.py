@@ -48,7 +48,6 @@ from .tiles import (
     modify_scores,
     score_features,
     scratch_for,
-    sum_worker_grads,
     tile_index,
     tile_mask,
     tile_plan,
@@ -56,7 +55,7 @@ from .tiles import (
     tile_scores,
     tile_spec,
 )
-from .workers import run_split
+from .workers import run_in_chains, run_split, sum_chains
 
 
 def _needs_grad(p: Problem) -> bool:
@@ -297,18 +296,17 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     saved = (fq, fk, *score_features(spec, fq, fk), v,
              lse.masked_fill(lse == float("-inf"), float("inf")))
     dfq = torch.zeros_like(fq)
+    needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
 
-    def rows(blocks):
-        sums = grad_sums((fk, v.transpose(-1, -2)), len(extras))  # dv transposed
-        needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
-        scratch = [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)]
-        with torch.no_grad():
-            for i in blocks:
-                _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras,
-                                scratch)
-        return sums
+    def block(i, sums, scratch):
+        _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
 
-    dfk, dv_t, *dextras = sum_worker_grads(run_split(rows, plan, keys_visited))
+    sums = run_in_chains(
+        block, plan, keys_visited,
+        start_chain=lambda: grad_sums((fk, v.transpose(-1, -2)), len(extras)),  # dv transposed
+        start_worker=lambda: [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)],
+        chain_bytes=(fk.numel() + v.numel()) * fk.element_size())
+    dfk, dv_t, *dextras = sum_chains(sums, buffers=2)
     return dfq, dfk, dv_t.transpose(-1, -2).contiguous(), dextras
 
 

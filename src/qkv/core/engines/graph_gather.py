@@ -19,7 +19,8 @@ a user's term in loops generated from it (``kernelgen.c``, which also return the
 gradients of the tensors it reads). Without a C library, or for a term that does not trace,
 they run in torch by gathering rows per edge and evaluating the term's own definition
 (``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
-threads like the tile engine's query blocks (``workers.run_split``).
+threads like the tile engine's query blocks (``workers.run_split``; the backward's in
+``workers.run_in_chains``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,9 @@ from .tiles import (
     extra_tensors,
     features,
     grad_sums,
-    sum_worker_grads,
     tile_spec,
 )
-from .workers import run_split
+from .workers import run_in_chains, run_split, sum_chains
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -229,7 +229,7 @@ def _forward(spec, graph, fq_rows, fk_rows, v_rows) -> tuple[Tensor, Tensor]:
 
 
 def _backward(spec, graph, fq_rows, fk_rows, v_rows, out, lse, dout, dlse, wanted):
-    """Recompute each chunk and scatter its gradients into one buffer per input and worker:
+    """Recompute each chunk and scatter its gradients into one buffer per input and chain:
     [dq, dk, dv] (row layout) and the gradients of ``wanted``."""
     delta = (dout * out).sum(-1, keepdim=True)
     if dlse is not None:  # d lse / d score = p: it joins the softmax's gradient
@@ -238,14 +238,15 @@ def _backward(spec, graph, fq_rows, fk_rows, v_rows, out, lse, dout, dlse, wante
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     saved = (fq_rows, fk_rows, v_rows, lse, dout, delta)
 
-    @torch.no_grad()
-    def work(indices):
-        sums = grad_sums((fq_rows, fk_rows, v_rows), len(wanted))
-        for c in indices:
-            _backward_chunk(spec, c, graph[2][c], graph, saved, wanted, sums)
-        return sums
+    def chunk(c, sums, _):
+        _backward_chunk(spec, c, graph[2][c], graph, saved, wanted, sums)
 
-    return sum_worker_grads(run_split(work, graph[2], _chunk_edges))
+    sums = run_in_chains(
+        chunk, graph[2], _chunk_edges,
+        start_chain=lambda: grad_sums((fq_rows, fk_rows, v_rows), len(wanted)),
+        start_worker=lambda: None,
+        chain_bytes=sum(t.numel() * t.element_size() for t in (fq_rows, fk_rows, v_rows)))
+    return sum_chains(sums, buffers=3)
 
 
 def _rows_of(t: Tensor) -> Tensor:

@@ -251,7 +251,8 @@ def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
 
 
 def keys_visited(spans: list[Span]) -> int:
-    """A query block's work for ``workers.run_split``: the keys its spans visit."""
+    """A query block's work for ``workers.run_split`` and ``run_in_chains``: the keys its
+    spans visit."""
     return sum(k1 - k0 for k0, k1, _ in spans)
 
 
@@ -263,19 +264,10 @@ def elementwise_needs_grad(spec: TileSpec) -> bool:
 
 
 def grad_sums(tensors, count: int) -> list[Tensor | None]:
-    """One worker's gradient sums: a contiguous zero buffer per tensor (whatever its layout:
+    """One chain's gradient sums: a contiguous zero buffer per tensor (whatever its layout:
     results are accumulated into batched views of it), then ``count`` extras not yet seen."""
     return [torch.zeros_like(t, memory_format=torch.contiguous_format) for t in tensors] + [
         None] * count
-
-
-def sum_worker_grads(parts: list[list[Tensor | None]]) -> list[Tensor | None]:
-    """The workers' gradient lists summed position by position (None counts as zero)."""
-    total = list(parts[0])
-    for part in parts[1:]:
-        total = [a if b is None else b if a is None else a + b
-                 for a, b in zip(total, part, strict=True)]
-    return total
 
 
 def add_grads(sums: list[Tensor | None], start: int, grads) -> None:

@@ -1,14 +1,17 @@
 """The CPU engines' workers: one per torch thread, each running its share of the query blocks
 (the fused engine) or edge chunks (the graph engine) single-threaded.
 
-A task whose results depend on which worker ran what (the backward: each worker sums its own
-gradients) gets a fixed split by cost, so every run adds in the same order; a task whose
-results do not (the forward: each block writes its own rows) takes its items from one shared
-queue, so neither worker waits for the other.
+A task whose results do not depend on which worker ran what (the forward: each block writes
+its own rows) takes its items from one shared queue, so neither worker waits for the other.
+A task that sums (the backward's key-side gradients) runs in *chains*: fixed lists of items,
+each with its own sums, which take their items in order whichever worker runs them, so every
+run adds in the same order; a worker takes the next item of whichever free chain has the
+most work left, so a slower core runs fewer items instead of holding up the call.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -52,37 +55,137 @@ def _shared_queue(order: list[int]) -> Callable[[], Iterator[int]]:
     return take
 
 
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL._max_workers < workers:
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="qkv-fused")
+    return _POOL
+
+
+def _on_workers(workers: int, job: Callable, args: list) -> list:
+    """``job(arg)`` for each of ``args`` on the pool, each single-threaded: one parallel
+    region per worker, instead of one per small tile op, keeps both cores busy without a
+    barrier per op; on a shared machine a per-op barrier across cores costs more than the op
+    itself."""
+    threads = torch.get_num_threads()
+
+    def single_threaded(arg):
+        torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
+        return job(arg)
+
+    try:
+        futures = [_pool(workers).submit(single_threaded, arg) for arg in args]
+        return [f.result() for f in futures]
+    finally:
+        torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
+
+
 def run_split(task, plan, cost, order_free: bool = False) -> list:
     """Run ``task(indices)`` on torch's thread count of workers over the non-empty items of
     ``plan`` (query blocks' spans, or graph chunks), each worker given its part by
     ``split_blocks`` with ``cost``; with ``order_free`` (a task whose results do not depend
     on which worker ran which item, as the forward's rows), an iterator over one shared queue
     instead: the two cores of a shared machine often run 10-20 % apart, and a fixed split
-    waits for the slower.
-
-    Each worker runs its ops single-threaded. One parallel region per worker, instead of one
-    per small tile op, keeps both cores busy without a barrier per op; on a shared machine a
-    per-op barrier across cores costs more than the op itself."""
-    global _POOL
+    waits for the slower."""
     items = [i for i, item in enumerate(plan) if item]
     workers = max(1, min(torch.get_num_threads(), len(items)))
     if workers == 1:
         return [task(items)]
-    if _POOL is None or _POOL._max_workers < workers:
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="qkv-fused")
-    threads = torch.get_num_threads()
+    if order_free:
+        take = _shared_queue(_costliest_first(plan, cost))
+        parts = [take() for _ in range(workers)]
+    else:
+        parts = split_blocks(plan, workers, cost)
+    return _on_workers(workers, task, parts)
 
-    def single_threaded(part):
-        torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
-        return task(part)
 
-    try:
-        if order_free:
-            take = _shared_queue(_costliest_first(plan, cost))
-            parts = [take() for _ in range(workers)]
-        else:
-            parts = split_blocks(plan, workers, cost)
-        futures = [_POOL.submit(single_threaded, part) for part in parts]
-        return [f.result() for f in futures]
-    finally:
-        torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
+# The chains' sums together stay under this (or one set per worker, if that is more): at
+# N=4096 (8 heads, D=64) a set of key-side sums is 16 MiB, at N=16384 64 MiB, at N=65536
+# 256 MiB.
+CHAIN_BUDGET_BYTES = 256 << 20
+
+
+def chain_count(workers: int, items: int, chain_bytes: int) -> int:
+    """One chain more than the workers (so a worker that ends an item finds a free chain
+    until the last items: its own, and the one no worker runs), or just the workers where
+    the extra sums would pass ``CHAIN_BUDGET_BYTES``; never more than the items; one for one
+    worker."""
+    if workers == 1:
+        return 1
+    extra = (workers + 1) * chain_bytes <= CHAIN_BUDGET_BYTES
+    return min(items, workers + extra)
+
+
+def run_in_chains(step, plan, cost, start_chain, start_worker, chain_bytes: int) -> list:
+    """``step(index, sums, scratch)`` for every non-empty item of ``plan``, without autograd
+    recording, in chains (see the module's docstring): ``sums = start_chain()`` once per
+    chain, when it first runs; ``scratch = start_worker()`` once per worker. Returns the
+    chains' sums in chain order, which with the chains (``split_blocks`` by ``cost``) depends
+    on the plan, the thread count and ``chain_bytes`` (one chain's sums) only."""
+    items = [i for i, item in enumerate(plan) if item]
+    workers = max(1, min(torch.get_num_threads(), len(items)))
+    chains = split_blocks(plan, chain_count(workers, len(items), chain_bytes), cost)
+    left = [sum(cost(plan[i]) for i in chain) for chain in chains]
+    taken = [0] * len(chains)
+    busy = [False] * len(chains)
+    sums: list = [None] * len(chains)
+    lock = threading.Lock()
+
+    def take(done: int | None) -> tuple[int, int] | None:
+        """Free chain ``done``; the next item of the free chain with the most work left."""
+        with lock:
+            if done is not None:
+                busy[done] = False
+            free = [c for c, chain in enumerate(chains) if not busy[c] and taken[c] < len(chain)]
+            if not free:  # the items left are the running chains' own
+                return None
+            c = max(free, key=lambda c: left[c])
+            i = chains[c][taken[c]]
+            busy[c], taken[c], left[c] = True, taken[c] + 1, left[c] - cost(plan[i])
+            return c, i
+
+    def work(_):
+        scratch, chain = start_worker(), None
+        with torch.no_grad():
+            while (picked := take(chain)) is not None:
+                chain, i = picked
+                if sums[chain] is None:
+                    sums[chain] = start_chain()
+                step(i, sums[chain], scratch)
+
+    if workers == 1:
+        work(None)
+    else:
+        _on_workers(workers, work, [None] * workers)
+    return sums
+
+
+def sum_chains(parts: list[list], buffers: int) -> list:
+    """The chains' gradient lists (``run_in_chains`` with ``tiles.grad_sums``) summed
+    position by position, in chain order, so every element adds in the same order. The
+    first ``buffers`` positions (contiguous zero buffers, the chains' own) are summed in
+    place into the first chain's, each worker taking a range of their elements; the rest
+    (a tensor's gradient, or None for zero) on this thread."""
+    total = list(parts[0])
+    for part in parts[1:]:
+        total[buffers:] = [a if b is None else b if a is None else a + b
+                           for a, b in zip(total[buffers:], part[buffers:], strict=True)]
+    if len(parts) == 1:
+        return total
+    flat = [[part[e].view(-1) for part in parts] for e in range(buffers)]
+    size = sum(f[0].numel() for f in flat)
+    workers = max(1, min(torch.get_num_threads(), size // (1 << 16)))
+
+    def add_range(w):
+        for chains in flat:
+            n = chains[0].numel()
+            lo, hi = n * w // workers, n * (w + 1) // workers
+            for other in chains[1:]:
+                chains[0][lo:hi] += other[lo:hi]
+
+    if workers == 1:
+        add_range(0)
+    else:
+        _on_workers(workers, add_range, list(range(workers)))
+    return total
+
