@@ -310,6 +310,22 @@ def test_chains_run_each_item_once_in_order_and_let_the_faster_worker_take_more(
     assert max(by_worker.values()) >= 8  # of 12; a fixed split gives each worker 6
 
 
+def test_chains_of_a_plan_with_nothing_to_run_are_zeros():
+    """A fully masked call visits no block: one chain, its sums made all the same (zeros)."""
+    def step(*_):
+        raise AssertionError("no block to run")
+
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            sums = workers.run_in_chains(step, [[], []], len, start_chain=lambda: ["zeros"],
+                                         start_worker=lambda: None, chain_bytes=1)
+        finally:
+            torch.set_num_threads(before)
+        assert sums == [["zeros"]]
+
+
 def test_chain_count_keeps_the_sums_within_the_budget():
     budget = workers.CHAIN_BUDGET_BYTES
     assert workers.chain_count(2, 100, 16 << 20) == 3  # N=4096: 16 MiB a chain
@@ -317,6 +333,7 @@ def test_chain_count_keeps_the_sums_within_the_budget():
     assert workers.chain_count(2, 100, budget // 2) == 2  # never fewer than the workers
     assert workers.chain_count(3, 2, 1) == 2  # nor more than the items
     assert workers.chain_count(1, 100, 1) == 1
+    assert workers.chain_count(2, 0, 1) == 1
 
 
 def test_the_backward_sums_the_same_bits_whichever_worker_is_slow(monkeypatch):

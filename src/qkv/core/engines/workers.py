@@ -113,15 +113,16 @@ def chain_count(workers: int, items: int, chain_bytes: int) -> int:
     if workers == 1:
         return 1
     extra = (workers + 1) * chain_bytes <= CHAIN_BUDGET_BYTES
-    return min(items, workers + extra)
+    return max(1, min(items, workers + extra))
 
 
 def run_in_chains(step, plan, cost, start_chain, start_worker, chain_bytes: int) -> list:
     """``step(index, sums, scratch)`` for every non-empty item of ``plan``, without autograd
     recording, in chains (see the module's docstring): ``sums = start_chain()`` once per
-    chain, when it first runs; ``scratch = start_worker()`` once per worker. Returns the
-    chains' sums in chain order, which with the chains (``split_blocks`` by ``cost``) depends
-    on the plan, the thread count and ``chain_bytes`` (one chain's sums) only."""
+    chain, when it first runs (at the end for a chain with nothing to run: zeros);
+    ``scratch = start_worker()`` once per worker. Returns the chains' sums in chain order,
+    which with the chains (``split_blocks`` by ``cost``) depends on the plan, the thread
+    count and ``chain_bytes`` (one chain's sums) only."""
     items = [i for i, item in enumerate(plan) if item]
     workers = max(1, min(torch.get_num_threads(), len(items)))
     chains = split_blocks(plan, chain_count(workers, len(items), chain_bytes), cost)
@@ -157,7 +158,7 @@ def run_in_chains(step, plan, cost, start_chain, start_worker, chain_bytes: int)
         work(None)
     else:
         _on_workers(workers, work, [None] * workers)
-    return sums
+    return [start_chain() if chain_sums is None else chain_sums for chain_sums in sums]
 
 
 def sum_chains(parts: list[list], buffers: int) -> list:
