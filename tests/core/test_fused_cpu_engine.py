@@ -253,20 +253,17 @@ def test_causal_split_weighs_spans_by_their_keys():
     assert [sum(keys[i] for i in part) for part in parts] == [33792, 33792]
 
 
-@pytest.mark.parametrize("order_free", [False, True])
-def test_run_split_runs_every_block_once(order_free):
-    """Fixed parts or one shared queue: each non-empty block runs once, on some worker."""
+def test_run_queued_runs_every_block_once():
+    """One shared queue: each non-empty block runs once, on some worker."""
     plan = [[(0, 1, False)] * c for c in [2, 0, 5, 1, 1, 3, 0, 4]]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        ran = workers.run_split(lambda blocks: list(blocks), plan, len, order_free=order_free)
+        ran = workers.run_queued(lambda blocks: list(blocks), plan, len)
     finally:
         torch.set_num_threads(threads)
     assert len(ran) == 2
     assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
-    if not order_free:
-        assert ran == workers.split_blocks(plan, 2, len)
 
 
 def _chain_run(plan, slow_worker: str | None, chain_bytes: int = 1):

@@ -55,7 +55,7 @@ from .tiles import (
     tile_scores,
     tile_spec,
 )
-from .workers import run_in_chains, run_split, sum_chains
+from .workers import run_in_chains, run_queued, sum_chains
 
 
 def _needs_grad(p: Problem) -> bool:
@@ -159,7 +159,7 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
             for i in blocks:
                 _forward_block(spec, i, plan[i], fq, fk, v, out, lse, scratch)
 
-    run_split(rows, plan, keys_visited, order_free=True)
+    run_queued(rows, plan, keys_visited)
     return out, lse
 
 

@@ -19,7 +19,7 @@ a user's term in loops generated from it (``kernelgen.c``, which also return the
 gradients of the tensors it reads). Without a C library, or for a term that does not trace,
 they run in torch by gathering rows per edge and evaluating the term's own definition
 (``Pairwise.rows``), differentiated by autograd. Chunks are shared among torch's
-threads like the tile engine's query blocks (``workers.run_split``; the backward's in
+threads like the tile engine's query blocks (``workers.run_queued``; the backward's in
 ``workers.run_in_chains``).
 """
 
@@ -46,7 +46,7 @@ from .tiles import (
     grad_sums,
     tile_spec,
 )
-from .workers import run_in_chains, run_split, sum_chains
+from .workers import run_in_chains, run_queued, sum_chains
 
 # Gathering an edge costs about as much as this many dense tile entries (measured on CPU).
 _GATHER_COST = 32
@@ -208,7 +208,7 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
 
 
 def _chunk_edges(chunk: tuple[int, int, int, int]) -> int:
-    """A chunk's work for ``run_split``: its edges."""
+    """A chunk's work for ``run_queued`` and ``run_in_chains``: its edges."""
     return chunk[3] - chunk[2]
 
 
@@ -224,7 +224,7 @@ def _forward(spec, graph, fq_rows, fk_rows, v_rows) -> tuple[Tensor, Tensor]:
             for c in indices:
                 _forward_chunk(spec, c, chunks[c], graph, (fq_rows, fk_rows, v_rows), out, lse)
 
-    run_split(work, chunks, _chunk_edges, order_free=True)  # each chunk writes its own rows
+    run_queued(work, chunks, _chunk_edges)  # each chunk writes its own rows
     return out, lse
 
 

@@ -251,7 +251,7 @@ def dropout_keep(spec: TileSpec, i: int, k0: int, shape, device) -> Tensor:
 
 
 def keys_visited(spans: list[Span]) -> int:
-    """A query block's work for ``workers.run_split`` and ``run_in_chains``: the keys its
+    """A query block's work for ``workers.run_queued`` and ``run_in_chains``: the keys its
     spans visit."""
     return sum(k1 - k0 for k0, k1, _ in spans)
 

@@ -26,13 +26,14 @@ def _costliest_first(plan, cost) -> list[int]:
     return sorted((i for i, item in enumerate(plan) if item), key=lambda i: -cost(plan[i]))
 
 
-def split_blocks(plan, workers: int, cost) -> list[list[int]]:
-    """The indices of the non-empty items of ``plan`` in ``workers`` parts of near-equal
-    ``cost(item)``, each in ascending order: the costliest item first to the least-loaded part
-    (ties to the first). With equal items that deals them out in turn; under a causal mask at
-    N=4096, dealing query blocks in turn gave two workers 32,768 and 34,816 keys to visit.
-    The split depends on the plan only, so every run sums the gradients in the same order."""
-    loads, parts = [0] * workers, [[] for _ in range(workers)]
+def split_blocks(plan, count: int, cost) -> list[list[int]]:
+    """The indices of the non-empty items of ``plan`` in ``count`` parts (the backward's
+    chains) of near-equal ``cost(item)``, each in ascending order: the costliest item first
+    to the least-loaded part (ties to the first). With equal items that deals them out in
+    turn; under a causal mask at N=4096, dealing query blocks in turn gave two parts 32,768
+    and 34,816 keys to visit. The split depends on the plan only, so every run sums the
+    gradients in the same order."""
+    loads, parts = [0] * count, [[] for _ in range(count)]
     for i in _costliest_first(plan, cost):
         w = loads.index(min(loads))
         parts[w].append(i)
@@ -80,23 +81,18 @@ def _on_workers(workers: int, job: Callable, args: list) -> list:
         torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
 
 
-def run_split(task, plan, cost, order_free: bool = False) -> list:
+def run_queued(task, plan, cost) -> list:
     """Run ``task(indices)`` on torch's thread count of workers over the non-empty items of
-    ``plan`` (query blocks' spans, or graph chunks), each worker given its part by
-    ``split_blocks`` with ``cost``; with ``order_free`` (a task whose results do not depend
-    on which worker ran which item, as the forward's rows), an iterator over one shared queue
-    instead: the two cores of a shared machine often run 10-20 % apart, and a fixed split
-    waits for the slower."""
+    ``plan`` (query blocks' spans, or graph chunks), for a task whose results do not depend
+    on which worker ran which item (the forward's rows): each worker's ``indices`` iterate
+    one shared queue, costliest item (by ``cost``) first. The two cores of a shared machine
+    often run 10-20 % apart, and a fixed split would wait for the slower."""
     items = [i for i, item in enumerate(plan) if item]
     workers = max(1, min(torch.get_num_threads(), len(items)))
     if workers == 1:
         return [task(items)]
-    if order_free:
-        take = _shared_queue(_costliest_first(plan, cost))
-        parts = [take() for _ in range(workers)]
-    else:
-        parts = split_blocks(plan, workers, cost)
-    return _on_workers(workers, task, parts)
+    take = _shared_queue(_costliest_first(plan, cost))
+    return _on_workers(workers, task, [take() for _ in range(workers)])
 
 
 # The chains' sums together stay under this (or one set per worker, if that is more): at
