@@ -56,6 +56,13 @@ def _shared_queue(order: list[int]) -> Callable[[], Iterator[int]]:
     return take
 
 
+def _items_and_workers(plan) -> tuple[list[int], int]:
+    """The indices of ``plan``'s non-empty items, and how many workers they get: torch's
+    thread count, at least one and at most one per item."""
+    items = [i for i, item in enumerate(plan) if item]
+    return items, max(1, min(torch.get_num_threads(), len(items)))
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None or _POOL._max_workers < workers:
@@ -87,8 +94,7 @@ def run_queued(task, plan, cost) -> list:
     on which worker ran which item (the forward's rows): each worker's ``indices`` iterate
     one shared queue, costliest item (by ``cost``) first. The two cores of a shared machine
     often run 10-20 % apart, and a fixed split would wait for the slower."""
-    items = [i for i, item in enumerate(plan) if item]
-    workers = max(1, min(torch.get_num_threads(), len(items)))
+    items, workers = _items_and_workers(plan)
     if workers == 1:
         return [task(items)]
     take = _shared_queue(_costliest_first(plan, cost))
@@ -119,8 +125,7 @@ def run_in_chains(step, plan, cost, start_chain, start_worker, chain_bytes: int)
     ``scratch = start_worker()`` once per worker. Returns the chains' sums in chain order,
     which with the chains (``split_blocks`` by ``cost``) depends on the plan, the thread
     count and ``chain_bytes`` (one chain's sums) only."""
-    items = [i for i, item in enumerate(plan) if item]
-    workers = max(1, min(torch.get_num_threads(), len(items)))
+    items, workers = _items_and_workers(plan)
     chains = split_blocks(plan, chain_count(workers, len(items), chain_bytes), cost)
     left = [sum(cost(plan[i]) for i in chain) for chain in chains]
     taken = [0] * len(chains)

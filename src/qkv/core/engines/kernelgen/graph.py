@@ -60,6 +60,10 @@ class Graph:
     def leaf(self, name: str, kind: str) -> Sym:
         return self.node("arg", (name,), kind)
 
+    def full(self, like, value, kind: str) -> Sym:
+        """``value`` as a number of ``kind``, in the broadcast shape of ``like``."""
+        return self.node("full", (like, {BOOL: bool, INT: int, FLOAT: float}[kind](value)), kind)
+
     def slot(self, tensor: Tensor) -> int:
         """The slot index of a captured tensor, moved to the problem's device (differentiably)."""
         index = self._slot_of.get(id(tensor))
@@ -242,9 +246,7 @@ class Sym:
         if tuple(size) != ():
             raise CompileError(f"new_ones/new_zeros/new_full of shape {tuple(size)}: only a "
                                "scalar, shape (), compiles")
-        kind = self.kind if dtype is None else kind_of_dtype(dtype)
-        return self.graph.node("full", (self, {BOOL: bool, INT: int, FLOAT: float}[kind](value)),
-                               kind)
+        return self.graph.full(self, value, self.kind if dtype is None else kind_of_dtype(dtype))
 
     def square(self): return self * self
     def rsqrt(self): return 1.0 / self.sqrt()

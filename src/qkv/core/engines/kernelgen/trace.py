@@ -67,9 +67,7 @@ def _filled(fill):
     def handler(graph, like, *args, dtype=None, **kwargs):
         like = graph.lift(like)
         kind = kind_of_dtype(dtype) if dtype is not None else kind_of(like)
-        value = {BOOL: bool, INT: int, FLOAT: float}[kind](fill if fill is not None else args[0])
-        # ``value`` in the broadcast shape of ``like``
-        return graph.node("full", (like, value), kind)
+        return graph.full(like, fill if fill is not None else args[0], kind)
 
     return handler
 
