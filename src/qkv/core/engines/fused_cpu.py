@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..problem import Problem
 from ..result import Result
-from . import native, ops
+from . import native, native_blocks, ops
 from .kernelgen import c as c_target
 from .kernelgen import c_mod
 from .tiles import (
@@ -152,8 +152,16 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     fq and fk are the scores' features (``score_features``)."""
     out = fq.new_zeros(spec.batch, spec.heads, spec.nq, v.shape[-1])
     lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
+    blocks_in_c = None
+    if native_blocks.why_not(spec, fq.dtype) is None:
+        blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, out=out, lse=lse)
 
     def rows(blocks):
+        if blocks_in_c is not None:
+            scratch = blocks_in_c.scratch(fq)
+            for i in blocks:
+                blocks_in_c.run(i, plan[i], scratch)
+            return
         scratch = scratch_for(spec, fq)
         with torch.no_grad():
             for i in blocks:
@@ -295,16 +303,29 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
     saved = (fq, fk, *score_features(spec, fq, fk), v,
              lse.masked_fill(lse == float("-inf"), float("inf")))
-    dfq = torch.zeros_like(fq)
+    dfq = torch.zeros_like(fq, memory_format=torch.contiguous_format)  # rows the C blocks write
     needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
 
+    blocks_in_c = None
+    if native_blocks.why_not(spec, fq.dtype, extras) is None:
+        blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, lse=saved[-1], dout=dout,
+                                           delta=delta, dq=dfq)
+
     def block(i, sums, scratch):
-        _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
+        if blocks_in_c is not None:
+            blocks_in_c.run(i, plan[i], scratch, sums[0], sums[1])
+        else:
+            _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
+
+    def start_worker():
+        if blocks_in_c is not None:
+            return blocks_in_c.scratch(fq)
+        return [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)]
 
     sums = run_in_chains(
         block, plan, keys_visited,
         start_chain=lambda: grad_sums((fk, v.transpose(-1, -2)), len(extras)),  # dv transposed
-        start_worker=lambda: [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)],
+        start_worker=start_worker,
         chain_bytes=(fk.numel() + v.numel()) * fk.element_size())
     dfk, dv_t, *dextras = sum_chains(sums, buffers=2)
     return dfq, dfk, dv_t.transpose(-1, -2).contiguous(), dextras

@@ -37,7 +37,8 @@ from torch import Tensor
 from ...cache import cache_dir
 from ..similarity import DOT, NEG_L1, NEG_SQDIST
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# One library: the tile kernels, then the query blocks that call them (``native_blocks``).
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_blocks.c")]
 # -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
 # keep each libm call, division or select that could set errno or trap under its condition,
 # which keeps such loops from vectorizing.
@@ -56,6 +57,8 @@ _SIGNATURES = {
     "l1_grads": [_PTR] * 5 + [_I64] * 8,
     "online_softmax_step": [_PTR, _I64, _I64] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 4,
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
+    "block_forward": [_PTR] + [_I64] * 3 + [_PTR] * 4,
+    "block_backward": [_PTR] + [_I64] * 3 + [_PTR] * 6,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_double],
     "edge_scores": [_I64] + [_PTR] * 5 + [_I64] * 7,
     "edge_scatter": [_PTR] * 5 + [_I64] * 8,
@@ -141,7 +144,8 @@ def _open() -> dict | None:
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler, _SOURCE.read_bytes(), "cpu_kernels")))
+        lib = ctypes.CDLL(str(_build(compiler, b"\n".join(p.read_bytes() for p in _SOURCES),
+                                     "cpu_kernels")))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"qkv: the C tile kernels did not build ({detail}); using torch "

@@ -1,0 +1,140 @@
+/* One query block of attention, forward or backward, head by head, in one call.
+ *
+ * Compiled after cpu_kernels.c, in the same library: it calls that file's softmax steps.
+ * The products are BLAS's (sgemm_ / dgemm_, the ones torch itself links, found by the
+ * caller and passed in), on one head's tile at a time, so a tile's scores (bq x span) stay in
+ * the core's L2 cache between the products and the softmax pass; all heads of a tile at
+ * once stream several megabytes through L3 per operation. One call per query block also
+ * replaces a dozen Python-level calls per tile.
+ *
+ * Matrices are row-major with unit column stride; a (B, H, N, X) tensor is described by its
+ * element strides for batch, head and row (struct qkv_blocks), so slices and transposed
+ * layouts are read in place. Query head h reads key/value head h / (heads / kv_heads).
+ * Column-major BLAS sees a row-major matrix as its transpose, hence the operand order below.
+ */
+#include <math.h>
+
+struct qkv_blocks {
+    void *gemm;          /* sgemm_ or dgemm_ (Fortran interface; integers passed as int64) */
+    int64_t batch, heads, kv_heads, nq, nk, d, dv;
+    double scale;        /* multiplies q.k (1 when folded into q) */
+    const void *q, *k, *v;
+    int64_t q_st[3], k_st[3], v_st[3];
+    void *out, *lse;     /* forward: out strided; lse (B, H, Nq) contiguous */
+    int64_t out_st[3];
+    const void *dout, *delta; /* backward: dout strided; lse and delta (B, H, Nq) contiguous */
+    int64_t dout_st[3];
+    void *dq;            /* backward: written rows, strided */
+    int64_t dq_st[3];
+};
+
+/* The mask rows of span s for (b, h): a (bq, cols) block of bytes, or 0 for an unmasked span. */
+static inline const uint8_t *span_mask(const uint8_t *const *masks, const int64_t *mask_st,
+                                       int64_t s, int64_t b, int64_t h) {
+    return masks[s] ? masks[s] + b * mask_st[2 * s] + h * mask_st[2 * s + 1] : 0;
+}
+
+static inline int64_t widest_span(int64_t nspans, const int64_t *spans) {
+    int64_t w = 0;
+    for (int64_t s = 0; s < nspans; s++)
+        w = spans[2 * s + 1] - spans[2 * s] > w ? spans[2 * s + 1] - spans[2 * s] : w;
+    return w;
+}
+
+#define DEFINE_BLOCKS(T, SUFFIX)                                                            \
+typedef void (*gemm_##SUFFIX##_t)(const char *, const char *, const int64_t *,              \
+                                  const int64_t *, const int64_t *, const T *, const T *,   \
+                                  const int64_t *, const T *, const int64_t *, const T *,   \
+                                  T *, const int64_t *);                                    \
+                                                                                            \
+/* Rows q0..q1 of out and lse from the key spans [k0, k1) (pairs in `spans`). scratch:     \
+ * (q1 - q0) * (widest span + dv + 2) elements. */                                          \
+void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,             \
+                            int64_t nspans, const int64_t *spans,                          \
+                            const uint8_t *const *masks, const int64_t *mask_st,           \
+                            T *scratch) {                                                   \
+    const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
+    const int64_t rows = q1 - q0, group = c->heads / c->kv_heads;                           \
+    const T one = 1, zero = 0, alpha = (T)c->scale;                                         \
+    T *s = scratch, *acc = s + rows * widest_span(nspans, spans), *row_max = acc + rows * c->dv, \
+      *row_sum = row_max + rows;                                                            \
+    const T *q = c->q, *k = c->k, *v = c->v;                                                \
+    T *out = c->out, *lse = c->lse;                                                         \
+    for (int64_t b = 0; b < c->batch; b++)                                                  \
+        for (int64_t h = 0; h < c->heads; h++) {                                            \
+            const T *qh = q + b * c->q_st[0] + h * c->q_st[1] + q0 * c->q_st[2];            \
+            const T *kh = k + b * c->k_st[0] + (h / group) * c->k_st[1];                    \
+            const T *vh = v + b * c->v_st[0] + (h / group) * c->v_st[1];                    \
+            memset(acc, 0, sizeof(T) * rows * c->dv);                                       \
+            for (int64_t i = 0; i < rows; i++) {                                            \
+                row_max[i] = -(T)__builtin_inf();                                           \
+                row_sum[i] = 0;                                                             \
+            }                                                                               \
+            for (int64_t sp = 0; sp < nspans; sp++) {                                       \
+                const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
+                gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
+                     &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
+                online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,   \
+                                             span_mask(masks, mask_st, sp, b, h), 1, rows,  \
+                                             0, 0);                                         \
+                gemm("N", "N", &c->dv, &rows, &cols, &one, vh + k0 * c->v_st[2],            \
+                     &c->v_st[2], s, &cols, &one, acc, &c->dv);                             \
+            }                                                                               \
+            T *oh = out + b * c->out_st[0] + h * c->out_st[1] + q0 * c->out_st[2];          \
+            T *lh = lse + (b * c->heads + h) * c->nq + q0;                                  \
+            for (int64_t i = 0; i < rows; i++) {                                            \
+                const T sum = row_sum[i], div = sum == 0 ? 1 : sum;                         \
+                for (int64_t j = 0; j < c->dv; j++)                                         \
+                    oh[i * c->out_st[2] + j] = acc[i * c->dv + j] / div;                    \
+                lh[i] = (row_max[i] == -(T)__builtin_inf() ? 0 : row_max[i]) + log(sum);    \
+            }                                                                               \
+        }                                                                                   \
+}                                                                                           \
+                                                                                            \
+/* Rows q0..q1 of dq (written), and their share of dk (B, Hk, Nk, d) and dv transposed     \
+ * (B, Hk, dv, Nk), both contiguous (added to). lse is +inf on rows with no allowed key.  \
+ * scratch: 2 (q1 - q0) * (widest span) elements. */                                        \
+void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,            \
+                             int64_t nspans, const int64_t *spans,                         \
+                             const uint8_t *const *masks, const int64_t *mask_st,          \
+                             T *dk, T *dvt, T *scratch) {                                   \
+    const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
+    const int64_t rows = q1 - q0, group = c->heads / c->kv_heads, nk = c->nk;               \
+    const T one = 1, zero = 0, alpha = (T)c->scale;                                         \
+    T *s = scratch, *dp = s + rows * widest_span(nspans, spans);                            \
+    const T *q = c->q, *k = c->k, *v = c->v, *dout = c->dout, *lse = c->lse,                \
+            *delta = c->delta;                                                              \
+    T *dq = c->dq;                                                                          \
+    for (int64_t b = 0; b < c->batch; b++)                                                  \
+        for (int64_t h = 0; h < c->heads; h++) {                                            \
+            const int64_t hk = h / group, row0 = (b * c->heads + h) * c->nq + q0;           \
+            const T *qh = q + b * c->q_st[0] + h * c->q_st[1] + q0 * c->q_st[2];            \
+            const T *kh = k + b * c->k_st[0] + hk * c->k_st[1];                             \
+            const T *vh = v + b * c->v_st[0] + hk * c->v_st[1];                             \
+            const T *doh = dout + b * c->dout_st[0] + h * c->dout_st[1] + q0 * c->dout_st[2]; \
+            T *dqh = dq + b * c->dq_st[0] + h * c->dq_st[1] + q0 * c->dq_st[2];             \
+            T *dkh = dk + (b * c->kv_heads + hk) * nk * c->d;                               \
+            T *dvh = dvt + (b * c->kv_heads + hk) * c->dv * nk;                             \
+            for (int64_t i = 0; i < rows; i++)                                              \
+                memset(dqh + i * c->dq_st[2], 0, sizeof(T) * c->d);                         \
+            for (int64_t sp = 0; sp < nspans; sp++) {                                       \
+                const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
+                gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
+                     &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
+                exp_sub_rows_##SUFFIX(s, rows, cols, lse + row0,                            \
+                                      span_mask(masks, mask_st, sp, b, h), 1, rows, 0, 0);  \
+                gemm("T", "N", &cols, &rows, &c->dv, &one, vh + k0 * c->v_st[2],            \
+                     &c->v_st[2], doh, &c->dout_st[2], &zero, dp, &cols);                   \
+                gemm("N", "T", &cols, &c->dv, &rows, &one, s, &cols, doh, &c->dout_st[2],   \
+                     &one, dvh + k0, &nk);                                                  \
+                softmax_grad_rows_##SUFFIX(s, dp, rows, cols, delta + row0, 0, 1.0);        \
+                gemm("N", "N", &c->d, &rows, &cols, &alpha, kh + k0 * c->k_st[2],           \
+                     &c->k_st[2], dp, &cols, &one, dqh, &c->dq_st[2]);                      \
+                gemm("N", "T", &c->d, &cols, &rows, &alpha, qh, &c->q_st[2], dp, &cols,     \
+                     &one, dkh + k0 * c->d, &c->d);                                         \
+            }                                                                               \
+        }                                                                                   \
+}
+
+DEFINE_BLOCKS(float, f32)
+DEFINE_BLOCKS(double, f64)

@@ -1,0 +1,146 @@
+"""The fused engine's query blocks in C, head by head (``cpu_blocks.c``): one call per query
+block runs every head over every key span, products by the BLAS that torch links.
+
+Why: the tile path multiplies all heads of a tile at once, so each operation streams the
+tile's scores (8 heads x 256 x 256 floats: 2 MiB) through L3, and a tile takes a dozen
+Python-level calls that the two workers share one GIL for. Head by head, a tile's scores
+(256 KiB) stay in the core's L2 between the products and the softmax pass. At N=4096 (8
+heads, D=64, two threads) the forward ran 0.80x and the backward 0.65-0.74x the tile path's
+time in the prototype (docs/benchmarks.md).
+
+What runs here: a dot-product term (dot, cosine, Mahalanobis: ``similarity.DOT`` on the
+features) with any mask, no score modifier, a number scale and no dropout; ``why_not``
+names what rules a call out, and the engine then runs its tile path. The math is the tile
+path's, the same C softmax steps included; only the order of the products' sums differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..similarity import DOT
+from . import native
+from .tiles import TileSpec, tile_index, tile_mask
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_STRIDES = ctypes.c_int64 * 3
+
+
+class _Call(ctypes.Structure):
+    """``struct qkv_blocks`` of cpu_blocks.c: one call's shapes, tensors and strides."""
+
+    _fields_ = [("gemm", _PTR), ("batch", _I64), ("heads", _I64), ("kv_heads", _I64),
+                ("nq", _I64), ("nk", _I64), ("d", _I64), ("dv", _I64),
+                ("scale", ctypes.c_double),
+                ("q", _PTR), ("k", _PTR), ("v", _PTR),
+                ("q_st", _STRIDES), ("k_st", _STRIDES), ("v_st", _STRIDES),
+                ("out", _PTR), ("lse", _PTR), ("out_st", _STRIDES),
+                ("dout", _PTR), ("delta", _PTR), ("dout_st", _STRIDES),
+                ("dq", _PTR), ("dq_st", _STRIDES)]
+
+
+_GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
+
+
+@functools.cache
+def _gemm(dtype: torch.dtype) -> int | None:
+    """The address of the BLAS product torch links for ``dtype`` (MKL's or OpenBLAS's
+    Fortran ``sgemm_``/``dgemm_``), or None where torch's library does not export it."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            function = getattr(ctypes.CDLL(os.path.join(lib_dir, name)), _GEMM_NAMES[dtype])
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(function, _PTR).value
+    return None
+
+
+def why_not(spec: TileSpec, dtype: torch.dtype, extras: Sequence[Tensor] = ()) -> str | None:
+    """What keeps a call off the C blocks (None: they run it)."""
+    if not native.available(dtype) or dtype not in _GEMM_NAMES:
+        return "no C kernels for this dtype"
+    if native.term_id(spec.pair) != native.term_id(DOT):
+        return f"the C blocks multiply q·k; the term is {spec.pair.name!r}"
+    if spec.score_mod is not None or isinstance(spec.scale, Tensor):
+        return "a score modifier or a tensor scale"
+    if spec.dropout_p > 0:
+        return "dropout"
+    if extras:
+        return "gradients for tensors besides q, k and v"
+    if _gemm(dtype) is None:
+        return "torch's library exports no BLAS product to call"
+    return None
+
+
+def _rows_in_place(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where BLAS cannot read its rows in place."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
+
+
+def _strides(t: Tensor) -> _STRIDES:
+    return _STRIDES(*t.stride()[:3])
+
+
+def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor) -> tuple[_Call, list[Tensor]]:
+    """The fields every call shares, and the tensors it reads (to keep alive)."""
+    q, k, v = (_rows_in_place(t) for t in (q, k, v))
+    call = _Call(gemm=_gemm(q.dtype), batch=spec.batch, heads=spec.heads, kv_heads=k.shape[1],
+                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1],
+                 scale=1.0 if spec.scale is None else float(spec.scale),
+                 q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                 q_st=_strides(q), k_st=_strides(k), v_st=_strides(v))
+    return call, [q, k, v]
+
+
+class Blocks:
+    """One call's C blocks, forward (``out`` and ``lse`` given) or backward (``dout``,
+    ``lse`` with +inf on rows that allow no key, ``delta`` and ``dq`` given): ``run(i,
+    spans, scratch[, dk, dv_t])`` computes query block i over its key spans."""
+
+    def __init__(self, spec: TileSpec, q: Tensor, k: Tensor, v: Tensor, *, out=None,
+                 lse: Tensor, dout=None, delta=None, dq=None):
+        self.spec = spec
+        self.call, self._alive = _call(spec, q, k, v)
+        lse = lse.contiguous()
+        self._alive.append(lse)  # out and dq are the caller's; the rest is read from here
+        self.call.lse = lse.data_ptr()
+        if out is not None:
+            self.call.out, self.call.out_st = out.data_ptr(), _strides(out)
+            self._function = native._load()["block_forward", q.dtype]
+        else:
+            dout, delta = _rows_in_place(dout), delta.contiguous()
+            self._alive += [dout, delta]
+            self.call.dout, self.call.dout_st = dout.data_ptr(), _strides(dout)
+            self.call.delta = delta.data_ptr()
+            self.call.dq, self.call.dq_st = dq.data_ptr(), _strides(dq)
+            self._function = native._load()["block_backward", q.dtype]
+        self._widest = max(spec.span_k, spec.block_k)
+        self._extra = v.shape[-1] + 2 if out is not None else self._widest
+
+    def scratch(self, like: Tensor) -> Tensor:
+        """One worker's buffer for any block of this call."""
+        return like.new_empty(self.spec.block_q * (self._widest + self._extra))
+
+    def run(self, i: int, spans, scratch: Tensor, *sums: Tensor) -> None:
+        spec = self.spec
+        q0, q1 = spec.q_range(i)
+        bounds = (_I64 * (2 * len(spans)))(*(x for k0, k1, _ in spans for x in (k0, k1)))
+        masks, strides = (_PTR * len(spans))(), (_I64 * (2 * len(spans)))()
+        owners = []  # the masks' memory, alive for the call
+        for s, (k0, k1, masked) in enumerate(spans):
+            if masked:
+                allowed = tile_mask(spec, tile_index(spec, q0, q1, k0, k1, scratch.device))
+                owner, (pointer, _, _, sb, sh) = native._mask_layout(
+                    allowed, (spec.batch, spec.heads, q1 - q0, k1 - k0))
+                owners.append(owner)
+                masks[s], strides[2 * s], strides[2 * s + 1] = pointer, sb, sh
+        self._function(ctypes.byref(self.call), q0, q1, len(spans), bounds, masks, strides,
+                       *(t.data_ptr() for t in sums), scratch.data_ptr())
+
