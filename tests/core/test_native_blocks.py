@@ -1,0 +1,128 @@
+"""The fused engine's query blocks in C (``native_blocks``, ``cpu_blocks.c``): which calls they
+run, and that they agree with the tile path and the float64 reference on every layout."""
+
+import pytest
+import torch
+
+import qkv
+from qkv.core.engines import native, native_blocks
+from qkv.core.engines.fused_cpu import _spec
+from qkv.core.engines.ops import Variant
+from qkv.core.problem import build_problem
+
+from .conftest import rand_qkv, rel_err
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not native.available(torch.float32), reason="needs a C compiler"),
+]
+
+
+@pytest.fixture
+def block_runs(monkeypatch):
+    """The number of query blocks the C blocks ran, forward and backward."""
+    runs = []
+    real = native_blocks.Blocks.run
+
+    def counted(self, *args):
+        runs.append(self.call.out is not None)
+        return real(self, *args)
+
+    monkeypatch.setattr(native_blocks.Blocks, "run", counted)
+    return runs
+
+
+def _tile_path(monkeypatch):
+    monkeypatch.setattr(native_blocks, "why_not", lambda *a, **k: "the test asks for tiles")
+
+
+def _out_and_grads(q, k, v, backend="fused", **kwargs):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = qkv.attention(*leaves, backend=backend, return_lse=True, **kwargs)
+    g = torch.Generator().manual_seed(7)
+    # A gradient on lse as well as on out: both reach the blocks' delta.
+    loss = (out * torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)).sum()
+    loss = loss + (lse.masked_fill(lse.isinf(), 0) * 0.3).sum()
+    return [out, *torch.autograd.grad(loss, leaves)]
+
+
+CASES = {
+    "plain": dict(shape=(1, 4, 4, 70, 70, 16, 16), kwargs={}),
+    "causal, grouped heads, Nq < Nk, D != Dv": dict(shape=(2, 6, 3, 37, 50, 40, 24),
+                                                    kwargs={"mask": qkv.causal()}),
+    "causal, Nq > Nk (rows without keys)": dict(shape=(1, 4, 2, 60, 23, 8, 8),
+                                                kwargs={"mask": qkv.causal()}),
+    "padding per batch item": dict(shape=(2, 2, 2, 33, 41, 8, 8),
+                                   kwargs={"mask": qkv.padding([41, 9])}),
+    "window": dict(shape=(1, 2, 1, 90, 90, 8, 8), kwargs={"mask": qkv.sliding_window(7)}),
+    "cosine": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"similarity": "cosine"}),
+    "scale": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"scale": 0.7}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocks_agree_with_the_reference_and_the_tiles(case, dtype, block_runs, monkeypatch):
+    monkeypatch.setattr("qkv.core.engines.tiles.BLOCK_Q", 16)  # several blocks and spans
+    monkeypatch.setattr("qkv.core.engines.tiles.DENSE", 16)
+    shape, kwargs = CASES[case]["shape"], CASES[case]["kwargs"]
+    q, k, v = rand_qkv(*shape, dtype=torch.float64, seed=3)
+    ref = _out_and_grads(q, k, v, backend="reference", **kwargs)
+    ours = _out_and_grads(*(t.to(dtype) for t in (q, k, v)), **kwargs)
+    assert any(block_runs) and not all(block_runs)  # forward and backward ran in C
+    tol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-12, 1e-11)
+    assert rel_err(ours[0], ref[0]) < tol[0]
+    for a, b in zip(ours[1:], ref[1:], strict=True):
+        assert rel_err(a, b) < tol[1]
+    _tile_path(monkeypatch)
+    block_runs.clear()
+    tiles = _out_and_grads(*(t.to(dtype) for t in (q, k, v)), **kwargs)
+    assert not block_runs
+    for a, b in zip(ours, tiles, strict=True):
+        assert rel_err(a, b) < tol[0]
+
+
+def test_rows_without_keys_stay_zero():
+    q, k, v = rand_qkv(1, 2, 2, 12, 5, 4, 4, dtype=torch.float32)
+    out, dq, dk, dv = _out_and_grads(q, k, v, mask=qkv.causal())
+    assert torch.equal(out[:, :, :7], torch.zeros_like(out[:, :, :7]))
+    assert torch.equal(dq[:, :, :7], torch.zeros_like(dq[:, :, :7]))
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_inputs_in_projection_layout_are_read_in_place(block_runs):
+    """(B, N, H, D) projections viewed as (B, H, N, D): rows H·D apart, heads D apart."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 19, 3, 8, generator=g).transpose(1, 2) for _ in range(3))
+    ref = _out_and_grads(*(t.double() for t in (q, k, v)), backend="reference",
+                         mask=qkv.causal())
+    ours = _out_and_grads(q, k, v, mask=qkv.causal())
+    assert block_runs
+    for a, b in zip(ours, ref, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"similarity": "l1"}, "multiply q·k"),
+    ({"score_mod": qkv.alibi(2)}, "score modifier"),
+    ({"dropout_p": 0.1}, "dropout"),
+])
+def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs):
+    q, k, v = rand_qkv(1, 2, 2, 20, 20, 8, 8, dtype=torch.float32, requires_grad=True)
+    out = qkv.attention(q, k, v, backend="fused", **kwargs)
+    out.sum().backward()
+    assert not block_runs
+    p = build_problem(q, k, v, **kwargs)
+    spec = _spec(q, k, Variant(p.similarity.pairwise, p.score_mod, p.mask, p.scale),
+                 p.dropout_p, 0)
+    assert reason in native_blocks.why_not(spec, q.dtype)
+
+
+def test_why_not_names_extra_gradients_and_dtypes():
+    from qkv.core.engines.tiles import TileSpec
+    from qkv.core.similarity import DOT
+    spec = TileSpec(DOT, None, None, None, 1, 2, 10, 10, 0.0, 0, 16, 16)
+    assert native_blocks.why_not(spec, torch.float32) is None
+    learnable = torch.ones(2, requires_grad=True)
+    assert "tensors besides" in native_blocks.why_not(spec, torch.float32, [learnable])
+    assert "dtype" in native_blocks.why_not(spec, torch.bfloat16)
