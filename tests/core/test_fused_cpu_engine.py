@@ -12,7 +12,7 @@ import torch
 
 import qkv
 from qkv.core import EMPTY, FULL
-from qkv.core.engines import fused_cpu, graph_gather, plan, tiles, workers
+from qkv.core.engines import fused_cpu, graph_gather, native_blocks, plan, tiles, workers
 from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
@@ -335,7 +335,8 @@ def test_chain_count_keeps_the_sums_within_the_budget():
 
 def test_the_backward_sums_the_same_bits_whichever_worker_is_slow(monkeypatch):
     """The key-side sums go by chain, not by worker: a worker slowed in every block (so it
-    runs fewer of them) leaves every gradient bit for bit the same, fused and graph engines."""
+    runs fewer of them) leaves every gradient bit for bit the same: the fused engine's C
+    blocks and tiles (learnable slopes keep the tiles), and the graph engine."""
     monkeypatch.setattr(tiles, "BLOCK_Q", 4)
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 16)
@@ -351,9 +352,12 @@ def test_the_backward_sums_the_same_bits_whichever_worker_is_slow(monkeypatch):
             return real(*args)
         return run
 
+    slopes = torch.linspace(0.1, 0.5, 4).requires_grad_()
     cases = (("fused", {"mask": qkv.causal(), "score_mod": qkv.alibi(4)}),
+             ("fused", {"mask": qkv.causal(), "score_mod": qkv.alibi(slopes=slopes)}),
              ("graph", {"mask": graph}))
-    steps = ((fused_cpu, "_backward_block"), (graph_gather, "_backward_chunk"))
+    steps = ((fused_cpu, "_backward_block"), (graph_gather, "_backward_chunk"),
+             (native_blocks.Blocks, "run"))
     real = {name: getattr(module, name) for module, name in steps}
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -57,6 +57,14 @@ CASES = {
     "window": dict(shape=(1, 2, 1, 90, 90, 8, 8), kwargs={"mask": qkv.sliding_window(7)}),
     "cosine": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"similarity": "cosine"}),
     "scale": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"scale": 0.7}),
+    # Modifiers: the slope 1 (ALiBi, a bias) and one the backward keeps (softcap).
+    "alibi, causal, grouped heads": dict(shape=(2, 4, 2, 40, 40, 8, 8),
+                                         kwargs={"mask": qkv.causal(), "score_mod": qkv.alibi(4)}),
+    "softcap, scale": dict(shape=(1, 3, 3, 45, 52, 8, 8),
+                           kwargs={"score_mod": qkv.softcap(2.0), "scale": 1.5}),
+    "softcap after a bias, window": dict(shape=(1, 2, 1, 50, 50, 8, 8), kwargs={
+        "mask": qkv.sliding_window(9),
+        "score_mod": [lambda s, b, h, qi, ki: s - 0.25 * h * (qi - ki), qkv.softcap(3.0)]}),
 }
 
 
@@ -104,7 +112,7 @@ def test_inputs_in_projection_layout_are_read_in_place(block_runs):
 
 @pytest.mark.parametrize("kwargs, reason", [
     ({"similarity": "l1"}, "multiply q·k"),
-    ({"score_mod": qkv.alibi(2)}, "score modifier"),
+    ({"score_mod": qkv.alibi(slopes=torch.ones(2, requires_grad=True))}, "score modifier"),
     ({"dropout_p": 0.1}, "dropout"),
 ])
 def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs):

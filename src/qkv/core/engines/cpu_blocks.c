@@ -17,7 +17,15 @@
 struct qkv_blocks {
     void *gemm;          /* sgemm_ or dgemm_ (Fortran interface; integers passed as int64) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
-    double scale;        /* multiplies q.k (1 when folded into q) */
+    double scale;        /* multiplies q.k (1 when folded into q, or with a modifier) */
+    double grad_scale;   /* multiplies d(loss)/d(q.k) in dq and dk (scale, 1 with a slope) */
+    /* A score modifier's generated loops (kernelgen/c_mod.py), or 0: mod_scores writes
+     * mod(mod_scale * s); mod_scores_ds (backward, when the modifier's slope depends on the
+     * score) also leaves d mod / d s in its source, which scales the softmax's gradient. */
+    void *mod_scores, *mod_scores_ds;
+    const void *mod_slots[4];
+    double mod_scale;
+    int64_t offset;      /* Nk - Nq, as the modifier reads it */
     const void *q, *k, *v;
     int64_t q_st[3], k_st[3], v_st[3];
     void *out, *lse;     /* forward: out strided; lse (B, H, Nq) contiguous */
@@ -46,6 +54,18 @@ typedef void (*gemm_##SUFFIX##_t)(const char *, const char *, const int64_t *,  
                                   const int64_t *, const int64_t *, const T *, const T *,   \
                                   const int64_t *, const T *, const int64_t *, const T *,   \
                                   T *, const int64_t *);                                    \
+typedef void (*mod_##SUFFIX##_t)(T *, T *, int64_t, int64_t, int64_t, int64_t, int64_t,     \
+                                 int64_t, int64_t, int64_t, int64_t, double, const void *,  \
+                                 const void *, const void *, const void *);                 \
+                                                                                            \
+/* The modifier on one head's tile, src -> dst (which may be src). */                       \
+static inline void modify_##SUFFIX(const struct qkv_blocks *c, void *fn, T *src, T *dst,   \
+                                   int64_t rows, int64_t cols, int64_t q0, int64_t k0,      \
+                                   int64_t b, int64_t h) {                                  \
+    ((mod_##SUFFIX##_t)fn)(src, dst, 1, 1, rows, cols, q0, k0, c->offset, b, h,             \
+                           c->mod_scale, c->mod_slots[0], c->mod_slots[1], c->mod_slots[2], \
+                           c->mod_slots[3]);                                                \
+}                                                                                           \
                                                                                             \
 /* Rows q0..q1 of out and lse from the key spans [k0, k1) (pairs in `spans`). scratch:     \
  * (q1 - q0) * (widest span + dv + 2) elements. */                                          \
@@ -74,6 +94,8 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
                 gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
                      &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
+                if (c->mod_scores)                                                          \
+                    modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
                 online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,   \
                                              span_mask(masks, mask_st, sp, b, h), 1, rows,  \
                                              0, 0);                                         \
@@ -93,15 +115,17 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                                                                                             \
 /* Rows q0..q1 of dq (written), and their share of dk (B, Hk, Nk, d) and dv transposed     \
  * (B, Hk, dv, Nk), both contiguous (added to). lse is +inf on rows with no allowed key.  \
- * scratch: 2 (q1 - q0) * (widest span) elements. */                                        \
+ * scratch: 3 (q1 - q0) * (widest span) elements (2 without mod_scores_ds). */              \
 void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,            \
                              int64_t nspans, const int64_t *spans,                         \
                              const uint8_t *const *masks, const int64_t *mask_st,          \
                              T *dk, T *dvt, T *scratch) {                                   \
     const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
     const int64_t rows = q1 - q0, group = c->heads / c->kv_heads, nk = c->nk;               \
-    const T one = 1, zero = 0, alpha = (T)c->scale;                                         \
-    T *s = scratch, *dp = s + rows * widest_span(nspans, spans);                            \
+    const T one = 1, zero = 0, alpha = (T)c->scale, grad_scale = (T)c->grad_scale;          \
+    const int64_t tile = rows * widest_span(nspans, spans);                                 \
+    /* s: the scores, then with mod_scores_ds the modifier's slope; p: the probabilities */  \
+    T *s = scratch, *dp = s + tile, *p = c->mod_scores_ds ? dp + tile : s;                  \
     const T *q = c->q, *k = c->k, *v = c->v, *dout = c->dout, *lse = c->lse,                \
             *delta = c->delta;                                                              \
     T *dq = c->dq;                                                                          \
@@ -121,17 +145,22 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
                 gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
                      &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
-                exp_sub_rows_##SUFFIX(s, rows, cols, lse + row0,                            \
+                if (c->mod_scores_ds)                                                       \
+                    modify_##SUFFIX(c, c->mod_scores_ds, s, p, rows, cols, q0, k0, b, h);   \
+                else if (c->mod_scores)                                                     \
+                    modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
+                exp_sub_rows_##SUFFIX(p, rows, cols, lse + row0,                            \
                                       span_mask(masks, mask_st, sp, b, h), 1, rows, 0, 0);  \
                 gemm("T", "N", &cols, &rows, &c->dv, &one, vh + k0 * c->v_st[2],            \
                      &c->v_st[2], doh, &c->dout_st[2], &zero, dp, &cols);                   \
-                gemm("N", "T", &cols, &c->dv, &rows, &one, s, &cols, doh, &c->dout_st[2],   \
+                gemm("N", "T", &cols, &c->dv, &rows, &one, p, &cols, doh, &c->dout_st[2],   \
                      &one, dvh + k0, &nk);                                                  \
-                softmax_grad_rows_##SUFFIX(s, dp, rows, cols, delta + row0, 0, 1.0);        \
-                gemm("N", "N", &c->d, &rows, &cols, &alpha, kh + k0 * c->k_st[2],           \
+                softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,                 \
+                                           c->mod_scores_ds ? s : 0, c->mod_scale);         \
+                gemm("N", "N", &c->d, &rows, &cols, &grad_scale, kh + k0 * c->k_st[2],      \
                      &c->k_st[2], dp, &cols, &one, dqh, &c->dq_st[2]);                      \
-                gemm("N", "T", &c->d, &cols, &rows, &alpha, qh, &c->q_st[2], dp, &cols,     \
-                     &one, dkh + k0 * c->d, &c->d);                                         \
+                gemm("N", "T", &c->d, &cols, &rows, &grad_scale, qh, &c->q_st[2], dp,       \
+                     &cols, &one, dkh + k0 * c->d, &c->d);                                  \
             }                                                                               \
         }                                                                                   \
 }

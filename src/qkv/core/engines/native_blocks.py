@@ -9,8 +9,10 @@ heads, D=64, two threads) the forward ran 0.80x and the backward 0.65-0.74x the 
 time in the prototype (docs/benchmarks.md).
 
 What runs here: a dot-product term (dot, cosine, Mahalanobis: ``similarity.DOT`` on the
-features) with any mask, no score modifier, a number scale and no dropout; ``why_not``
-names what rules a call out, and the engine then runs its tile path. The math is the tile
+features) with any mask, a number scale, no dropout, and a score modifier whose C loops
+(``kernelgen.c_mod``) give its gradient without tensors of its own (ALiBi with fixed
+slopes, softcap, a relative bias that needs no gradient); ``why_not`` names what rules a
+call out, and the engine then runs its tile path. The math is the tile
 path's, the same C softmax steps included; only the order of the products' sums differs.
 """
 
@@ -37,7 +39,9 @@ class _Call(ctypes.Structure):
 
     _fields_ = [("gemm", _PTR), ("batch", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("nq", _I64), ("nk", _I64), ("d", _I64), ("dv", _I64),
-                ("scale", ctypes.c_double),
+                ("scale", ctypes.c_double), ("grad_scale", ctypes.c_double),
+                ("mod_scores", _PTR), ("mod_scores_ds", _PTR), ("mod_slots", _PTR * 4),
+                ("mod_scale", ctypes.c_double), ("offset", _I64),
                 ("q", _PTR), ("k", _PTR), ("v", _PTR),
                 ("q_st", _STRIDES), ("k_st", _STRIDES), ("v_st", _STRIDES),
                 ("out", _PTR), ("lse", _PTR), ("out_st", _STRIDES),
@@ -68,8 +72,12 @@ def why_not(spec: TileSpec, dtype: torch.dtype, extras: Sequence[Tensor] = ()) -
         return "no C kernels for this dtype"
     if native.term_id(spec.pair) != native.term_id(DOT):
         return f"the C blocks multiply q·k; the term is {spec.pair.name!r}"
-    if spec.score_mod is not None or isinstance(spec.scale, Tensor):
-        return "a score modifier or a tensor scale"
+    if isinstance(spec.scale, Tensor):
+        return "a tensor scale"
+    mod = spec.mod_loops
+    if spec.score_mod is not None and (mod is None or not (mod.grads_are_scale or
+                                                           mod.keeps_slope)):
+        return "a score modifier without C loops for its gradient"
     if spec.dropout_p > 0:
         return "dropout"
     if extras:
@@ -91,12 +99,26 @@ def _strides(t: Tensor) -> _STRIDES:
 def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor) -> tuple[_Call, list[Tensor]]:
     """The fields every call shares, and the tensors it reads (to keep alive)."""
     q, k, v = (_rows_in_place(t) for t in (q, k, v))
+    scale = 1.0 if spec.scale is None else float(spec.scale)
     call = _Call(gemm=_gemm(q.dtype), batch=spec.batch, heads=spec.heads, kv_heads=k.shape[1],
-                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1],
-                 scale=1.0 if spec.scale is None else float(spec.scale),
-                 q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1], scale=scale,
+                 grad_scale=scale, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
                  q_st=_strides(q), k_st=_strides(k), v_st=_strides(v))
     return call, [q, k, v]
+
+
+def _add_modifier(call: _Call, spec: TileSpec, backward: bool) -> bool:
+    """Give ``call`` the score modifier's C loops, which apply the scale themselves;
+    returns whether the backward keeps their slope (a third tile of scratch)."""
+    scores, scores_ds, slots = spec.mod_loops.addresses()
+    call.scale, call.mod_scale, call.offset = 1.0, spec.mod_scale, spec.offset
+    call.mod_scores, call.mod_slots = scores, (_PTR * 4)(*slots)
+    keeps_slope = backward and spec.mod_loops.keeps_slope
+    if keeps_slope:  # the slope and scale go into the softmax's gradient
+        call.mod_scores_ds, call.grad_scale = scores_ds, 1.0
+    else:  # d mod / d score = 1: only the scale
+        call.grad_scale = spec.mod_scale
+    return keeps_slope
 
 
 class Blocks:
@@ -108,6 +130,7 @@ class Blocks:
                  lse: Tensor, dout=None, delta=None, dq=None):
         self.spec = spec
         self.call, self._alive = _call(spec, q, k, v)
+        keeps_slope = spec.mod_loops is not None and _add_modifier(self.call, spec, out is None)
         lse = lse.contiguous()
         self._alive.append(lse)  # out and dq are the caller's; the rest is read from here
         self.call.lse = lse.data_ptr()
@@ -122,7 +145,8 @@ class Blocks:
             self.call.dq, self.call.dq_st = dq.data_ptr(), _strides(dq)
             self._function = native._load()["block_backward", q.dtype]
         self._widest = max(spec.span_k, spec.block_k)
-        self._extra = v.shape[-1] + 2 if out is not None else self._widest
+        self._extra = (v.shape[-1] + 2 if out is not None else
+                       self._widest * (2 if keeps_slope else 1))
 
     def scratch(self, like: Tensor) -> Tensor:
         """One worker's buffer for any block of this call."""

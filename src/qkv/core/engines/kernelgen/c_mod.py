@@ -36,12 +36,12 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 # they are: their C element types. Float ones are cast to the call's dtype.
 _INT_C_TYPES = {torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t",
                 torch.int8: "int8_t", torch.uint8: "uint8_t", torch.bool: "uint8_t"}
-_ARGS = "row[j] * scale, b, h, q, k0 + j, offset, A0, A1, A2, A3"
-_ROW_ARGS = "0, b, h, q, k0, offset, A0, A1, A2, A3"  # for an index that reads b, h, q only
+_ARGS = "row[j] * scale, b0 + b, h0 + h, q, k0 + j, offset, A0, A1, A2, A3"
+_ROW_ARGS = "0, b0 + b, h0 + h, q, k0, offset, A0, A1, A2, A3"  # an index of b, h, q only
 _SIGNATURES = {
-    "mod_scores": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
-    "mod_grads": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
-    "mod_scores_ds": [_PTR, _PTR] + [_I64] * 7 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
+    "mod_scores": [_PTR, _PTR] + [_I64] * 9 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
+    "mod_grads": [_PTR, _PTR] + [_I64] * 9 + [ctypes.c_double] + [_PTR] * (2 * MAX_SLOTS),
+    "mod_scores_ds": [_PTR, _PTR] + [_I64] * 9 + [ctypes.c_double] + [_PTR] * MAX_SLOTS,
 }
 
 
@@ -75,15 +75,17 @@ def _function(name: str, root, ctype: str, fsuffix: str, params: str, kind: str 
 
 
 _LOOPS = """
-/* Rows r = (b * heads + h) * bq + i of a tile (batch, heads, bq, bk) of query positions
- * q0 + i and key positions k0 + j. A select (gj != 0 ? v : 0) is written as a bit mask
+/* Rows r = (b * heads + h) * bq + i of a tile (batch, heads, bq, bk) of batch items b0 + b,
+ * heads h0 + h, query positions q0 + i and key positions k0 + j (the C query blocks,
+ * cpu_blocks.c, pass one head at a time). A select (gj != 0 ? v : 0) is written as a bit mask
  * (qkv_keep): as a select, the compiler branches around v's computation and the loop does not
  * vectorize. */
 #define ROWS for (int64_t b = 0; b < batch; b++) for (int64_t h = 0; h < heads; h++) \\
     for (int64_t i = 0; i < bq; i++)
 
 void mod_scores(const {T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
-                int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}) {{
+                int64_t q0, int64_t k0, int64_t offset, int64_t b0, int64_t h0,
+                double scale_, {SLOTS}) {{
     const {T} scale = ({T})scale_;
     ROWS {{
         const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
@@ -95,7 +97,8 @@ void mod_scores(const {T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t 
 }}
 
 void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
-               int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}, {GRADS}) {{
+               int64_t q0, int64_t k0, int64_t offset, int64_t b0, int64_t h0,
+                double scale_, {SLOTS}, {GRADS}) {{
     /* ds <- ds * d mod / d raw score; 0 where ds is 0 (masked pairs): never 0 * inf. */
     const {T} scale = ({T})scale_;
     ROWS {{
@@ -113,7 +116,8 @@ void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq
 /* The backward's recompute, for a modifier whose only gradient is the score's: dst <- the
  * modified scores and src <- d mod / d raw score, from one evaluation per pair. */
 void mod_scores_ds({T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
-                   int64_t q0, int64_t k0, int64_t offset, double scale_, {SLOTS}) {{
+                   int64_t q0, int64_t k0, int64_t offset, int64_t b0, int64_t h0,
+                double scale_, {SLOTS}) {{
     const {T} scale = ({T})scale_;
     ROWS {{
         const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
@@ -185,11 +189,17 @@ class ModLoops:
         self._pointers = [v.data_ptr() for v in values] + [self._dummy.data_ptr()] * (
             MAX_SLOTS - len(values))
 
+    def addresses(self) -> tuple[int, int, list[int]]:
+        """For C callers (the C query blocks): the addresses of ``mod_scores`` and
+        ``mod_scores_ds``, and the four slot pointers they read."""
+        return (ctypes.cast(self._scores, ctypes.c_void_p).value,
+                ctypes.cast(self._scores_ds, ctypes.c_void_p).value, list(self._pointers))
+
     @staticmethod
     def _layout(s: Tensor, q0: int, k0: int, offset: int, scale: float) -> tuple:
         if not s.is_contiguous() or s.dim() != 4:
             raise ValueError("the C modifier loops take contiguous (B, H, bq, bk) tiles")
-        return (*s.shape, q0, k0, offset, scale)
+        return (*s.shape, q0, k0, offset, 0, 0, scale)
 
     def scores(self, src: Tensor, dst: Tensor, q0: int, k0: int, offset: int,
                scale: float) -> Tensor:
