@@ -57,6 +57,15 @@ CASES = {
     "window": dict(shape=(1, 2, 1, 90, 90, 8, 8), kwargs={"mask": qkv.sliding_window(7)}),
     "cosine": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"similarity": "cosine"}),
     "scale": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"scale": 0.7}),
+    "l2, causal, grouped heads": dict(shape=(2, 4, 2, 40, 47, 8, 8),
+                                      kwargs={"mask": qkv.causal(), "similarity": "l2"}),
+    # A scale <= 0 is not folded into L2's features: the blocks clamp, then scale.
+    "l2, negative scale": dict(shape=(1, 2, 2, 30, 30, 8, 8),
+                               kwargs={"similarity": "l2", "scale": -0.4}),
+    "mahalanobis, a metric per head": dict(shape=(1, 2, 2, 33, 33, 8, 8), kwargs={
+        "similarity": "mahalanobis",
+        "metric": torch.eye(8, dtype=torch.float64) + 0.2 * torch.randn(
+            2, 8, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)}),
     # Modifiers: the slope 1 (ALiBi, a bias) and one the backward keeps (softcap).
     "alibi, causal, grouped heads": dict(shape=(2, 4, 2, 40, 40, 8, 8),
                                          kwargs={"mask": qkv.causal(), "score_mod": qkv.alibi(4)}),

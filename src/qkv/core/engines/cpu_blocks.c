@@ -17,8 +17,14 @@
 struct qkv_blocks {
     void *gemm;          /* sgemm_ or dgemm_ (Fortran interface; integers passed as int64) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
+    /* 0: scores sq.sk (dot); 1: -|q-k|^2 as min(sq.sk, 0) of the lifted features
+     * [q, |q|^2, 1] and [2k, -1, -|k|^2] (sd = d + 2), whose gradient in q and k adds
+     * -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.neg_sqdist_tile_grads) */
+    int64_t term, sd;
+    const void *sq, *sk;
+    int64_t sq_st[3], sk_st[3];
     double scale;        /* multiplies q.k (1 when folded into q, or with a modifier) */
-    double grad_scale;   /* multiplies d(loss)/d(q.k) in dq and dk (scale, 1 with a slope) */
+    double grad_scale;   /* multiplies d(loss)/d(score) in dq and dk (scale, 1 with a slope) */
     /* A score modifier's generated loops (kernelgen/c_mod.py), or 0: mod_scores writes
      * mod(mod_scale * s); mod_scores_ds (backward, when the modifier's slope depends on the
      * score) also leaves d mod / d s in its source, which scales the softmax's gradient. */
@@ -26,7 +32,7 @@ struct qkv_blocks {
     const void *mod_slots[4];
     double mod_scale;
     int64_t offset;      /* Nk - Nq, as the modifier reads it */
-    const void *q, *k, *v;
+    const void *q, *k, *v; /* q and k: the term's features, which dq and dk are for */
     int64_t q_st[3], k_st[3], v_st[3];
     void *out, *lse;     /* forward: out strided; lse (B, H, Nq) contiguous */
     int64_t out_st[3];
@@ -58,6 +64,38 @@ typedef void (*mod_##SUFFIX##_t)(T *, T *, int64_t, int64_t, int64_t, int64_t, i
                                  int64_t, int64_t, int64_t, int64_t, double, const void *,  \
                                  const void *, const void *, const void *);                 \
                                                                                             \
+/* One head's raw scores (rows x cols) of query rows sqh and keys skh, into s. */          \
+static inline void scores_##SUFFIX(const struct qkv_blocks *c, const T *sqh, const T *skh,  \
+                                   int64_t rows, int64_t cols, T *s) {                      \
+    const T scale = (T)c->scale, alpha = c->term == 1 ? 1 : scale, zero = 0;                \
+    ((gemm_##SUFFIX##_t)c->gemm)("T", "N", &cols, &rows, &c->sd, &alpha, skh, &c->sk_st[2], \
+                                 sqh, &c->sq_st[2], &zero, s, &cols);                       \
+    if (c->term == 1) /* clamped (only rounding makes it positive; NaN stays), then scaled */ \
+        for (int64_t e = 0; e < rows * cols; e++) s[e] = (s[e] > 0 ? 0 : s[e]) * scale;     \
+}                                                                                           \
+                                                                                            \
+/* -|q-k|^2's gradient beyond the products (term 1): dq_i -= g rowsum_i(ds) q_i and        \
+ * dk_j -= g colsum_j(ds) k_j, with col (cols) as scratch. */                               \
+static inline void sqdist_sums_##SUFFIX(const struct qkv_blocks *c, const T *ds,            \
+                                        int64_t rows, int64_t cols, T g, const T *qh,       \
+                                        const T *kh, T *dqh, T *dkh, T *col) {              \
+    memset(col, 0, sizeof(T) * cols);                                                       \
+    for (int64_t i = 0; i < rows; i++) {                                                    \
+        const T *row = ds + i * cols;                                                       \
+        T total = 0;                                                                        \
+        _Pragma("omp simd reduction(+:total)")                                              \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            total += row[j];                                                                \
+            col[j] += row[j];                                                               \
+        }                                                                                   \
+        for (int64_t x = 0; x < c->d; x++)                                                  \
+            dqh[i * c->dq_st[2] + x] -= g * total * qh[i * c->q_st[2] + x];                 \
+    }                                                                                       \
+    for (int64_t j = 0; j < cols; j++)                                                      \
+        for (int64_t x = 0; x < c->d; x++)                                                  \
+            dkh[j * c->d + x] -= g * col[j] * kh[j * c->k_st[2] + x];                       \
+}                                                                                           \
+                                                                                            \
 /* The modifier on one head's tile, src -> dst (which may be src). */                       \
 static inline void modify_##SUFFIX(const struct qkv_blocks *c, void *fn, T *src, T *dst,   \
                                    int64_t rows, int64_t cols, int64_t q0, int64_t k0,      \
@@ -75,15 +113,15 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                             T *scratch) {                                                   \
     const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
     const int64_t rows = q1 - q0, group = c->heads / c->kv_heads;                           \
-    const T one = 1, zero = 0, alpha = (T)c->scale;                                         \
+    const T one = 1;                                                                        \
     T *s = scratch, *acc = s + rows * widest_span(nspans, spans), *row_max = acc + rows * c->dv, \
       *row_sum = row_max + rows;                                                            \
-    const T *q = c->q, *k = c->k, *v = c->v;                                                \
+    const T *sq = c->sq, *sk = c->sk, *v = c->v;                                            \
     T *out = c->out, *lse = c->lse;                                                         \
     for (int64_t b = 0; b < c->batch; b++)                                                  \
         for (int64_t h = 0; h < c->heads; h++) {                                            \
-            const T *qh = q + b * c->q_st[0] + h * c->q_st[1] + q0 * c->q_st[2];            \
-            const T *kh = k + b * c->k_st[0] + (h / group) * c->k_st[1];                    \
+            const T *sqh = sq + b * c->sq_st[0] + h * c->sq_st[1] + q0 * c->sq_st[2];       \
+            const T *skh = sk + b * c->sk_st[0] + (h / group) * c->sk_st[1];                \
             const T *vh = v + b * c->v_st[0] + (h / group) * c->v_st[1];                    \
             memset(acc, 0, sizeof(T) * rows * c->dv);                                       \
             for (int64_t i = 0; i < rows; i++) {                                            \
@@ -92,8 +130,7 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
             }                                                                               \
             for (int64_t sp = 0; sp < nspans; sp++) {                                       \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
-                gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
-                     &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
+                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s);             \
                 if (c->mod_scores)                                                          \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
                 online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,   \
@@ -115,25 +152,29 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                                                                                             \
 /* Rows q0..q1 of dq (written), and their share of dk (B, Hk, Nk, d) and dv transposed     \
  * (B, Hk, dv, Nk), both contiguous (added to). lse is +inf on rows with no allowed key.  \
- * scratch: 3 (q1 - q0) * (widest span) elements (2 without mod_scores_ds). */              \
+ * scratch: (3 (q1 - q0) + 1) * (widest span) elements (2 (q1 - q0) + 1 without          \
+ * mod_scores_ds). */                                                                       \
 void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,            \
                              int64_t nspans, const int64_t *spans,                         \
                              const uint8_t *const *masks, const int64_t *mask_st,          \
                              T *dk, T *dvt, T *scratch) {                                   \
     const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
     const int64_t rows = q1 - q0, group = c->heads / c->kv_heads, nk = c->nk;               \
-    const T one = 1, zero = 0, alpha = (T)c->scale, grad_scale = (T)c->grad_scale;          \
+    const T one = 1, zero = 0, grad_scale = (T)c->grad_scale * (c->term == 1 ? 2 : 1);     \
     const int64_t tile = rows * widest_span(nspans, spans);                                 \
     /* s: the scores, then with mod_scores_ds the modifier's slope; p: the probabilities */  \
     T *s = scratch, *dp = s + tile, *p = c->mod_scores_ds ? dp + tile : s;                  \
-    const T *q = c->q, *k = c->k, *v = c->v, *dout = c->dout, *lse = c->lse,                \
-            *delta = c->delta;                                                              \
+    T *col = (c->mod_scores_ds ? p : dp) + tile;                                            \
+    const T *q = c->q, *k = c->k, *sq = c->sq, *sk = c->sk, *v = c->v, *dout = c->dout,     \
+            *lse = c->lse, *delta = c->delta;                                               \
     T *dq = c->dq;                                                                          \
     for (int64_t b = 0; b < c->batch; b++)                                                  \
         for (int64_t h = 0; h < c->heads; h++) {                                            \
             const int64_t hk = h / group, row0 = (b * c->heads + h) * c->nq + q0;           \
             const T *qh = q + b * c->q_st[0] + h * c->q_st[1] + q0 * c->q_st[2];            \
             const T *kh = k + b * c->k_st[0] + hk * c->k_st[1];                             \
+            const T *sqh = sq + b * c->sq_st[0] + h * c->sq_st[1] + q0 * c->sq_st[2];       \
+            const T *skh = sk + b * c->sk_st[0] + hk * c->sk_st[1];                         \
             const T *vh = v + b * c->v_st[0] + hk * c->v_st[1];                             \
             const T *doh = dout + b * c->dout_st[0] + h * c->dout_st[1] + q0 * c->dout_st[2]; \
             T *dqh = dq + b * c->dq_st[0] + h * c->dq_st[1] + q0 * c->dq_st[2];             \
@@ -143,8 +184,7 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                 memset(dqh + i * c->dq_st[2], 0, sizeof(T) * c->d);                         \
             for (int64_t sp = 0; sp < nspans; sp++) {                                       \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
-                gemm("T", "N", &cols, &rows, &c->d, &alpha, kh + k0 * c->k_st[2],           \
-                     &c->k_st[2], qh, &c->q_st[2], &zero, s, &cols);                        \
+                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s);             \
                 if (c->mod_scores_ds)                                                       \
                     modify_##SUFFIX(c, c->mod_scores_ds, s, p, rows, cols, q0, k0, b, h);   \
                 else if (c->mod_scores)                                                     \
@@ -161,6 +201,9 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                      &c->k_st[2], dp, &cols, &one, dqh, &c->dq_st[2]);                      \
                 gemm("N", "T", &c->d, &cols, &rows, &grad_scale, qh, &c->q_st[2], dp,       \
                      &cols, &one, dkh + k0 * c->d, &c->d);                                  \
+                if (c->term == 1)                                                           \
+                    sqdist_sums_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                 \
+                                         kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d, col);  \
             }                                                                               \
         }                                                                                   \
 }

@@ -308,8 +308,8 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
 
     blocks_in_c = None
     if native_blocks.why_not(spec, fq.dtype, extras) is None:
-        blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, lse=saved[-1], dout=dout,
-                                           delta=delta, dq=dfq)
+        blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, scores=saved[2:4], lse=saved[-1],
+                                           dout=dout, delta=delta, dq=dfq)
 
     def block(i, sums, scratch):
         if blocks_in_c is not None:

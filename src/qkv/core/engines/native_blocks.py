@@ -8,12 +8,13 @@ Python-level calls that the two workers share one GIL for. Head by head, a tile'
 heads, D=64, two threads) the forward ran 0.80x and the backward 0.65-0.74x the tile path's
 time in the prototype (docs/benchmarks.md).
 
-What runs here: a dot-product term (dot, cosine, Mahalanobis: ``similarity.DOT`` on the
-features) with any mask, a number scale, no dropout, and a score modifier whose C loops
-(``kernelgen.c_mod``) give its gradient without tensors of its own (ALiBi with fixed
-slopes, softcap, a relative bias that needs no gradient); ``why_not`` names what rules a
-call out, and the engine then runs its tile path. The math is the tile
-path's, the same C softmax steps included; only the order of the products' sums differs.
+What runs here: the matrix-product terms (dot and cosine: ``similarity.DOT`` on the
+features; L2 and Mahalanobis: ``NEG_SQDIST`` as a product of lifted features) with any
+mask, a number scale, no dropout, and a score modifier whose C loops (``kernelgen.c_mod``)
+give its gradient without tensors of its own (ALiBi with fixed slopes, softcap, a bias
+that needs no gradient). ``why_not`` names what rules a call out; the engine then runs its
+tile path. The math is the tile path's, the same C softmax steps included; only the order
+of the products' sums differs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..similarity import DOT
+from ..similarity import DOT, NEG_SQDIST
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 
@@ -39,6 +40,8 @@ class _Call(ctypes.Structure):
 
     _fields_ = [("gemm", _PTR), ("batch", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("nq", _I64), ("nk", _I64), ("d", _I64), ("dv", _I64),
+                ("term", _I64), ("sd", _I64), ("sq", _PTR), ("sk", _PTR),
+                ("sq_st", _STRIDES), ("sk_st", _STRIDES),
                 ("scale", ctypes.c_double), ("grad_scale", ctypes.c_double),
                 ("mod_scores", _PTR), ("mod_scores_ds", _PTR), ("mod_slots", _PTR * 4),
                 ("mod_scale", ctypes.c_double), ("offset", _I64),
@@ -50,6 +53,8 @@ class _Call(ctypes.Structure):
 
 
 _GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
+# The terms the blocks compute, by their C id (``native.term_id``), to theirs (cpu_blocks.c).
+_TERMS = {native.term_id(DOT): 0, native.term_id(NEG_SQDIST): 1}
 
 
 @functools.cache
@@ -70,8 +75,9 @@ def why_not(spec: TileSpec, dtype: torch.dtype, extras: Sequence[Tensor] = ()) -
     """What keeps a call off the C blocks (None: they run it)."""
     if not native.available(dtype) or dtype not in _GEMM_NAMES:
         return "no C kernels for this dtype"
-    if native.term_id(spec.pair) != native.term_id(DOT):
-        return f"the C blocks multiply q·k; the term is {spec.pair.name!r}"
+    if native.term_id(spec.pair) not in _TERMS or (spec.pair.lift is not None and
+                                                  not spec.scores_lifted):
+        return f"the C blocks multiply q·k or lifted features; the term is {spec.pair.name!r}"
     if isinstance(spec.scale, Tensor):
         return "a tensor scale"
     mod = spec.mod_loops
@@ -96,15 +102,19 @@ def _strides(t: Tensor) -> _STRIDES:
     return _STRIDES(*t.stride()[:3])
 
 
-def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor) -> tuple[_Call, list[Tensor]]:
+def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor,
+          scores: tuple[Tensor, Tensor] | None) -> tuple[_Call, list[Tensor]]:
     """The fields every call shares, and the tensors it reads (to keep alive)."""
     q, k, v = (_rows_in_place(t) for t in (q, k, v))
+    sq, sk = (q, k) if scores is None else (_rows_in_place(t) for t in scores)
     scale = 1.0 if spec.scale is None else float(spec.scale)
     call = _Call(gemm=_gemm(q.dtype), batch=spec.batch, heads=spec.heads, kv_heads=k.shape[1],
-                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1], scale=scale,
-                 grad_scale=scale, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
-                 q_st=_strides(q), k_st=_strides(k), v_st=_strides(v))
-    return call, [q, k, v]
+                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1],
+                 term=_TERMS[native.term_id(spec.pair)], sd=sq.shape[-1],
+                 sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq), sk_st=_strides(sk),
+                 scale=scale, grad_scale=scale, q=q.data_ptr(), k=k.data_ptr(),
+                 v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k), v_st=_strides(v))
+    return call, [q, k, v, sq, sk]
 
 
 def _add_modifier(call: _Call, spec: TileSpec, backward: bool) -> bool:
@@ -124,12 +134,14 @@ def _add_modifier(call: _Call, spec: TileSpec, backward: bool) -> bool:
 class Blocks:
     """One call's C blocks, forward (``out`` and ``lse`` given) or backward (``dout``,
     ``lse`` with +inf on rows that allow no key, ``delta`` and ``dq`` given): ``run(i,
-    spans, scratch[, dk, dv_t])`` computes query block i over its key spans."""
+    spans, scratch[, dk, dv_t])`` computes query block i over its key spans. q and k are
+    the term's features; ``scores`` the features its scores multiply (``score_features``),
+    when they differ."""
 
-    def __init__(self, spec: TileSpec, q: Tensor, k: Tensor, v: Tensor, *, out=None,
-                 lse: Tensor, dout=None, delta=None, dq=None):
+    def __init__(self, spec: TileSpec, q: Tensor, k: Tensor, v: Tensor, *, scores=None,
+                 out=None, lse: Tensor, dout=None, delta=None, dq=None):
         self.spec = spec
-        self.call, self._alive = _call(spec, q, k, v)
+        self.call, self._alive = _call(spec, q, k, v, scores)
         keeps_slope = spec.mod_loops is not None and _add_modifier(self.call, spec, out is None)
         lse = lse.contiguous()
         self._alive.append(lse)  # out and dq are the caller's; the rest is read from here
@@ -144,13 +156,15 @@ class Blocks:
             self.call.delta = delta.data_ptr()
             self.call.dq, self.call.dq_st = dq.data_ptr(), _strides(dq)
             self._function = native._load()["block_backward", q.dtype]
-        self._widest = max(spec.span_k, spec.block_k)
-        self._extra = (v.shape[-1] + 2 if out is not None else
-                       self._widest * (2 if keeps_slope else 1))
+        # Per block (cpu_blocks.c): forward, a tile of scores, the output's sums, row max and
+        # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums.
+        rows, widest = spec.block_q, max(spec.span_k, spec.block_k)
+        self._scratch = (rows * (widest + v.shape[-1] + 2) if out is not None else
+                         rows * widest * (3 if keeps_slope else 2) + widest)
 
     def scratch(self, like: Tensor) -> Tensor:
         """One worker's buffer for any block of this call."""
-        return like.new_empty(self.spec.block_q * (self._widest + self._extra))
+        return like.new_empty(self._scratch)
 
     def run(self, i: int, spans, scratch: Tensor, *sums: Tensor) -> None:
         spec = self.spec
