@@ -57,6 +57,17 @@ CASES = {
     "window": dict(shape=(1, 2, 1, 90, 90, 8, 8), kwargs={"mask": qkv.sliding_window(7)}),
     "cosine": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"similarity": "cosine"}),
     "scale": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"scale": 0.7}),
+    "l1, causal, grouped heads": dict(shape=(2, 4, 2, 40, 47, 8, 8),
+                                      kwargs={"mask": qkv.causal(), "similarity": "l1"}),
+    "l1, negative scale": dict(shape=(1, 2, 2, 30, 30, 16, 8),
+                               kwargs={"similarity": "l1", "scale": -0.2}),
+    "l1, negative scale, softcap": dict(shape=(1, 2, 2, 30, 30, 16, 8), kwargs={
+        "similarity": "l1", "scale": -0.2, "score_mod": qkv.softcap(4.0)}),
+    "user l1, window": dict(shape=(1, 2, 1, 50, 50, 8, 8), kwargs={
+        "similarity": qkv.Similarity(lambda q, k: -(q - k).abs()),
+        "mask": qkv.sliding_window(11)}),
+    "user term, odd head dim, scale": dict(shape=(1, 2, 2, 30, 30, 5, 3), kwargs={
+        "similarity": qkv.Similarity(lambda q, k: -(q - k).abs() ** 3), "scale": 0.3}),
     "l2, causal, grouped heads": dict(shape=(2, 4, 2, 40, 47, 8, 8),
                                       kwargs={"mask": qkv.causal(), "similarity": "l2"}),
     # A scale <= 0 is not folded into L2's features: the blocks clamp, then scale.
@@ -107,39 +118,42 @@ def test_rows_without_keys_stay_zero():
     assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
 
 
-def test_inputs_in_projection_layout_are_read_in_place(block_runs):
-    """(B, N, H, D) projections viewed as (B, H, N, D): rows H·D apart, heads D apart."""
+@pytest.mark.parametrize("similarity", ["dot", "l2", "l1"])
+def test_inputs_in_projection_layout(similarity, block_runs):
+    """(B, N, H, D) projections viewed as (B, H, N, D): rows H·D apart, heads D apart (read
+    in place by the products, copied for a term's C loops, which read rows D apart)."""
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 19, 3, 8, generator=g).transpose(1, 2) for _ in range(3))
-    ref = _out_and_grads(*(t.double() for t in (q, k, v)), backend="reference",
-                         mask=qkv.causal())
-    ours = _out_and_grads(q, k, v, mask=qkv.causal())
+    kwargs = {"mask": qkv.causal(), "similarity": similarity}
+    ref = _out_and_grads(*(t.double() for t in (q, k, v)), backend="reference", **kwargs)
+    ours = _out_and_grads(q, k, v, **kwargs)
     assert block_runs
     for a, b in zip(ours, ref, strict=True):
         assert rel_err(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"similarity": "l1"}, "multiply q·k"),
+    ({"similarity": "l1"}, "head dim"),
     ({"score_mod": qkv.alibi(slopes=torch.ones(2, requires_grad=True))}, "score modifier"),
     ({"dropout_p": 0.1}, "dropout"),
 ])
 def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs):
-    q, k, v = rand_qkv(1, 2, 2, 20, 20, 8, 8, dtype=torch.float32, requires_grad=True)
+    q, k, v = rand_qkv(1, 2, 2, 20, 20, 6, 6, dtype=torch.float32, requires_grad=True)
     out = qkv.attention(q, k, v, backend="fused", **kwargs)
     out.sum().backward()
     assert not block_runs
     p = build_problem(q, k, v, **kwargs)
     spec = _spec(q, k, Variant(p.similarity.pairwise, p.score_mod, p.mask, p.scale),
                  p.dropout_p, 0)
-    assert reason in native_blocks.why_not(spec, q.dtype)
+    assert reason in native_blocks.why_not(spec, q)
 
 
 def test_why_not_names_extra_gradients_and_dtypes():
     from qkv.core.engines.tiles import TileSpec
     from qkv.core.similarity import DOT
     spec = TileSpec(DOT, None, None, None, 1, 2, 10, 10, 0.0, 0, 16, 16)
-    assert native_blocks.why_not(spec, torch.float32) is None
+    q = torch.zeros(1, 2, 10, 8)
+    assert native_blocks.why_not(spec, q) is None
     learnable = torch.ones(2, requires_grad=True)
-    assert "tensors besides" in native_blocks.why_not(spec, torch.float32, [learnable])
-    assert "dtype" in native_blocks.why_not(spec, torch.bfloat16)
+    assert "tensors besides" in native_blocks.why_not(spec, q, [learnable])
+    assert "bfloat16" in native_blocks.why_not(spec, q.bfloat16())

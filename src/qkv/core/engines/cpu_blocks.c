@@ -19,8 +19,14 @@ struct qkv_blocks {
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
     /* 0: scores sq.sk (dot); 1: -|q-k|^2 as min(sq.sk, 0) of the lifted features
      * [q, |q|^2, 1] and [2k, -1, -|k|^2] (sd = d + 2), whose gradient in q and k adds
-     * -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.neg_sqdist_tile_grads) */
+     * -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.neg_sqdist_tile_grads);
+     * 2: a term's C loops, generated (kernelgen/c.py) or L1's (l1_term_*), with the
+     * signature of the generated ones: rows of q and k d apart. */
     int64_t term, sd;
+    void *term_scores, *term_grads;
+    const void *term_slots[4];
+    void *term_sums[4];  /* the loops' tensor gradient sums: never written here (none needed) */
+    double term_scale;
     const void *sq, *sk;
     int64_t sq_st[3], sk_st[3];
     double scale;        /* multiplies q.k (1 when folded into q, or with a modifier) */
@@ -60,14 +66,53 @@ typedef void (*gemm_##SUFFIX##_t)(const char *, const char *, const int64_t *,  
                                   const int64_t *, const int64_t *, const T *, const T *,   \
                                   const int64_t *, const T *, const int64_t *, const T *,   \
                                   T *, const int64_t *);                                    \
+typedef void (*term_scores_##SUFFIX##_t)(const T *, const T *, T *, int64_t, int64_t,       \
+                                         int64_t, int64_t, int64_t, int64_t, T *, double,   \
+                                         const void *, const void *, const void *,          \
+                                         const void *);                                     \
+typedef void (*term_grads_##SUFFIX##_t)(const T *, const T *, const T *, T *, T *, int64_t,  \
+                                        int64_t, int64_t, int64_t, int64_t, int64_t,        \
+                                        int64_t, int64_t, double, const void *,             \
+                                        const void *, const void *, const void *, void *,   \
+                                        void *, void *, void *);                            \
+                                                                                            \
+/* L1's own loops (cpu_kernels.c) under the generated loops' signature; they read no       \
+ * tensor, and the blocks give them scale 1. */                                             \
+void l1_term_scores_##SUFFIX(const T *q, const T *k, T *out, int64_t nb, int64_t m,         \
+                             int64_t n, int64_t d, int64_t q_step, int64_t k_step, T *kt,   \
+                             double scale, const void *a0, const void *a1, const void *a2,  \
+                             const void *a3) {                                              \
+    (void)scale; (void)a0; (void)a1; (void)a2; (void)a3;                                    \
+    l1_scores_##SUFFIX(q, k, out, nb, m, n, d, q_step, k_step, kt);                         \
+}                                                                                           \
+void l1_term_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_t nb,  \
+                            int64_t m, int64_t n, int64_t d, int64_t q_step, int64_t k_step, \
+                            int64_t dq_step, int64_t dk_step, double scale, const void *a0, \
+                            const void *a1, const void *a2, const void *a3, void *g0,       \
+                            void *g1, void *g2, void *g3) {                                 \
+    (void)scale; (void)a0; (void)a1; (void)a2; (void)a3;                                    \
+    (void)g0; (void)g1; (void)g2; (void)g3;                                                 \
+    l1_grads_##SUFFIX(ds, q, k, dq, dk, nb, m, n, d, q_step, k_step, dq_step, dk_step);     \
+}                                                                                           \
+                                                                                            \
 typedef void (*mod_##SUFFIX##_t)(T *, T *, int64_t, int64_t, int64_t, int64_t, int64_t,     \
                                  int64_t, int64_t, int64_t, int64_t, double, const void *,  \
                                  const void *, const void *, const void *);                 \
                                                                                             \
-/* One head's raw scores (rows x cols) of query rows sqh and keys skh, into s. */          \
+/* One head's raw scores (rows x cols) of query rows sqh and keys skh, into s; kt: the    \
+ * C loops' scratch (BLOCK x sd). */                                                        \
 static inline void scores_##SUFFIX(const struct qkv_blocks *c, const T *sqh, const T *skh,  \
-                                   int64_t rows, int64_t cols, T *s) {                      \
+                                   int64_t rows, int64_t cols, T *s, T *kt) {               \
     const T scale = (T)c->scale, alpha = c->term == 1 ? 1 : scale, zero = 0;                \
+    if (c->term == 2) {                                                                     \
+        ((term_scores_##SUFFIX##_t)c->term_scores)(sqh, skh, s, 1, rows, cols, c->sd, 0, 0, \
+                                                   kt, c->term_scale, c->term_slots[0],     \
+                                                   c->term_slots[1], c->term_slots[2],      \
+                                                   c->term_slots[3]);                       \
+        if (scale != 1)                                                                     \
+            for (int64_t e = 0; e < rows * cols; e++) s[e] *= scale;                        \
+        return;                                                                             \
+    }                                                                                       \
     ((gemm_##SUFFIX##_t)c->gemm)("T", "N", &cols, &rows, &c->sd, &alpha, skh, &c->sk_st[2], \
                                  sqh, &c->sq_st[2], &zero, s, &cols);                       \
     if (c->term == 1) /* clamped (only rounding makes it positive; NaN stays), then scaled */ \
@@ -96,6 +141,20 @@ static inline void sqdist_sums_##SUFFIX(const struct qkv_blocks *c, const T *ds,
             dkh[j * c->d + x] -= g * col[j] * kh[j * c->k_st[2] + x];                       \
 }                                                                                           \
                                                                                             \
+/* A term's C loops add its gradients (term 2), from ds times g. */                          \
+static inline void term_grads_##SUFFIX(const struct qkv_blocks *c, T *ds, int64_t rows,      \
+                                       int64_t cols, T g, const T *qh, const T *kh, T *dqh, \
+                                       T *dkh) {                                            \
+    if (g != 1)                                                                             \
+        for (int64_t e = 0; e < rows * cols; e++) ds[e] *= g;                               \
+    ((term_grads_##SUFFIX##_t)c->term_grads)(ds, qh, kh, dqh, dkh, 1, rows, cols, c->d, 0, 0, \
+                                             0, 0, c->term_scale, c->term_slots[0],         \
+                                             c->term_slots[1], c->term_slots[2],            \
+                                             c->term_slots[3], c->term_sums[0],             \
+                                             c->term_sums[1], c->term_sums[2],              \
+                                             c->term_sums[3]);                              \
+}                                                                                           \
+                                                                                            \
 /* The modifier on one head's tile, src -> dst (which may be src). */                       \
 static inline void modify_##SUFFIX(const struct qkv_blocks *c, void *fn, T *src, T *dst,   \
                                    int64_t rows, int64_t cols, int64_t q0, int64_t k0,      \
@@ -106,7 +165,7 @@ static inline void modify_##SUFFIX(const struct qkv_blocks *c, void *fn, T *src,
 }                                                                                           \
                                                                                             \
 /* Rows q0..q1 of out and lse from the key spans [k0, k1) (pairs in `spans`). scratch:     \
- * (q1 - q0) * (widest span + dv + 2) elements. */                                          \
+ * (q1 - q0) * (widest span + dv + 2) + BLOCK * sd elements. */                             \
 void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,             \
                             int64_t nspans, const int64_t *spans,                          \
                             const uint8_t *const *masks, const int64_t *mask_st,           \
@@ -115,7 +174,7 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
     const int64_t rows = q1 - q0, group = c->heads / c->kv_heads;                           \
     const T one = 1;                                                                        \
     T *s = scratch, *acc = s + rows * widest_span(nspans, spans), *row_max = acc + rows * c->dv, \
-      *row_sum = row_max + rows;                                                            \
+      *row_sum = row_max + rows, *kt = row_sum + rows;                                      \
     const T *sq = c->sq, *sk = c->sk, *v = c->v;                                            \
     T *out = c->out, *lse = c->lse;                                                         \
     for (int64_t b = 0; b < c->batch; b++)                                                  \
@@ -130,7 +189,7 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
             }                                                                               \
             for (int64_t sp = 0; sp < nspans; sp++) {                                       \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
-                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s);             \
+                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s, kt);         \
                 if (c->mod_scores)                                                          \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
                 online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,   \
@@ -152,8 +211,8 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                                                                                             \
 /* Rows q0..q1 of dq (written), and their share of dk (B, Hk, Nk, d) and dv transposed     \
  * (B, Hk, dv, Nk), both contiguous (added to). lse is +inf on rows with no allowed key.  \
- * scratch: (3 (q1 - q0) + 1) * (widest span) elements (2 (q1 - q0) + 1 without          \
- * mod_scores_ds). */                                                                       \
+ * scratch: (3 (q1 - q0) + 1) * (widest span) + BLOCK * sd elements (2 (q1 - q0) + 1     \
+ * tiles without mod_scores_ds). */                                                         \
 void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,            \
                              int64_t nspans, const int64_t *spans,                         \
                              const uint8_t *const *masks, const int64_t *mask_st,          \
@@ -164,7 +223,7 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
     const int64_t tile = rows * widest_span(nspans, spans);                                 \
     /* s: the scores, then with mod_scores_ds the modifier's slope; p: the probabilities */  \
     T *s = scratch, *dp = s + tile, *p = c->mod_scores_ds ? dp + tile : s;                  \
-    T *col = (c->mod_scores_ds ? p : dp) + tile;                                            \
+    T *col = (c->mod_scores_ds ? p : dp) + tile, *kt = col + tile / rows;                   \
     const T *q = c->q, *k = c->k, *sq = c->sq, *sk = c->sk, *v = c->v, *dout = c->dout,     \
             *lse = c->lse, *delta = c->delta;                                               \
     T *dq = c->dq;                                                                          \
@@ -184,7 +243,7 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                 memset(dqh + i * c->dq_st[2], 0, sizeof(T) * c->d);                         \
             for (int64_t sp = 0; sp < nspans; sp++) {                                       \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
-                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s);             \
+                scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s, kt);         \
                 if (c->mod_scores_ds)                                                       \
                     modify_##SUFFIX(c, c->mod_scores_ds, s, p, rows, cols, q0, k0, b, h);   \
                 else if (c->mod_scores)                                                     \
@@ -197,6 +256,11 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                      &one, dvh + k0, &nk);                                                  \
                 softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,                 \
                                            c->mod_scores_ds ? s : 0, c->mod_scale);         \
+                if (c->term == 2) {                                                         \
+                    term_grads_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                  \
+                                        kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d);        \
+                    continue;                                                               \
+                }                                                                           \
                 gemm("N", "N", &c->d, &rows, &cols, &grad_scale, kh + k0 * c->k_st[2],      \
                      &c->k_st[2], dp, &cols, &one, dqh, &c->dq_st[2]);                      \
                 gemm("N", "T", &c->d, &cols, &rows, &grad_scale, qh, &c->q_st[2], dp,       \

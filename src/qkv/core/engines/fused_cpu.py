@@ -153,7 +153,7 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     out = fq.new_zeros(spec.batch, spec.heads, spec.nq, v.shape[-1])
     lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
     blocks_in_c = None
-    if native_blocks.why_not(spec, fq.dtype) is None:
+    if native_blocks.why_not(spec, fq) is None:
         blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, out=out, lse=lse)
 
     def rows(blocks):
@@ -307,7 +307,7 @@ def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
 
     blocks_in_c = None
-    if native_blocks.why_not(spec, fq.dtype, extras) is None:
+    if native_blocks.why_not(spec, fq, extras) is None:
         blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, scores=saved[2:4], lse=saved[-1],
                                            dout=dout, delta=delta, dq=dfq)
 

@@ -59,6 +59,9 @@ _SIGNATURES = {
     "exp_sub_rows": [_PTR, _I64, _I64, _PTR, _PTR] + [_I64] * 4,
     "block_forward": [_PTR] + [_I64] * 3 + [_PTR] * 4,
     "block_backward": [_PTR] + [_I64] * 3 + [_PTR] * 6,
+    # L1's loops under a generated term's signature, for the C blocks (read by address)
+    "l1_term_scores": [_PTR] * 3 + [_I64] * 6 + [_PTR, ctypes.c_double] + [_PTR] * 4,
+    "l1_term_grads": [_PTR] * 5 + [_I64] * 8 + [ctypes.c_double] + [_PTR] * 8,
     "softmax_grad_rows": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_double],
     "edge_scores": [_I64] + [_PTR] * 5 + [_I64] * 7,
     "edge_scatter": [_PTR] * 5 + [_I64] * 8,
@@ -176,12 +179,14 @@ class TileLoops:
     graph edges: ``edge_scores(q_rows, k_rows, target, source)`` and
     ``edge_grads(ds, q_rows, k_rows, target, source, dq, dk) -> grads of tensors``, laid out
     as ``edge_scores`` and ``edge_kernel_grads`` below; None for the hand-written L1 loops
-    (the edge loops here take L1 by its id)."""
+    (the edge loops here take L1 by its id). ``c_term``: for C callers (the C query blocks),
+    the generated loops' addresses (scores, grads), slot pointers and scale."""
 
     def __init__(self, scores, add_grads, edge_scores=None, edge_grads=None,
-                 tensors: tuple[Tensor, ...] = ()):
+                 tensors: tuple[Tensor, ...] = (), c_term: tuple | None = None):
         self.scores, self.add_grads, self.tensors = scores, add_grads, tensors
         self.edge_scores, self.edge_grads = edge_scores, edge_grads
+        self.c_term = c_term
 
 
 def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:

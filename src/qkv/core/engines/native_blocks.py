@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..similarity import DOT, NEG_SQDIST
+from ..similarity import DOT, NEG_L1, NEG_SQDIST
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 
@@ -40,8 +40,9 @@ class _Call(ctypes.Structure):
 
     _fields_ = [("gemm", _PTR), ("batch", _I64), ("heads", _I64), ("kv_heads", _I64),
                 ("nq", _I64), ("nk", _I64), ("d", _I64), ("dv", _I64),
-                ("term", _I64), ("sd", _I64), ("sq", _PTR), ("sk", _PTR),
-                ("sq_st", _STRIDES), ("sk_st", _STRIDES),
+                ("term", _I64), ("sd", _I64), ("term_scores", _PTR), ("term_grads", _PTR),
+                ("term_slots", _PTR * 4), ("term_sums", _PTR * 4), ("term_scale", ctypes.c_double),
+                ("sq", _PTR), ("sk", _PTR), ("sq_st", _STRIDES), ("sk_st", _STRIDES),
                 ("scale", ctypes.c_double), ("grad_scale", ctypes.c_double),
                 ("mod_scores", _PTR), ("mod_scores_ds", _PTR), ("mod_slots", _PTR * 4),
                 ("mod_scale", ctypes.c_double), ("offset", _I64),
@@ -53,8 +54,10 @@ class _Call(ctypes.Structure):
 
 
 _GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
-# The terms the blocks compute, by their C id (``native.term_id``), to theirs (cpu_blocks.c).
-_TERMS = {native.term_id(DOT): 0, native.term_id(NEG_SQDIST): 1}
+# The terms the blocks compute by products, by their C id (``native.term_id``), to theirs
+# (cpu_blocks.c); 2 there is a term's C loops: L1's own, or generated from a user's term.
+_PRODUCTS = {native.term_id(DOT): 0, native.term_id(NEG_SQDIST): 1}
+_LOOPS = 2
 
 
 @functools.cache
@@ -71,13 +74,14 @@ def _gemm(dtype: torch.dtype) -> int | None:
     return None
 
 
-def why_not(spec: TileSpec, dtype: torch.dtype, extras: Sequence[Tensor] = ()) -> str | None:
-    """What keeps a call off the C blocks (None: they run it)."""
-    if not native.available(dtype) or dtype not in _GEMM_NAMES:
-        return "no C kernels for this dtype"
-    if native.term_id(spec.pair) not in _TERMS or (spec.pair.lift is not None and
-                                                  not spec.scores_lifted):
-        return f"the C blocks multiply q·k or lifted features; the term is {spec.pair.name!r}"
+def why_not(spec: TileSpec, q: Tensor, extras: Sequence[Tensor] = ()) -> str | None:
+    """What keeps a call on queries (or their features) ``q`` off the C blocks (None: they
+    run it)."""
+    if not native.available(q.dtype) or q.dtype not in _GEMM_NAMES:
+        return f"no C blocks for {q.dtype}"
+    reason = _term_why_not(spec, q)
+    if reason is not None:
+        return reason
     if isinstance(spec.scale, Tensor):
         return "a tensor scale"
     mod = spec.mod_loops
@@ -88,14 +92,33 @@ def why_not(spec: TileSpec, dtype: torch.dtype, extras: Sequence[Tensor] = ()) -
         return "dropout"
     if extras:
         return "gradients for tensors besides q, k and v"
-    if _gemm(dtype) is None:
+    if _gemm(q.dtype) is None:
         return "torch's library exports no BLAS product to call"
     return None
 
 
-def _rows_in_place(t: Tensor) -> Tensor:
-    """t, or a contiguous copy where BLAS cannot read its rows in place."""
-    return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
+def _term_why_not(spec: TileSpec, q: Tensor) -> str | None:
+    term = native.term_id(spec.pair)
+    if term in _PRODUCTS:
+        if spec.pair.lift is not None and not spec.scores_lifted:
+            return f"{spec.pair.name!r} without its lifted features"
+        return None
+    if spec.loops is None:
+        return f"the term {spec.pair.name!r} has no C loops"
+    if spec.loops.c_term is None:  # L1's own loops: the gradient's take whole vectors of d
+        if term != native.term_id(NEG_L1):
+            return f"the term {spec.pair.name!r} has no C loops the blocks can call"
+        lanes = native._load()["vector_bytes"] // q.element_size()
+        if q.shape[-1] % lanes:
+            return f"L1 with a head dim that is not a multiple of {lanes}"
+    return None
+
+
+def _rows_in_place(t: Tensor, dense: bool = False) -> Tensor:
+    """t, or a contiguous copy where BLAS cannot read its rows in place (with ``dense``,
+    where they are not d apart, as a term's C loops read them)."""
+    rows_ok = t.stride(-2) == t.shape[-1] if dense else t.stride(-2) >= t.shape[-1]
+    return t if t.stride(-1) == 1 and rows_ok else t.contiguous()
 
 
 def _strides(t: Tensor) -> _STRIDES:
@@ -103,18 +126,43 @@ def _strides(t: Tensor) -> _STRIDES:
 
 
 def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor,
-          scores: tuple[Tensor, Tensor] | None) -> tuple[_Call, list[Tensor]]:
-    """The fields every call shares, and the tensors it reads (to keep alive)."""
-    q, k, v = (_rows_in_place(t) for t in (q, k, v))
-    sq, sk = (q, k) if scores is None else (_rows_in_place(t) for t in scores)
+          scores: tuple[Tensor, Tensor] | None) -> tuple[_Call, list]:
+    """The fields every call shares, and what it reads (to keep alive)."""
+    term = _PRODUCTS.get(native.term_id(spec.pair), _LOOPS)
+    q, k = (_rows_in_place(t, dense=term == _LOOPS) for t in (q, k))
+    v = _rows_in_place(v)
+    if scores is None or term == _LOOPS:  # the loops score the term's own features
+        sq, sk = q, k
+    else:
+        sq, sk = (_rows_in_place(t) for t in scores)
     scale = 1.0 if spec.scale is None else float(spec.scale)
     call = _Call(gemm=_gemm(q.dtype), batch=spec.batch, heads=spec.heads, kv_heads=k.shape[1],
-                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1],
-                 term=_TERMS[native.term_id(spec.pair)], sd=sq.shape[-1],
-                 sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq), sk_st=_strides(sk),
-                 scale=scale, grad_scale=scale, q=q.data_ptr(), k=k.data_ptr(),
-                 v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k), v_st=_strides(v))
-    return call, [q, k, v, sq, sk]
+                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1], term=term,
+                 sd=sq.shape[-1], sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq),
+                 sk_st=_strides(sk), scale=scale, grad_scale=scale, q=q.data_ptr(),
+                 k=k.data_ptr(), v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k),
+                 v_st=_strides(v))
+    alive = [q, k, v, sq, sk]
+    if term == _LOOPS:
+        alive.append(_add_loops(call, spec, q.dtype))
+    return call, alive
+
+
+def _add_loops(call: _Call, spec: TileSpec, dtype: torch.dtype):
+    """Give ``call`` the term's C loops: generated ones (``TileLoops.c_term``) or L1's own
+    under their signature; returns what their pointers point to."""
+    sink = torch.zeros(1, dtype=torch.float64)  # gradient sums the loops keep for no tensor
+    call.term_sums = (_PTR * 4)(*[sink.data_ptr()] * 4)
+    if spec.loops.c_term is None:  # L1's: they read no tensor
+        functions = native._load()
+        address = (ctypes.cast(functions[name, dtype], _PTR).value
+                   for name in ("l1_term_scores", "l1_term_grads"))
+        call.term_scores, call.term_grads = address
+        call.term_scale = 1.0
+        return sink
+    call.term_scores, call.term_grads, slots, call.term_scale, memory = spec.loops.c_term
+    call.term_slots = (_PTR * 4)(*slots)
+    return sink, memory
 
 
 def _add_modifier(call: _Call, spec: TileSpec, backward: bool) -> bool:
@@ -157,10 +205,12 @@ class Blocks:
             self.call.dq, self.call.dq_st = dq.data_ptr(), _strides(dq)
             self._function = native._load()["block_backward", q.dtype]
         # Per block (cpu_blocks.c): forward, a tile of scores, the output's sums, row max and
-        # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums.
+        # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums;
+        # both, the C loops' transposed block of keys.
         rows, widest = spec.block_q, max(spec.span_k, spec.block_k)
         self._scratch = (rows * (widest + v.shape[-1] + 2) if out is not None else
-                         rows * widest * (3 if keeps_slope else 2) + widest)
+                         rows * widest * (3 if keeps_slope else 2) + widest
+                         ) + native._BLOCK * self.call.sd
 
     def scratch(self, like: Tensor) -> Tensor:
         """One worker's buffer for any block of this call."""

@@ -296,13 +296,15 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int,
         return None
     slots = tuple(graph.slots)  # autograd sees these: their gradients flow to what they came from
     values = [t.detach().to(dtype).contiguous() for t in slots]
-    return native.TileLoops(*_bind(functions, values, dtype, scale), tensors=slots)
+    *loops, c_term = _bind(functions, values, dtype, scale)
+    return native.TileLoops(*loops, tensors=slots, c_term=c_term)
 
 
 def _bind(functions, values: list[Tensor], dtype: torch.dtype, scale: float = 1.0):
     """scores(q, k, out), add_grads(ds, q, k, dq, dk), edge_scores(q_rows, k_rows, target,
     source) and edge_grads(ds, q_rows, k_rows, target, source, dq, dk) over the C functions
-    with the slot values (see ``native.TileLoops``)."""
+    with the slot values, and ``TileLoops.c_term`` (its last item holds the memory the slot
+    pointers point to) (see ``native.TileLoops``)."""
     scores_fn, grads_fn, edge_scores_fn, edge_grads_fn = functions
     dummy = torch.zeros(1, dtype=dtype)  # fills unused slots; the closure keeps values alive
     sink = torch.zeros(1, dtype=torch.float64)  # the same for unused gradient sums
@@ -352,4 +354,6 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype, scale: float = 1.
                       k_rows.shape[1], heads, k_rows.shape[2], d, *pointers, *sum_pointers)
         return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
 
-    return scores, add_grads, edge_scores, edge_grads
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+    c_term = (address(scores_fn), address(grads_fn), pointers, scale, (values, dummy))
+    return scores, add_grads, edge_scores, edge_grads, c_term
