@@ -98,7 +98,7 @@ void mod_scores(const {T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t 
 
 void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
                int64_t q0, int64_t k0, int64_t offset, int64_t b0, int64_t h0,
-                double scale_, {SLOTS}, {GRADS}) {{
+               double scale_, {SLOTS}, {GRADS}) {{
     /* ds <- ds * d mod / d raw score; 0 where ds is 0 (masked pairs): never 0 * inf. */
     const {T} scale = ({T})scale_;
     ROWS {{
@@ -117,7 +117,7 @@ void mod_grads(const {T} *src, {T} *ds, int64_t batch, int64_t heads, int64_t bq
  * modified scores and src <- d mod / d raw score, from one evaluation per pair. */
 void mod_scores_ds({T} *src, {T} *dst, int64_t batch, int64_t heads, int64_t bq, int64_t bk,
                    int64_t q0, int64_t k0, int64_t offset, int64_t b0, int64_t h0,
-                double scale_, {SLOTS}) {{
+                   double scale_, {SLOTS}) {{
     const {T} scale = ({T})scale_;
     ROWS {{
         const int64_t q = q0 + i, r = (b * heads + h) * bq + i;
