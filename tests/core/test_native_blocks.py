@@ -157,3 +157,14 @@ def test_why_not_names_extra_gradients_and_dtypes():
     learnable = torch.ones(2, requires_grad=True)
     assert "tensors besides" in native_blocks.why_not(spec, q, [learnable])
     assert "bfloat16" in native_blocks.why_not(spec, q.bfloat16())
+
+
+def test_without_a_blas_to_call_the_tiles_run(monkeypatch, block_runs):
+    """A torch whose library exports no sgemm_ (another BLAS, another platform)."""
+    monkeypatch.setattr(native_blocks, "_gemm", lambda dtype: None)
+    q, k, v = rand_qkv(1, 2, 2, 20, 20, 8, 8, dtype=torch.float64)
+    ours = _out_and_grads(q, k, v, mask=qkv.causal())
+    ref = _out_and_grads(q, k, v, backend="reference", mask=qkv.causal())
+    assert not block_runs
+    for a, b in zip(ours, ref, strict=True):
+        assert rel_err(a, b) < 1e-11
