@@ -166,6 +166,11 @@ def _open() -> dict | None:
     return functions
 
 
+def address_of(function) -> int:
+    """The address of a ctypes C function, for C code that calls it (the C query blocks)."""
+    return ctypes.cast(function, _PTR).value
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether the C kernel serves CPU tensors of ``dtype`` (it is built on first call)."""
     return _load() is not None and dtype in _SUFFIX

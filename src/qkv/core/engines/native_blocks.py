@@ -70,7 +70,7 @@ def _gemm(dtype: torch.dtype) -> int | None:
             function = getattr(ctypes.CDLL(os.path.join(lib_dir, name)), _GEMM_NAMES[dtype])
         except (OSError, AttributeError):
             continue
-        return ctypes.cast(function, _PTR).value
+        return native.address_of(function)
     return None
 
 
@@ -155,7 +155,7 @@ def _add_loops(call: _Call, spec: TileSpec, dtype: torch.dtype):
     call.term_sums = (_PTR * 4)(*[sink.data_ptr()] * 4)
     if spec.loops.c_term is None:  # L1's: they read no tensor
         functions = native._load()
-        address = (ctypes.cast(functions[name, dtype], _PTR).value
+        address = (native.address_of(functions[name, dtype])
                    for name in ("l1_term_scores", "l1_term_grads"))
         call.term_scores, call.term_grads = address
         call.term_scale = 1.0

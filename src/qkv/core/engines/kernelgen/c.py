@@ -354,6 +354,6 @@ def _bind(functions, values: list[Tensor], dtype: torch.dtype, scale: float = 1.
                       k_rows.shape[1], heads, k_rows.shape[2], d, *pointers, *sum_pointers)
         return tuple(s.view(v.shape) for s, v in zip(sums, values, strict=True))
 
-    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
-    c_term = (address(scores_fn), address(grads_fn), pointers, scale, (values, dummy))
+    c_term = (native.address_of(scores_fn), native.address_of(grads_fn), pointers, scale,
+              (values, dummy))
     return scores, add_grads, edge_scores, edge_grads, c_term

@@ -192,8 +192,8 @@ class ModLoops:
     def addresses(self) -> tuple[int, int, list[int]]:
         """For C callers (the C query blocks): the addresses of ``mod_scores`` and
         ``mod_scores_ds``, and the four slot pointers they read."""
-        return (ctypes.cast(self._scores, ctypes.c_void_p).value,
-                ctypes.cast(self._scores_ds, ctypes.c_void_p).value, list(self._pointers))
+        return (native.address_of(self._scores), native.address_of(self._scores_ds),
+                list(self._pointers))
 
     @staticmethod
     def _layout(s: Tensor, q0: int, k0: int, offset: int, scale: float) -> tuple:
