@@ -168,3 +168,25 @@ def test_without_a_blas_to_call_the_tiles_run(monkeypatch, block_runs):
     assert not block_runs
     for a, b in zip(ours, ref, strict=True):
         assert rel_err(a, b) < 1e-11
+
+
+def test_blocks_refuse_outputs_they_cannot_write_in_place():
+    """out, lse and dq are written in place, so they are never copied into a layout."""
+    q, k, v = rand_qkv(1, 2, 2, 16, 16, 8, 8, dtype=torch.float32)
+    specs = {}
+    for similarity in ("dot", "l1"):
+        p = build_problem(q, k, v, similarity=similarity)
+        specs[similarity] = _spec(q, k, Variant(p.similarity.pairwise, None, None, p.scale),
+                                  0.0, 0)
+    lse = torch.zeros(1, 2, 16, 1)
+    with pytest.raises(ValueError, match="lse"):
+        native_blocks.Blocks(specs["dot"], q, k, v, out=torch.zeros(1, 2, 16, 8),
+                             lse=torch.zeros(1, 16, 2, 1).transpose(1, 2))
+    with pytest.raises(ValueError, match="out"):
+        native_blocks.Blocks(specs["dot"], q, k, v, lse=lse,
+                             out=torch.zeros(1, 2, 8, 16).transpose(-1, -2))
+    rows_apart = torch.zeros(1, 16, 2, 8).transpose(1, 2)  # rows 16 apart: products only
+    backward = {"lse": lse, "dout": torch.zeros(1, 2, 16, 8), "delta": lse, "dq": rows_apart}
+    native_blocks.Blocks(specs["dot"], q, k, v, **backward)
+    with pytest.raises(ValueError, match="dq"):
+        native_blocks.Blocks(specs["l1"], q, k, v, **backward)

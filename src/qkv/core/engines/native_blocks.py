@@ -121,6 +121,14 @@ def _rows_in_place(t: Tensor, dense: bool = False) -> Tensor:
     return t if t.stride(-1) == 1 and rows_ok else t.contiguous()
 
 
+def _check_written(name: str, t: Tensor, dense: bool = False) -> None:
+    """The C blocks write ``t`` in place, so it cannot be copied into the layout they need
+    (``_rows_in_place``)."""
+    if _rows_in_place(t, dense) is not t:
+        raise ValueError(f"the C blocks write {name} in place and need rows of unit column "
+                         f"stride{', d apart' if dense else ''}; got strides {tuple(t.stride())}")
+
+
 def _strides(t: Tensor) -> _STRIDES:
     return _STRIDES(*t.stride()[:3])
 
@@ -191,19 +199,21 @@ class Blocks:
         self.spec = spec
         self.call, self._alive = _call(spec, q, k, v, scores)
         keeps_slope = spec.mod_loops is not None and _add_modifier(self.call, spec, out is None)
-        lse = lse.contiguous()
-        self._alive.append(lse)  # out and dq are the caller's; the rest is read from here
-        self.call.lse = lse.data_ptr()
-        if out is not None:
+        if out is not None:  # out and lse are written: the caller's own, never a copy
+            _check_written("out", out)
+            if not lse.is_contiguous():
+                raise ValueError("the C blocks write lse in place and need it contiguous")
             self.call.out, self.call.out_st = out.data_ptr(), _strides(out)
             self._function = native._load()["block_forward", q.dtype]
-        else:
-            dout, delta = _rows_in_place(dout), delta.contiguous()
-            self._alive += [dout, delta]
+        else:  # dq is written (rows d apart for a term's C loops); the rest is read
+            _check_written("dq", dq, dense=self.call.term == _LOOPS)
+            lse, dout, delta = lse.contiguous(), _rows_in_place(dout), delta.contiguous()
+            self._alive += [lse, dout, delta]
             self.call.dout, self.call.dout_st = dout.data_ptr(), _strides(dout)
             self.call.delta = delta.data_ptr()
             self.call.dq, self.call.dq_st = dq.data_ptr(), _strides(dq)
             self._function = native._load()["block_backward", q.dtype]
+        self.call.lse = lse.data_ptr()
         # Per block (cpu_blocks.c): forward, a tile of scores, the output's sums, row max and
         # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums;
         # both, the C loops' transposed block of keys.
