@@ -9,8 +9,10 @@ single operation for.
   passes over a row held in cache, instead of one pass over the whole tile per torch op.
 - Graph edges: per-edge scores, weighted scatters and kernel gradients that read the query,
   key and value rows in place instead of gathering a copy per edge.
+- Query blocks (``cpu_blocks.c``, in the same library; their Python side is
+  ``native_blocks``): a whole block of queries head by head, calling the loops above.
 
-The source is compiled once per machine with the system C compiler into ``$QKV_CACHE``
+The sources are compiled once per machine with the system C compiler into ``$QKV_CACHE``
 (default ``~/.cache/qkv``), which takes about two seconds; generated sources (a user's
 similarity term, ``kernelgen.c``) are built the same way (``compile_library``). Without a
 compiler, or with ``QKV_NATIVE=0``, ``available()`` is False and the engine uses torch
