@@ -27,6 +27,7 @@ VECTOR_TERMS = {
     "hinge": lambda q, k: -torch.maximum(q - k, torch.zeros_like(q)),
     "abs_weighted": lambda q, k: q.abs() * k,  # |q| in dk: the vector abs
     "fixed_weight": lambda q, k: -FIXED * (q - k).abs(),
+    "sign_weighted": lambda q, k: q * k.sign(),  # the vector sign in dq
 }
 SCALAR_TERMS = {  # the scalar loops were faster on these (c_vec.MAX_OPERATIONS)
     "cubed": lambda q, k: -(q - k).abs() ** 3,
@@ -94,3 +95,31 @@ def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name
     scalar = _attention(term, torch.float32, mask)
     for g, s in zip(vector, scalar, strict=True):
         assert rel_err(g, s) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["l1", "sign_weighted"])
+def test_the_vector_sign_is_torch_sign_at_ties_signed_zeros_and_nan(name):
+    """sign(0) = sign(-0) = sign(NaN) = 0, as torch's: q and k on a grid of a few values
+    (many ties, so q - k is 0 in many lanes), q with -0 where k has +0 (q - k is -0), and
+    for q * sign(k) a NaN in k (its score term is 0 there, so every gradient is finite)."""
+    g = torch.Generator().manual_seed(7)
+    grid = torch.tensor([-1.0, -0.0, 0.0, 0.5, 1.0], dtype=torch.float64)
+    q = grid[torch.randint(0, 5, (1, 2, 29, D), generator=g)]
+    k = grid[torch.randint(0, 5, (1, 2, 33, D), generator=g)]
+    q[..., :5, 0], k[..., :5, 0] = -0.0, 0.0
+    if name == "sign_weighted":
+        k[0, 1, 3:9, 2] = float("nan")
+    v = torch.randn(1, 2, 33, 5, generator=g, dtype=torch.float64)
+    upstream = torch.randn(1, 2, 29, 5, generator=g, dtype=torch.float64)
+    sim = qkv.Similarity(VECTOR_TERMS[name])
+
+    def grads(dtype, backend):
+        args = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = qkv.attention(*args, similarity=sim, backend=backend)
+        return torch.autograd.grad(out, args, upstream.to(dtype))
+
+    ref = grads(torch.float64, "reference")
+    assert all(r.isfinite().all() for r in ref)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        for got, r in zip(grads(dtype, "fused"), ref, strict=True):
+            assert rel_err(got, r) < tol

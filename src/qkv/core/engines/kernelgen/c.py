@@ -153,6 +153,8 @@ CEmitter.OPS = {
                              f"(-{e.as_float(n.args[0])})))"),
     "minimum": _c_extremum,
     "maximum": _c_extremum,
+    # 0 for NaN and -0, as torch.sign; the comparisons' difference vectorizes without a branch
+    "sign": lambda e, n: f"(({e.ctype})(({e.ref(n.args[0])} > 0) - ({e.ref(n.args[0])} < 0)))",
     "where": lambda e, n: f"({e.ref(n.args[0])} ? {e.ref(n.args[1])} : {e.ref(n.args[2])})",
     "cast": _c_cast,
     "full": lambda e, n: _literal({FLOAT: float, INT: int, BOOL: bool}[n.kind](n.args[1])),

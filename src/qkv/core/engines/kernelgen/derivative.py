@@ -42,7 +42,7 @@ def derivative(node, leaf: Sym, memo: dict[int, object]):
     op, args = node.op, node.args
     d = [derivative(a, leaf, memo) for a in args] if op not in ("arg", "load") else []
     g = node.graph
-    if op in ("arg", "load", "full", "floordiv"):
+    if op in ("arg", "load", "full", "floordiv", "sign"):
         result = None
     elif op == "add":
         result = _plus(d[0], d[1])
@@ -58,9 +58,7 @@ def derivative(node, leaf: Sym, memo: dict[int, object]):
     elif op == "neg":
         result = _neg(d[0])
     elif op == "abs":
-        a = args[0]
-        sign = g.node("where", (a > 0, 1.0, g.node("where", (a < 0, -1.0, 0.0), FLOAT)), FLOAT)
-        result = _times(d[0], sign)
+        result = _times(d[0], args[0].sign())
     elif op == "exp":
         result = _times(d[0], node)
     elif op == "log":

@@ -254,6 +254,8 @@ class Sym:
     def sign(self):
         """-1, 0 or 1 in the value's kind; 0 for NaN and for -0, as torch.sign on CPU."""
         g, one = self.graph, 1.0 if self.kind == FLOAT else 1
+        if self.kind == FLOAT:  # one node, which each target writes in its fewest operations
+            return g.node("sign", (self,), FLOAT)
         kind = INT if self.kind == BOOL else self.kind
         below = g.node("where", (self < 0, -one, 0 * one), kind)
         return g.node("where", (self > 0, one, below), kind)

@@ -188,6 +188,8 @@ TritonEmitter.OPS = {
     "abs": lambda e, n: f"tl.abs({e.ref(n.args[0])})",
     "minimum": _tl_extremum,
     "maximum": _tl_extremum,
+    "sign": lambda e, n: (f"tl.where({e.ref(n.args[0])} > 0, 1.0, "
+                          f"tl.where({e.ref(n.args[0])} < 0, -1.0, 0.0))"),
     "where": _tl_where,
     "cast": _tl_cast,
     "full": _tl_full,
