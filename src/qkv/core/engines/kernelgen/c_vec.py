@@ -10,7 +10,7 @@ built-in's) and a loop over a group of keys like the built-in's: a user's L1 gra
 5.37 -> 4.79 ms per 8 x 128 x 512 tile, one core of a Zen 3 (the built-in 3.82 in the same
 run).
 
-It covers small terms (``MAX_OPERATIONS``) of float arithmetic, comparisons and selects,
+It covers small terms (``MAX_OPERATIONS``) of float arithmetic, comparisons, selects and sign,
 reading captured tensors at d or as scalars, whose tensors need no gradient sums; anything
 else (index arithmetic, exp and the other math functions, a tensor read elsewhere, a
 tensor's gradient) is a ``CompileError``, and the term keeps the scalar loops for all of d.
