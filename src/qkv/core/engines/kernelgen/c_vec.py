@@ -50,43 +50,44 @@ static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v);
 """
 
 # sign(x), 0 for NaN and -0 as torch.sign, from a comparison that is true only where x is
-# neither (ordered not-equal) and the sign bit: 2 or 3 vector operations where the comparison
-# chain takes 4 or 5 (a user's L1 gradient loop on Zen 3: see docs/benchmarks.md).
-_SIGN_GENERIC = """static inline qkv_v qkv_vsign(qkv_v x) {{
+# neither (ordered not-equal) and the sign bit: 2 vector operations with AVX-512, 3 (float)
+# or 4 (double) with AVX2, where the two selects take 5 (a user's L1 gradient loop on Zen 3:
+# docs/benchmarks.md, eleventh session).
+_SIGN_GENERIC = """static inline qkv_v qkv_vsign(qkv_v x) {
     return qkv_vsel(x > QV(0), QV(1), qkv_vsel(x < QV(0), QV(-1), QV(0)));
-}}"""
+}"""
 _SIGN = {
     "float": """#if defined(__AVX512F__)
 #include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {{  /* 1.0 | (x & sign bit) where x is neither */
+static inline qkv_v qkv_vsign(qkv_v x) {  /* 1.0 | (x & sign bit) where x is neither */
     const __mmask16 nonzero = _mm512_cmp_ps_mask((__m512)x, _mm512_setzero_ps(), _CMP_NEQ_OQ);
     return (qkv_v)_mm512_maskz_ternarylogic_epi32(nonzero, (__m512i)QV(1), (__m512i)x,
                                                   (__m512i)(-QV(0)), 0xF8 /* a | (b & c) */);
-}}
+}
 #elif defined(__AVX2__)
 #include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {{
+static inline qkv_v qkv_vsign(qkv_v x) {
     /* the integer -1 where x is neither, negated by vpsignd where x's bits as an int32 are
      * negative (its sign bit): -sign(x) */
     const __m256 nonzero = _mm256_cmp_ps((__m256)x, _mm256_setzero_ps(), _CMP_NEQ_OQ);
     return -(qkv_v)_mm256_cvtepi32_ps(_mm256_sign_epi32((__m256i)nonzero, (__m256i)x));
-}}
+}
 #else
 """ + _SIGN_GENERIC + """
 #endif""",
     "double": """#if defined(__AVX512F__)
 #include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {{
+static inline qkv_v qkv_vsign(qkv_v x) {
     const __mmask8 nonzero = _mm512_cmp_pd_mask((__m512d)x, _mm512_setzero_pd(), _CMP_NEQ_OQ);
     return (qkv_v)_mm512_maskz_ternarylogic_epi64(nonzero, (__m512i)QV(1), (__m512i)x,
                                                   (__m512i)(-QV(0)), 0xF8);
-}}
+}
 #elif defined(__AVX2__)
 #include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {{
+static inline qkv_v qkv_vsign(qkv_v x) {
     const qkv_vi nonzero = (qkv_vi)_mm256_cmp_pd((__m256d)x, _mm256_setzero_pd(), _CMP_NEQ_OQ);
     return (qkv_v)(((qkv_vi)QV(1) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & nonzero);
-}}
+}
 #else
 """ + _SIGN_GENERIC + """
 #endif""",
@@ -268,7 +269,7 @@ def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str) -> tuple[str,
         raise CompileError(f"the derivatives have {count} operations; the vector loop takes "
                            f"{MAX_OPERATIONS} at most")
     itype = "int32_t" if ctype == "float" else "int64_t"
-    functions = [PRELUDE.format(T=ctype, I=itype, SIGN=_SIGN[ctype].format()),
+    functions = [PRELUDE.format(T=ctype, I=itype, SIGN=_SIGN[ctype]),
                  _vector_function("term_dq_v", d_q, pd, ctype),
                  _vector_function("term_dk_v", d_k, pd, ctype),
                  GROUP.format(T=ctype, CONST_SLOTS=const_slots)]
