@@ -49,48 +49,28 @@ static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v);
 {SIGN}
 """
 
-# sign(x), 0 for NaN and -0 as torch.sign, from a comparison that is true only where x is
-# neither (ordered not-equal) and the sign bit: 2 vector operations with AVX-512, 3 (float)
-# or 4 (double) with AVX2, where the two selects take 5 (a user's L1 gradient loop on Zen 3:
+# sign(x), 0 for NaN and -0 as torch.sign: 1.0 carrying x's sign bit where x is neither,
+# which (x < 0) | (x > 0) tells (GCC writes it as one ordered not-equal comparison): 3 vector
+# operations with AVX-512, 4 with AVX2, where the two selects took 5. With AVX2 in float,
+# vpsignd of that comparison's mask and a convert: 3 (a user's L1 gradient loop on Zen 3:
 # docs/benchmarks.md, eleventh session).
-_SIGN_GENERIC = """static inline qkv_v qkv_vsign(qkv_v x) {
-    return qkv_vsel(x > QV(0), QV(1), qkv_vsel(x < QV(0), QV(-1), QV(0)));
+_SIGN_BITS = """static inline qkv_v qkv_vsign(qkv_v x) {
+    const qkv_vi neither = (x < QV(0)) | (x > QV(0));
+    return (qkv_v)(((qkv_vi)QV(1) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & neither);
 }"""
 _SIGN = {
-    "float": """#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {  /* 1.0 | (x & sign bit) where x is neither */
-    const __mmask16 nonzero = _mm512_cmp_ps_mask((__m512)x, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-    return (qkv_v)_mm512_maskz_ternarylogic_epi32(nonzero, (__m512i)QV(1), (__m512i)x,
-                                                  (__m512i)(-QV(0)), 0xF8 /* a | (b & c) */);
-}
-#elif defined(__AVX2__)
+    "float": """#if defined(__AVX2__) && VBYTES == 32
 #include <immintrin.h>
 static inline qkv_v qkv_vsign(qkv_v x) {
     /* the integer -1 where x is neither, negated by vpsignd where x's bits as an int32 are
      * negative (its sign bit): -sign(x) */
-    const __m256 nonzero = _mm256_cmp_ps((__m256)x, _mm256_setzero_ps(), _CMP_NEQ_OQ);
-    return -(qkv_v)_mm256_cvtepi32_ps(_mm256_sign_epi32((__m256i)nonzero, (__m256i)x));
+    const __m256 neither = _mm256_cmp_ps((__m256)x, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+    return -(qkv_v)_mm256_cvtepi32_ps(_mm256_sign_epi32((__m256i)neither, (__m256i)x));
 }
 #else
-""" + _SIGN_GENERIC + """
+""" + _SIGN_BITS + """
 #endif""",
-    "double": """#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {
-    const __mmask8 nonzero = _mm512_cmp_pd_mask((__m512d)x, _mm512_setzero_pd(), _CMP_NEQ_OQ);
-    return (qkv_v)_mm512_maskz_ternarylogic_epi64(nonzero, (__m512i)QV(1), (__m512i)x,
-                                                  (__m512i)(-QV(0)), 0xF8);
-}
-#elif defined(__AVX2__)
-#include <immintrin.h>
-static inline qkv_v qkv_vsign(qkv_v x) {
-    const qkv_vi nonzero = (qkv_vi)_mm256_cmp_pd((__m256d)x, _mm256_setzero_pd(), _CMP_NEQ_OQ);
-    return (qkv_v)(((qkv_vi)QV(1) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & nonzero);
-}
-#else
-""" + _SIGN_GENERIC + """
-#endif""",
+    "double": _SIGN_BITS,
 }
 
 # One group of up to KEYS keys against every query, over the vector of d at c0 (the built-in
