@@ -16,7 +16,7 @@
 
 #define BLOCK 64
 
-#define KEYS 16 /* keys whose vectors the L1 gradient loop holds in registers at once */
+#define KEYS 16 /* key vectors the L1 gradient loop holds in registers at once */
 
 /* -1, read at run time. x - y written as fma(y, -1, x) is the same number (the exact
  * difference, rounded once), but it runs on the multiply-add units instead of the adders,
@@ -58,15 +58,18 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
 #else
 #if defined(__AVX2__) && VBYTES == 32
 #include <immintrin.h>
-/* With AVX2 in float: sign(diff) as the integer ±1 or 0 of vpsignd (which reads diff's bits as
- * an int32: negative exactly where its sign bit is set, 0 only for +0), converted and times g:
- * three operations for four (3.21-3.43 -> 2.75-2.99 ms on the 8 x 256 x 256 tile, Zen 3, the
- * result bit for bit the same but for an infinite g at a tie: NaN, not 0). q - k is never -0
- * here: the loop adds 0 to q and k first. */
+/* With AVX2 in float: 2 sign(diff) as a float straight from vpsignd (which reads diff's bits
+ * as an int32: negative exactly where its sign bit is set, 0 only for +0) on 2.0's bits, since
+ * the integer negation of 2.0's bits is -2.0's, times g; the sums are halved where they are
+ * stored (L1_HALF), which is exact. Two operations for four (the tile below: a convert of
+ * the integer ±1 took 3.21-3.43 -> 2.75-2.99 ms, Zen 3; this 0.85-0.88x of that in a C
+ * harness). The result is bit for bit the same but for an infinite g at a tie (NaN, not 0)
+ * and |g| over half the float range. q - k is never -0 here: the loop adds 0 to q and k
+ * first. */
+#define L1_HALF_f32 0.5f
 static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
     (void)sign;
-    const __m256i unit_sign = _mm256_sign_epi32(_mm256_set1_epi32(1), (__m256i)diff);
-    return (vf32)_mm256_cvtepi32_ps(unit_sign) * (vf32)g;
+    return (vf32)_mm256_sign_epi32(_mm256_set1_epi32(0x40000000), (__m256i)diff) * (vf32)g;
 }
 #else
 static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
@@ -77,6 +80,23 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
     return (vf64)((g ^ ((vi64)diff & sign)) & (vi64)(diff != 0));
 }
 #endif
+#ifndef L1_HALF_f32
+#define L1_HALF_f32 1.0f /* signed_g_f32 gives g sign(diff) itself */
+#endif
+#define L1_HALF_f64 1.0
+
+/* Vectors of d per pass of the L1 gradient loop: in float with AVX2's 16 registers, two
+ * vectors of 8 keys share each broadcast of ds and each pass over the queries, where one
+ * vector of 16 keys broadcast ds for every vector (0.93-0.95x the time in a C harness of the
+ * tile, Zen 3). double took 1.1x the time with two (its sign is four operations, not two);
+ * AVX-512 keeps one (not measured there). */
+#if VBYTES == 32
+#define L1_WIDTH_f32 2
+#else
+#define L1_WIDTH_f32 1
+#endif
+#define L1_WIDTH_f64 1
+#define L1_MAX_WIDTH 2
 
 #define DEFINE_L1(T, I, SUFFIX, ABS, FMA)                                                   \
 static void transpose_block_##SUFFIX(const T *k, int64_t n0, int64_t cols, int64_t d,       \
@@ -119,45 +139,70 @@ void l1_scores_##SUFFIX(const T *q, const T *k, T *out, int64_t nb, int64_t m, i
 }                                                                                           \
 _Pragma("GCC pop_options")                                                                  \
                                                                                             \
-/* One group of up to KEYS keys against every query, over one vector of dims from c0: the  \
- * keys' dk sums stay in registers while the queries stream past, so every sum is          \
- * lane-wise (no reduction across lanes), with one load and store of dq per query for the  \
- * group. Inlined with keys = KEYS for whole groups, so they have no per-key branch. Each   \
- * query's sum alternates between two registers: one chain of KEYS dependent additions per \
- * query was the loop's bound. */                                                           \
+/* One group of up to KEYS / width keys against every query, over width vectors of dims   \
+ * from c0: the keys' dk sums stay in registers while the queries stream past, so every sum \
+ * is lane-wise (no reduction across lanes), with one load and store of dq per query for    \
+ * the group. Inlined with a constant width and keys = KEYS / width for whole groups, so   \
+ * they have no per-key branch. Each query's sum alternates between two registers: one     \
+ * chain of dependent additions per query was the loop's bound. */                         \
 static inline __attribute__((always_inline)) void l1_key_group_##SUFFIX(                    \
         const T *sb, const T *qb, const T *kb, T *dqb, T *dkb, int64_t m, int64_t n,        \
-        int64_t d, int64_t c0, int64_t keys) {                                              \
+        int64_t d, int64_t c0, int64_t keys, const int width) {                             \
     typedef T vec __attribute__((vector_size(VBYTES)));                                     \
     typedef I ivec __attribute__((vector_size(VBYTES)));                                    \
     const ivec sign = (ivec){0} + ((I)1 << (8 * sizeof(I) - 1));                            \
+    const int64_t lanes = VBYTES / sizeof(T), group = KEYS / width;                         \
+    const T half = L1_HALF_##SUFFIX;                                                        \
     vec kc[KEYS], acc[KEYS], v;                                                             \
-    for (int64_t u = 0; u < KEYS; u++) {                                                    \
-        kc[u] = acc[u] = (vec){0};                                                          \
-        if (u < keys) memcpy(&kc[u], kb + u * d + c0, sizeof(vec));                         \
-        kc[u] += 0; /* -0 -> +0, for signed_g: then q - k is -0 nowhere */                  \
-    }                                                                                       \
+    for (int64_t u = 0; u < group; u++)                                                     \
+        for (int w = 0; w < width; w++) {                                                   \
+            kc[u * width + w] = acc[u * width + w] = (vec){0};                              \
+            if (u < keys) memcpy(&kc[u * width + w], kb + u * d + c0 + w * lanes, sizeof(vec)); \
+            kc[u * width + w] += 0; /* -0 -> +0, for signed_g: then q - k is -0 nowhere */  \
+        }                                                                                   \
     for (int64_t i = 0; i < m; i++) {                                                       \
         const T *gi = sb + i * n;                                                           \
-        vec qv, even = {0}, odd = {0};                                                      \
-        memcpy(&qv, qb + i * d + c0, sizeof(vec));                                          \
-        qv += 0;                                                                            \
-        for (int64_t u = 0; u < KEYS; u++) {                                                \
+        vec qv[L1_MAX_WIDTH], even[L1_MAX_WIDTH], odd[L1_MAX_WIDTH];                        \
+        for (int w = 0; w < width; w++) {                                                   \
+            memcpy(&qv[w], qb + i * d + c0 + w * lanes, sizeof(vec));                       \
+            qv[w] += 0;                                                                     \
+            even[w] = odd[w] = (vec){0};                                                    \
+        }                                                                                   \
+        for (int64_t u = 0; u < group; u++) {                                               \
             /* -0 + g is g, so no addition is left: a broadcast */                          \
             const ivec g = (ivec)(-(vec){0} + (u < keys ? gi[u] : 0));                      \
-            const vec t = signed_g_##SUFFIX(g, qv - kc[u], sign); /* g sign(q - k) */       \
-            if (u & 1) odd += t; else even += t;                                            \
-            acc[u] += t;                                                                    \
+            for (int w = 0; w < width; w++) {                                               \
+                const vec t = signed_g_##SUFFIX(g, qv[w] - kc[u * width + w], sign);        \
+                if (u & 1) odd[w] += t; else even[w] += t;                                  \
+                acc[u * width + w] += t;                                                    \
+            }                                                                               \
         }                                                                                   \
-        memcpy(&v, dqb + i * d + c0, sizeof(vec));                                          \
-        v -= even + odd;                                                                    \
-        memcpy(dqb + i * d + c0, &v, sizeof(vec));                                          \
+        for (int w = 0; w < width; w++) {                                                   \
+            memcpy(&v, dqb + i * d + c0 + w * lanes, sizeof(vec));                          \
+            v -= (even[w] + odd[w]) * half;                                                 \
+            memcpy(dqb + i * d + c0 + w * lanes, &v, sizeof(vec));                          \
+        }                                                                                   \
     }                                                                                       \
-    for (int64_t u = 0; u < keys; u++) {                                                   \
-        memcpy(&v, dkb + u * d + c0, sizeof(vec));                                          \
-        v += acc[u];                                                                        \
-        memcpy(dkb + u * d + c0, &v, sizeof(vec));                                          \
-    }                                                                                       \
+    for (int64_t u = 0; u < keys; u++)                                                      \
+        for (int w = 0; w < width; w++) {                                                   \
+            memcpy(&v, dkb + u * d + c0 + w * lanes, sizeof(vec));                          \
+            v += acc[u * width + w] * half;                                                 \
+            memcpy(dkb + u * d + c0 + w * lanes, &v, sizeof(vec));                          \
+        }                                                                                   \
+}                                                                                           \
+                                                                                            \
+/* The groups of keys over the vectors of d from c0, width at a time. */                    \
+static inline __attribute__((always_inline)) void l1_key_groups_##SUFFIX(                   \
+        const T *sb, const T *qb, const T *kb, T *dqb, T *dkb, int64_t m, int64_t n,        \
+        int64_t d, int64_t c0, const int width) {                                           \
+    const int64_t group = KEYS / width;                                                     \
+    int64_t j0 = 0;                                                                         \
+    for (; j0 + group <= n; j0 += group)                                                    \
+        l1_key_group_##SUFFIX(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,     \
+                              group, width);                                                \
+    if (j0 < n)                                                                             \
+        l1_key_group_##SUFFIX(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,     \
+                              n - j0, width);                                               \
 }                                                                                           \
                                                                                             \
 void l1_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_t nb,       \
@@ -169,15 +214,11 @@ void l1_grads_##SUFFIX(const T *ds, const T *q, const T *k, T *dq, T *dk, int64_
     for (int64_t b = 0; b < nb; b++) {                                                      \
         const T *qb = q + b * q_step, *kb = k + b * k_step, *sb = ds + b * m * n;           \
         T *dqb = dq + b * dq_step, *dkb = dk + b * dk_step;                                 \
-        for (int64_t c0 = 0; c0 < d; c0 += lanes) {                                         \
-            int64_t j0 = 0;                                                                 \
-            for (; j0 + KEYS <= n; j0 += KEYS)                                              \
-                l1_key_group_##SUFFIX(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, \
-                                      c0, KEYS);                                            \
-            if (j0 < n)                                                                     \
-                l1_key_group_##SUFFIX(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, \
-                                      c0, n - j0);                                          \
-        }                                                                                   \
+        int64_t c0 = 0;                                                                     \
+        for (; c0 + L1_WIDTH_##SUFFIX * lanes <= d; c0 += L1_WIDTH_##SUFFIX * lanes)        \
+            l1_key_groups_##SUFFIX(sb, qb, kb, dqb, dkb, m, n, d, c0, L1_WIDTH_##SUFFIX);   \
+        for (; c0 < d; c0 += lanes)                                                         \
+            l1_key_groups_##SUFFIX(sb, qb, kb, dqb, dkb, m, n, d, c0, 1);                   \
     }                                                                                       \
 }
 
