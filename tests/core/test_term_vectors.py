@@ -17,7 +17,9 @@ from .conftest import rand_qkv, rel_err
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not native.available(torch.float32), reason="no C compiler")]
 
-D = 19  # whole vectors of d and 3 lanes past them, for 4, 8 and 16 lanes
+# d for every path of the loops: with 8 lanes (AVX2, float) two vectors together, one alone
+# and 3 lanes past them; with 4 (double) 6 vectors and 3 lanes; with 16, one and 11 lanes
+D = 27
 FIXED = torch.linspace(0.5, 1.5, D)  # captured, needs no gradient
 LEARNED = torch.linspace(0.5, 1.5, D).requires_grad_()
 

@@ -73,75 +73,107 @@ static inline qkv_v qkv_vsign(qkv_v x) {
     "double": _SIGN_BITS,
 }
 
-# One group of up to KEYS keys against every query, over the vector of d at c0 (the built-in
-# L1's l1_key_group): the keys' values and dk sums stay in registers while the queries stream
-# past; each query's dq sum alternates between two registers. ``zeros`` counts, per query,
-# the group's keys whose ds is 0 (padding keys count too): a query with some skips those keys
-# (they add 0, never 0 * inf), one with all of them is skipped.
+# One group of up to GROUP_KEYS keys against every query, over ``width`` vectors of d from
+# c0 (the built-in L1's l1_key_group): the keys' values and dk sums stay in registers while
+# the queries stream past; each query's dq sum alternates between two registers. In float
+# with AVX2 a group is 8 keys over two vectors (VW), which share each broadcast of ds and
+# each pass over the queries (as the built-in L1's loop: docs/benchmarks.md, eleventh
+# session). ``zeros`` counts, per query, the group's keys whose ds is 0 (padding keys count
+# too): a query with some skips those keys (they add 0, never 0 * inf), one with all of them
+# is skipped.
 GROUP = """
+#if VBYTES == 32 && {WIDE}
+#define VW 2 /* vectors of d per group */
+#else
+#define VW 1
+#endif
+#define GROUP_KEYS (KEYS / VW)
 static inline __attribute__((always_inline)) void term_grads_vec(
         const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
         int64_t d, int64_t c0, int64_t keys, const uint8_t *zeros, int64_t groups, {T} scale,
-        {CONST_SLOTS}) {{
-    const int64_t pd = c0;
+        {CONST_SLOTS}, const int width) {{
     qkv_v kc[KEYS], acc[KEYS], v;
-    for (int64_t u = 0; u < KEYS; u++) {{
-        kc[u] = acc[u] = QV(0);
-        if (u < keys) kc[u] = qkv_vload(kb + u * d + c0);
-    }}
+    for (int64_t u = 0; u < GROUP_KEYS; u++)
+        for (int w = 0; w < width; w++) {{
+            kc[u * VW + w] = acc[u * VW + w] = QV(0);
+            if (u < keys) kc[u * VW + w] = qkv_vload(kb + u * d + c0 + w * VL);
+        }}
     for (int64_t i = 0; i < m; i++) {{
         const {T} *gi = sb + i * n;
         const int64_t zero = zeros[i * groups];
-        if (zero == KEYS) continue;
-        const qkv_v x = qkv_vload(qb + i * d + c0);
-        qkv_v even = QV(0), odd = QV(0);
+        if (zero == GROUP_KEYS) continue;
+        qkv_v x[VW], even[VW], odd[VW];
+        for (int w = 0; w < width; w++) {{
+            x[w] = qkv_vload(qb + i * d + c0 + w * VL);
+            even[w] = odd[w] = QV(0);
+        }}
         if (zero == 0) {{
-            for (int64_t u = 0; u < KEYS; u++) {{
+            for (int64_t u = 0; u < GROUP_KEYS; u++) {{
                 const qkv_v g = QV(gi[u]);
-                const qkv_v t = g * term_dq_v(x, kc[u], pd, A0, A1, A2, A3);
-                if (u & 1) odd += t; else even += t;
-                acc[u] += g * term_dk_v(x, kc[u], pd, A0, A1, A2, A3);
+                for (int w = 0; w < width; w++) {{
+                    const int64_t pd = c0 + w * VL;
+                    const qkv_v t = g * term_dq_v(x[w], kc[u * VW + w], pd, A0, A1, A2, A3);
+                    if (u & 1) odd[w] += t; else even[w] += t;
+                    acc[u * VW + w] += g * term_dk_v(x[w], kc[u * VW + w], pd, A0, A1, A2, A3);
+                }}
             }}
         }} else {{
             for (int64_t u = 0; u < keys; u++) {{
                 if (gi[u] == 0) continue;
                 const qkv_v g = QV(gi[u]);
-                even += g * term_dq_v(x, kc[u], pd, A0, A1, A2, A3);
-                acc[u] += g * term_dk_v(x, kc[u], pd, A0, A1, A2, A3);
+                for (int w = 0; w < width; w++) {{
+                    const int64_t pd = c0 + w * VL;
+                    even[w] += g * term_dq_v(x[w], kc[u * VW + w], pd, A0, A1, A2, A3);
+                    acc[u * VW + w] += g * term_dk_v(x[w], kc[u * VW + w], pd, A0, A1, A2, A3);
+                }}
             }}
         }}
-        v = qkv_vload(dqb + i * d + c0) + (even + odd) * scale;
-        memcpy(dqb + i * d + c0, &v, sizeof v);
+        for (int w = 0; w < width; w++) {{
+            v = qkv_vload(dqb + i * d + c0 + w * VL) + (even[w] + odd[w]) * scale;
+            memcpy(dqb + i * d + c0 + w * VL, &v, sizeof v);
+        }}
     }}
-    for (int64_t u = 0; u < keys; u++) {{
-        v = qkv_vload(dkb + u * d + c0) + acc[u] * scale;
-        memcpy(dkb + u * d + c0, &v, sizeof v);
-    }}
+    for (int64_t u = 0; u < keys; u++)
+        for (int w = 0; w < width; w++) {{
+            v = qkv_vload(dkb + u * d + c0 + w * VL) + acc[u * VW + w] * scale;
+            memcpy(dkb + u * d + c0 + w * VL, &v, sizeof v);
+        }}
+}}
+
+/* Every group of keys over the width vectors of d from c0 (width a constant where inlined) */
+static inline __attribute__((always_inline)) void term_vec_groups(
+        const {T} *sb, const {T} *qb, const {T} *kb, {T} *dqb, {T} *dkb, int64_t m, int64_t n,
+        int64_t d, int64_t c0, const uint8_t *zeros, int64_t groups, {T} scale, {CONST_SLOTS},
+        const int width) {{
+    int64_t j0 = 0;
+    for (; j0 + GROUP_KEYS <= n; j0 += GROUP_KEYS)
+        term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0, GROUP_KEYS,
+                       zeros + j0 / GROUP_KEYS, groups, scale, A0, A1, A2, A3, width);
+    if (j0 < n)
+        term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0, n - j0,
+                       zeros + j0 / GROUP_KEYS, groups, scale, A0, A1, A2, A3, width);
 }}"""
 
-# The whole vectors of d, before term_grads' scalar loops take the rest from c0; the counts
-# of zero ds per query and key group once for all of them. Without memory for the counts,
-# the scalar loops take all of d.
+# The whole vectors of d, VW at a time and then one at a time, before term_grads' scalar
+# loops take the rest from c0; the counts of zero ds per query and key group once for all
+# of them. Without memory for the counts, the scalar loops take all of d.
 GROUPS = """
-        const int64_t groups = (n + KEYS - 1) / KEYS;
+        const int64_t groups = (n + GROUP_KEYS - 1) / GROUP_KEYS;
         uint8_t *zeros = d >= VL ? malloc((size_t)(m * groups)) : 0;
         if (zeros) {
             for (int64_t i = 0; i < m; i++)
-                for (int64_t j0 = 0; j0 < n; j0 += KEYS) {
-                    const int64_t keys = n - j0 < KEYS ? n - j0 : KEYS;
-                    int64_t zero = KEYS - keys;
+                for (int64_t j0 = 0; j0 < n; j0 += GROUP_KEYS) {
+                    const int64_t keys = n - j0 < GROUP_KEYS ? n - j0 : GROUP_KEYS;
+                    int64_t zero = GROUP_KEYS - keys;
                     for (int64_t u = 0; u < keys; u++) zero += sb[i * n + j0 + u] == 0;
-                    zeros[i * groups + j0 / KEYS] = (uint8_t)zero;
+                    zeros[i * groups + j0 / GROUP_KEYS] = (uint8_t)zero;
                 }
-            for (; c0 + VL <= d; c0 += VL) {
-                int64_t j0 = 0;
-                for (; j0 + KEYS <= n; j0 += KEYS)
-                    term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,
-                                   KEYS, zeros + j0 / KEYS, groups, scale, A0, A1, A2, A3);
-                if (j0 < n)
-                    term_grads_vec(sb + j0, qb, kb + j0 * d, dqb, dkb + j0 * d, m, n, d, c0,
-                                   n - j0, zeros + j0 / KEYS, groups, scale, A0, A1, A2, A3);
-            }
+            for (; c0 + VW * VL <= d; c0 += VW * VL)
+                term_vec_groups(sb, qb, kb, dqb, dkb, m, n, d, c0, zeros, groups, scale,
+                                A0, A1, A2, A3, VW);
+            for (; c0 + VL <= d; c0 += VL)
+                term_vec_groups(sb, qb, kb, dqb, dkb, m, n, d, c0, zeros, groups, scale,
+                                A0, A1, A2, A3, 1);
             free(zeros);
         }"""
 
@@ -252,5 +284,5 @@ def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str) -> tuple[str,
     functions = [PRELUDE.format(T=ctype, I=itype, SIGN=_SIGN[ctype]),
                  _vector_function("term_dq_v", d_q, pd, ctype),
                  _vector_function("term_dk_v", d_k, pd, ctype),
-                 GROUP.format(T=ctype, CONST_SLOTS=const_slots)]
+                 GROUP.format(T=ctype, CONST_SLOTS=const_slots, WIDE=int(ctype == "float"))]
     return "\n\n".join(functions), GROUPS
