@@ -61,11 +61,11 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
 /* With AVX2 in float: 2 sign(diff) as a float straight from vpsignd (which reads diff's bits
  * as an int32: negative exactly where its sign bit is set, 0 only for +0) on 2.0's bits, since
  * the integer negation of 2.0's bits is -2.0's, times g; the sums are halved where they are
- * stored (L1_HALF), which is exact. Two operations for four (the tile below: a convert of
- * the integer ±1 took 3.21-3.43 -> 2.75-2.99 ms, Zen 3; this 0.85-0.88x of that in a C
- * harness). The result is bit for bit the same but for an infinite g at a tie (NaN, not 0)
- * and |g| over half the float range. q - k is never -0 here: the loop adds 0 to q and k
- * first. */
+ * stored (L1_HALF). Two operations for four (on the tile below a convert of the integer ±1
+ * took 3.21-3.43 -> 2.75-2.99 ms, Zen 3; this took 0.94-0.95x of that in a C harness). The
+ * result is bit for bit the same but for a halved sum in the subnormal range, an infinite g
+ * at a tie (NaN, not 0) and |g| over half the float range (inf). q - k is never -0 here: the
+ * loop adds 0 to q and k first. */
 #define L1_HALF_f32 0.5f
 static inline vf32 signed_g_f32(vi32 g, vf32 diff, vi32 sign) {
     (void)sign;
