@@ -253,12 +253,10 @@ class Sym:
 
     def sign(self):
         """-1, 0 or 1 in the value's kind; 0 for NaN and for -0, as torch.sign on CPU."""
-        g, one = self.graph, 1.0 if self.kind == FLOAT else 1
+        g = self.graph
         if self.kind == FLOAT:  # one node, which each target writes in its fewest operations
             return g.node("sign", (self,), FLOAT)
-        kind = INT if self.kind == BOOL else self.kind
-        below = g.node("where", (self < 0, -one, 0 * one), kind)
-        return g.node("where", (self > 0, one, below), kind)
+        return g.node("where", (self > 0, 1, g.node("where", (self < 0, -1, 0), INT)), INT)
 
     def relu(self, inplace=False):
         """max(x, 0) as torch.relu: NaN stays NaN and -0 stays -0. (``inplace``, which
