@@ -67,19 +67,24 @@ def test_integer_arithmetic_has_no_vector_form():
                             "const float *A0")
 
 
+def _grads(term, inputs, upstream, dtype, backend="fused", mask=None):
+    """The gradients in q, k and v of attention over ``inputs`` (float64) in ``dtype``."""
+    args = [t.to(dtype).requires_grad_() for t in inputs]
+    out = qkv.attention(*args, similarity=qkv.Similarity(term), mask=mask, backend=backend)
+    return torch.autograd.grad(out, args, upstream.to(dtype))
+
+
 def _attention(term, dtype, mask, backend="fused"):
-    q, k, v = (t.to(dtype).requires_grad_() for t in rand_qkv(2, 4, 2, 37, 45, D, 5, seed=4))
-    out = qkv.attention(q, k, v, similarity=qkv.Similarity(term), mask=mask, backend=backend)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(5),
-                           dtype=torch.float64).to(dtype)
-    return torch.autograd.grad(out, (q, k, v), upstream)
+    upstream = torch.randn(2, 4, 37, 5, generator=torch.Generator().manual_seed(5),
+                           dtype=torch.float64)
+    return _grads(term, rand_qkv(2, 4, 2, 37, 45, D, 5, seed=4), upstream, dtype, backend, mask)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "dense"])
 @pytest.mark.parametrize("name", VECTOR_TERMS)
 def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name, mask):
-    """45 keys: two whole groups of 16 and a cut one; causal and a dense mask leave ds 0 on
-    some of a query's keys and on all of them."""
+    """45 keys: whole groups (16 keys, or 8 over two vectors of d) and a cut one; causal
+    and a dense mask leave ds 0 on some of a query's keys and on all of them."""
     dense = torch.rand(2, 1, 37, 45, generator=torch.Generator().manual_seed(6)) > 0.5
     dense[:, :, :3] = False
     mask = {"none": None, "causal": qkv.causal(), "dense": dense}[mask]
@@ -113,15 +118,9 @@ def test_the_vector_sign_is_torch_sign_at_ties_signed_zeros_and_nan(name):
         k[0, 1, 3:9, 2] = float("nan")
     v = torch.randn(1, 2, 33, 5, generator=g, dtype=torch.float64)
     upstream = torch.randn(1, 2, 29, 5, generator=g, dtype=torch.float64)
-    sim = qkv.Similarity(VECTOR_TERMS[name])
-
-    def grads(dtype, backend):
-        args = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        out = qkv.attention(*args, similarity=sim, backend=backend)
-        return torch.autograd.grad(out, args, upstream.to(dtype))
-
-    ref = grads(torch.float64, "reference")
+    term = VECTOR_TERMS[name]
+    ref = _grads(term, (q, k, v), upstream, torch.float64, "reference")
     assert all(r.isfinite().all() for r in ref)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
-        for got, r in zip(grads(dtype, "fused"), ref, strict=True):
+        for got, r in zip(_grads(term, (q, k, v), upstream, dtype), ref, strict=True):
             assert rel_err(got, r) < tol
