@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import qkv
 from qkv.models import GPT, GPTConfig
 from qkv.models.generation import filter_logits
 
@@ -280,10 +281,41 @@ def test_compiled_training_step_on_the_default_backend_matches_eager():
                                                     strict=True)) <= 1e-4
 
 
-def test_last_only_gives_the_last_positions_logits():
-    model = tiny("rope")
-    idx = torch.randint(0, 37, (2, 7))
+@pytest.mark.parametrize("positions, extra", [
+    ("rope", {}), ("learned", {}), ("alibi", {"window": 3}), ("relative", {}),
+    ("rope", {"block": {"similarity": "cosine"}}), ("rope", {"block": {"attention": "linear"}}),
+])
+def test_last_only_gives_the_last_positions_logits(positions, extra):
+    """The last block then runs its last query alone: its logits, and the cache it leaves
+    for the next step, are those of the whole forward."""
+    model = tiny(positions, **extra)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(1, 37, (3, 9), generator=g)
+    left_pad = torch.tensor([0, 3, 1])
     with torch.no_grad():
-        full, last = model(idx), model(idx, last_only=True)
-    assert last.shape == (2, 1, 37)
-    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-6, atol=1e-6)
+        full, last = model(idx, left_pad=left_pad), model(idx, left_pad=left_pad, last_only=True)
+        assert last.shape == (3, 1, 37)
+        torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+        # Through the cache: a prompt of 6, then 3 more at once, each keeping the last logits.
+        cache = model.new_cache(3, 9)
+        first = model(idx[:, :6], left_pad=left_pad, cache=cache, last_only=True)
+        then = model(idx[:, 6:], left_pad=left_pad, cache=cache, last_only=True)
+    torch.testing.assert_close(first[:, 0], full[:, 5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(then[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_computes_its_last_positions_alone():
+    """``last`` skips the other queries: the same rows as the full block, and the block's
+    attention sees a query of ``last`` rows (keys and cache cover every position)."""
+    model = tiny("rope")
+    block, seen = model.blocks[0], []
+    x = torch.randn(2, 8, 16)
+    positions = model.positions.for_layers(torch.arange(8))
+    block.self_attn.attend = lambda q, k, v, _f=block.self_attn.attend, **kw: (
+        seen.append((q.shape[2], k.shape[2])) or _f(q, k, v, **kw))
+    with torch.no_grad():
+        full = block(x, mask=qkv.causal(), positions=positions)
+        cache = block.new_cache(2, 8)
+        last = block(x, mask=qkv.causal(), positions=positions, cache=cache, last=3)
+    assert seen == [(8, 8), (3, 8)] and cache.length == 8
+    torch.testing.assert_close(last, full[:, -3:], rtol=1e-6, atol=1e-6)

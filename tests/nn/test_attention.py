@@ -116,6 +116,18 @@ def test_kv_cache_matches_full_causal(use_rope):
         m(x[:, :1], mask=qkv.causal(), cache=cache)
 
 
+def test_rope_self_attention_with_a_longer_key_answers_the_last_queries():
+    """key (B, Nk) with query (B, Nq), Nq < Nk: the queries are the last Nq positions, rotated
+    there, so the outputs are the last rows of the full call."""
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, n_kv_head=2, rope=qkv.nn.RotaryEmbedding(4)).eval()
+    x = torch.randn(2, 9, 16)
+    full = m(x, mask=qkv.causal())
+    torch.testing.assert_close(m(x[:, -3:], x, mask=qkv.causal()), full[:, -3:])
+    with pytest.raises(ValueError, match="last Nq of its keys: query has 9 positions, key 3"):
+        m(x, x[:, :3], mask=qkv.causal())
+
+
 def test_cross_attention_cache_keeps_memory():
     torch.manual_seed(0)
     m = MultiHeadAttention(8, 2, is_cross=True).eval()

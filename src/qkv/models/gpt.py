@@ -82,10 +82,13 @@ class GPT(nn.Module):
             mask = mask & ~padding(left_pad)
         score_mod = self.positions.score_mod()
         layer_positions = self.positions.for_layers(positions)
+        # With last_only, the last block computes its last position alone (its keys and
+        # values still cover every position): no other output of that block is read.
+        last = 1 if last_only and split is None else None
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layers[i]
             x = block(x, mask=mask, score_mod=score_mod, positions=layer_positions,
-                      cache=layer_cache)
+                      cache=layer_cache, last=last if i == len(self.blocks) - 1 else None)
         if cache is not None:
             cache.length += idx.shape[1]
         return self.lm_head(self.norm(x[:, -1:] if last_only else x))

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from ..core.api import attention
 from ..core.similarity import Similarity, get_similarity
 from ..distributed.context import active as active_context_parallel
-from .positions import RotaryEmbedding
+from .positions import RotaryEmbedding, last_positions
 
 
 class KVCache:
@@ -141,8 +141,10 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None, return_weights: bool = False,
     ):
         """query (B, Nq, d_model); key (B, Nk, kdim) and value (B, Nk, vdim), default: the
-        query (self-attention) and the key. positions (Nq,) or (B, Nq) for rope (or their
-        ``RotaryEmbedding.rotation``), default cache.length + arange(Nq). A cross-attention
+        query (self-attention) and the key. positions (Nk,) or (B, Nk) for rope (or their
+        ``RotaryEmbedding.rotation``): the positions of the new keys, default cache.length +
+        arange(Nk); the queries sit at the last Nq of them (a self-attention key longer than
+        its query computes outputs for the last positions only). A cross-attention
         cache holds the projected memory after the first call, so later calls may pass
         key=None.
 
@@ -163,8 +165,15 @@ class MultiHeadAttention(nn.Module):
             if self.rope is not None:
                 if positions is None:
                     start = 0 if cache is None else cache.length
-                    positions = torch.arange(start, start + q.shape[2], device=q.device)
-                q, k = self.rope(q, positions), self.rope(k, positions)
+                    positions = torch.arange(start, start + k.shape[2], device=q.device)
+                if q.shape[2] > k.shape[2]:
+                    raise ValueError(
+                        f"rope self-attention takes queries that are the last Nq of its "
+                        f"keys: query has {q.shape[2]} positions, key {k.shape[2]}")
+                q_positions = positions
+                if q.shape[2] < k.shape[2]:
+                    q_positions = last_positions(positions, q.shape[2])
+                q, k = self.rope(q, q_positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)
         kwargs = dict(

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..core.similarity import SIMILARITIES
 from ..limits import check_limits, limited
+from .attention import MultiHeadAttention
 from .feedforward import ACTIVATIONS, feed_forward
 from .kinds import ATTENTION_KINDS
 from .norms import NORMS, make_norm
@@ -113,10 +114,13 @@ class Sublayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def forward(self, x: Tensor, fn) -> Tensor:
+    def forward(self, x: Tensor, fn, last: int | None = None) -> Tensor:
+        """x (B, N, d) -> (B, N, d); with ``last``, fn maps its (B, N, d) input to the last
+        positions' (B, last, d) and the residual keeps those positions alone."""
+        residual = x if last is None else x[:, -last:]
         if self.norm_first:
-            return x + self.dropout(fn(self.norm(x)))
-        return self.norm(x + self.dropout(fn(x)))
+            return residual + self.dropout(fn(self.norm(x)))
+        return self.norm(residual + self.dropout(fn(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -136,22 +140,34 @@ class TransformerBlock(nn.Module):
     def new_cache(self, batch: int, max_len: int, **kwargs):
         return self.self_attn.new_cache(batch, max_len, **kwargs)
 
-    def forward(self, x: Tensor, *, mask=None, score_mod=None, positions=None, cache=None):
+    def forward(self, x: Tensor, *, mask=None, score_mod=None, positions=None, cache=None,
+                last: int | None = None):
+        """x (B, N, d_model) -> (B, N, d_model), or (B, last, d_model) with ``last``: the
+        outputs of the last positions alone. Their queries still attend to every position,
+        whose keys and values (and cache entries) are computed in full; the rest of the
+        block runs on ``last`` rows (a model's last block, when only its last position's
+        logits are read)."""
         if self.checkpoint and self.training and cache is None and torch.is_grad_enabled():
             # Non-reentrant: the mask objects pass as keyword arguments, and the RNG state is
             # replayed, so dropout draws the same units in the recomputation.
             return checkpoint(self._forward, x, mask=mask, score_mod=score_mod,
-                              positions=positions, use_reentrant=False)
+                              positions=positions, last=last, use_reentrant=False)
         return self._forward(x, mask=mask, score_mod=score_mod, positions=positions,
-                             cache=cache)
+                             cache=cache, last=last)
 
-    def _forward(self, x: Tensor, *, mask=None, score_mod=None, positions=None, cache=None):
-        x = self.attn_sublayer(
-            x, lambda h: self.self_attn(
-                h, mask=mask, score_mod=score_mod, positions=positions, cache=cache
-            ),
-        )
-        return self.ffn_sublayer(x, self.ffn)
+    def _forward(self, x: Tensor, *, mask=None, score_mod=None, positions=None, cache=None,
+                 last=None):
+        kwargs = dict(mask=mask, score_mod=score_mod, positions=positions, cache=cache)
+
+        def attend(h: Tensor) -> Tensor:
+            if last is None:
+                return self.self_attn(h, **kwargs)
+            if isinstance(self.self_attn, MultiHeadAttention):
+                # The last queries against every key: the other queries' work is skipped.
+                return self.self_attn(h[:, -last:], h, **kwargs)
+            return self.self_attn(h, **kwargs)[:, -last:]  # other kinds: a memory, not keys
+
+        return self.ffn_sublayer(self.attn_sublayer(x, attend, last), self.ffn)
 
 
 class DecoderBlock(nn.Module):

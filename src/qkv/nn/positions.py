@@ -61,6 +61,14 @@ class Rotation(NamedTuple):
     sin: Tensor
 
 
+def last_positions(positions: Tensor | Rotation, n: int) -> Tensor | Rotation:
+    """The last ``n`` of positions (..., N) or of their Rotation: where the queries of a
+    self-attention call sit when they are the last n of its keys."""
+    if isinstance(positions, Rotation):
+        return Rotation(positions.cos[..., -n:, :], positions.sin[..., -n:, :])
+    return positions[..., -n:]
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE (Su et al., 2021): rotates pairs (x[i], x[i + D/2]) by angle pos · base^(-2i/D).
 
