@@ -104,16 +104,28 @@ def test_vector_loops_match_the_reference_and_the_scalar_loops(monkeypatch, name
         assert rel_err(g, s) < 1e-6
 
 
+def _tied_inputs(negative_zero: bool, g: torch.Generator):
+    """q (1, 2, 29, D) and k (1, 2, 33, D) on a grid of a few values (many ties, so q - k is
+    0 in many lanes); with ``negative_zero``, -0 among them and in q where k has +0 (there
+    q - k is -0)."""
+    grid = torch.tensor([-1.0, -0.0, 0.0, 0.5, 1.0] if negative_zero else [-1.0, 0.0, 0.5, 1.0],
+                        dtype=torch.float64)
+    q = grid[torch.randint(0, len(grid), (1, 2, 29, D), generator=g)]
+    k = grid[torch.randint(0, len(grid), (1, 2, 33, D), generator=g)]
+    if negative_zero:
+        q[..., :5, 0], k[..., :5, 0] = -0.0, 0.0
+    return q, k
+
+
+@pytest.mark.parametrize("negative_zero", [True, False])
 @pytest.mark.parametrize("name", ["l1", "sign_weighted"])
-def test_the_vector_sign_is_torch_sign_at_ties_signed_zeros_and_nan(name):
-    """sign(0) = sign(-0) = sign(NaN) = 0, as torch's: q and k on a grid of a few values
-    (many ties, so q - k is 0 in many lanes), q with -0 where k has +0 (q - k is -0), and
-    for q * sign(k) a NaN in k (its score term is 0 there, so every gradient is finite)."""
+def test_the_vector_sign_is_torch_sign_at_ties_signed_zeros_and_nan(name, negative_zero):
+    """sign(0) = sign(-0) = sign(NaN) = 0, as torch's: at ties, at -0 (then the loops keep
+    the full sign: ``halved_sign`` needs inputs without -0), and for q * sign(k) at a NaN in k
+    (its score term is 0 there, so every gradient is finite). Without -0, L1's loops take
+    the halved sign."""
     g = torch.Generator().manual_seed(7)
-    grid = torch.tensor([-1.0, -0.0, 0.0, 0.5, 1.0], dtype=torch.float64)
-    q = grid[torch.randint(0, 5, (1, 2, 29, D), generator=g)]
-    k = grid[torch.randint(0, 5, (1, 2, 33, D), generator=g)]
-    q[..., :5, 0], k[..., :5, 0] = -0.0, 0.0
+    q, k = _tied_inputs(negative_zero, g)
     if name == "sign_weighted":
         k[0, 1, 3:9, 2] = float("nan")
     v = torch.randn(1, 2, 33, 5, generator=g, dtype=torch.float64)
@@ -124,3 +136,87 @@ def test_the_vector_sign_is_torch_sign_at_ties_signed_zeros_and_nan(name):
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
         for got, r in zip(_grads(term, (q, k, v), upstream, dtype), ref, strict=True):
             assert rel_err(got, r) < tol
+
+
+HALVED = {  # c_vec.halved_sign's terms: a sign of q - k that both derivatives are linear in
+    "l1": VECTOR_TERMS["l1"],
+    "fixed_weight": VECTOR_TERMS["fixed_weight"],
+    "reversed_scaled": lambda q, k: 0.5 * (k - q).abs(),
+    "squared": lambda q, k: -(q - k).abs() * (q - k).abs(),  # sign |x| + |x| sign
+    "plus_q_sign": lambda q, k: (q - k).abs() + q * (q - k).sign(),  # d_q: sign + sign
+}
+NOT_HALVED = {
+    "sign_of_k": VECTOR_TERMS["sign_weighted"],  # sign(k): not a difference of q and k
+    "asymmetric": VECTOR_TERMS["asymmetric"],  # no sign
+    "two_signs": lambda q, k: -(q - k).abs() - (q + k).abs(),
+    "plus_q": lambda q, k: -(q - k).abs() + q,  # d_q = -sign(x) + 1: not doubled by it
+    "times_q": lambda q, k: -(q - k).abs() * q,  # d_q = -sign(x) q - |x|: not linear
+}
+
+
+def _derivatives(term):
+    from qkv.core.engines.kernelgen.derivative import derivative
+    graph = Graph("cpu", D)
+    root = trace_term(term, graph)
+    return [derivative(root, graph.leaf(name, "float"), {}) for name in ("pq", "pk")]
+
+
+@pytest.mark.parametrize("name", [*HALVED, *NOT_HALVED])
+def test_the_halved_sign_takes_a_sign_of_q_minus_k_that_the_derivatives_are_linear_in(name):
+    found = c_vec.halved_sign(*_derivatives({**HALVED, **NOT_HALVED}[name]))
+    assert (found is not None) == (name in HALVED)
+    if found is not None:
+        assert found.op == "sign"
+
+
+def test_plain_values_are_free_of_nan_infinity_and_negative_zero():
+    clean = torch.randn(2, 3, 5)
+    clean[0, 0, :2] = 0.0
+    assert c_target.plain_values(clean, torch.zeros(0), torch.ones(4))
+    for bad in (float("nan"), float("inf"), float("-inf"), -0.0):
+        dirty = clean.clone()
+        dirty[1, 2, 3] = bad
+        assert not c_target.plain_values(clean, dirty), bad
+
+
+def _halved(source: str) -> bool:
+    """Whether generated source calls the halved sign (and halves the sums it stores)."""
+    calls = source.count("qkv_vsign2(") - source.count("qkv_vsign2(qkv_v x)")
+    assert (calls > 0) == ("(scale * 0.5)" in source)
+    return calls > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_halved_sign_is_written_for_plain_inputs_only(dtype):
+    q, k = torch.randn(1, 2, 9, D), torch.randn(1, 2, 11, D)
+    root = trace_term(HALVED["l1"], Graph("cpu", D))
+    assert _halved(c_target._source(root, dtype, (q, k)))
+    assert not _halved(c_target._source(root, dtype))  # the forward's: no inputs
+    other = trace_term(NOT_HALVED["times_q"], Graph("cpu", D))
+    assert not _halved(c_target._source(other, dtype, (q, k)))
+    k[0, 1, 4, 7] = -0.0
+    assert not _halved(c_target._source(root, dtype, (q, k)))
+
+
+@pytest.mark.parametrize("name", ["l1", "squared", "reversed_scaled", "plus_q_sign"])
+def test_the_halved_sign_gives_the_full_signs_gradients_bit_for_bit(monkeypatch, name):
+    """On tied inputs without -0 (q - k is +0 in many lanes), with a causal mask (ds 0 on
+    some keys): the halved loops' gradients equal the full sign's exactly."""
+    g = torch.Generator().manual_seed(8)
+    q, k = _tied_inputs(False, g)
+    v = torch.randn(1, 2, 33, 5, generator=g, dtype=torch.float64)
+    upstream = torch.randn(1, 2, 29, 5, generator=g, dtype=torch.float64)
+    term, mask = HALVED[name], qkv.causal()
+    chosen = []
+    real = c_target.plain_values
+    monkeypatch.setattr(c_target, "plain_values", lambda *t: chosen.append(real(*t)) or
+                        chosen[-1])
+    halved = _grads(term, (q, k, v), upstream, torch.float32, mask=mask)
+    assert chosen == [True]
+    monkeypatch.setattr(c_target, "plain_values", lambda *t: False)
+    full = _grads(term, (q, k, v), upstream, torch.float32, mask=mask)
+    for a, b in zip(halved, full, strict=True):
+        assert torch.equal(a, b)
+    ref = _grads(term, (q, k, v), upstream, torch.float64, "reference", mask=mask)
+    for a, r in zip(halved, ref, strict=True):
+        assert rel_err(a, r) < 1e-5

@@ -351,25 +351,29 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     return weights
 
 
-def tile_loops(pair, fq: Tensor, scale: float | None = None):
+def tile_loops(pair, fq: Tensor, scale: float | None = None, fk: Tensor | None = None):
     """The pairwise term's C loops on tiles: registered for it (L1), else compiled from its
     definition (a user's term, ``kernelgen.c``), which then apply ``scale`` (a number; None
-    for none) where they store; None for matrix-product terms and without a C compiler."""
+    for none) where they store; None for matrix-product terms and without a C compiler.
+    With ``fk``, the loops' gradients are for these fq and fk alone (the backward pass)."""
     if pair.matrix is not None:
         return native.tile_loops(pair, fq.dtype)
-    return c_target.traced_loops(pair, fq.dtype, fq.shape[-1], 1.0 if scale is None else scale)
+    return c_target.traced_loops(pair, fq.dtype, fq.shape[-1], 1.0 if scale is None else scale,
+                                 None if fk is None else (fq, fk))
 
 
-def _spec(fq, fk, variant, dropout_p, seed) -> TileSpec:
+def _spec(fq, fk, variant, dropout_p, seed, grads: bool = False) -> TileSpec:
     """The call's TileSpec with the C loops of its pairwise term and score modifier. The
     modifier's loops need the term's gradients at hand (not autograd's) and a number scale
     (a tensor scale is differentiated by autograd). Without a modifier, a number scale goes
     into a traced term's loops, where they store, rather than into a pass over every tile of
     scores and of their gradients (a user's L1: three passes of 0.1 ms per 8 x 128 x 512
-    tile)."""
+    tile). ``grads``: the backward pass's spec, whose loops may be specialized to fq and fk
+    (``kernelgen.c.traced_loops``)."""
     into_loops = (variant.pair.matrix is None and variant.score_mod is None
                   and isinstance(variant.scale, float))
-    loops = tile_loops(variant.pair, fq, variant.scale if into_loops else None)
+    loops = tile_loops(variant.pair, fq, variant.scale if into_loops else None,
+                       fk if grads else None)
     if into_loops and loops is not None:
         variant = ops.Variant(variant.pair, None, variant.mask, None)
     mod_loops = None
@@ -390,7 +394,7 @@ def _kernel_forward(fq, fk, v, variant, dropout_p, want_weights):
 
 def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, wanted):
     with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
-        spec = _spec(fq, fk, variant, dropout_p, seed)
+        spec = _spec(fq, fk, variant, dropout_p, seed, grads=True)
     extras = extra_tensors(spec, wanted)
     dfq, dfk, dv, dextras = _backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
                                       dout, dlse, extras)

@@ -179,8 +179,26 @@ def _function(name: str, root, ctype: str, fsuffix: str, kind: str = FLOAT,
                       f"    return {result};", "}"])
 
 
-def _source(root: Sym, dtype: torch.dtype) -> str:
-    """The C loops of one traced term in one dtype."""
+def plain_values(*tensors: Tensor) -> bool:
+    """Whether the tensors hold no NaN, infinity or -0 (``c_vec.halved_sign``): a min and max
+    over each, then a look at the zeros, if any."""
+    for t in tensors:
+        t = t.detach()
+        if t.numel() == 0:
+            continue
+        low, high = torch.aminmax(t)  # NaN anywhere makes both NaN
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return False
+        zeros = t == 0
+        if zeros.any() and torch.signbit(t[zeros]).any():
+            return False
+    return True
+
+
+def _source(root: Sym, dtype: torch.dtype, inputs: tuple[Tensor, Tensor] | None = None) -> str:
+    """The C loops of one traced term in one dtype; ``inputs``: the q and k that the
+    gradient loops will read, which may let them write a sign in a shorter form
+    (``c_vec.halved_sign``)."""
     ctype, fsuffix = _C_TYPES[dtype]
     graph = root.graph
     pq, pk = graph.leaf(TERM_ARGS[0], FLOAT), graph.leaf(TERM_ARGS[1], FLOAT)
@@ -214,8 +232,10 @@ def _source(root: Sym, dtype: torch.dtype) -> str:
     vector_groups = ""
     if not updates:  # the vector loops keep no tensor's gradient sums
         try:
+            plain = (inputs is not None and c_vec.halved_sign(d_q, d_k) is not None
+                     and plain_values(*inputs))
             functions, vector_groups = c_vec.vector_groups(
-                d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots)
+                d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots, plain)
             parts.append(functions)
         except CompileError:
             pass  # the scalar loops take all of d
@@ -272,13 +292,15 @@ def _warn_untraced(pair, error: Exception) -> None:
                       stacklevel=2)
 
 
-def traced_loops(pair, dtype: torch.dtype, head_dim: int,
-                 scale: float = 1.0) -> native.TileLoops | None:
+def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
+                 inputs: tuple[Tensor, Tensor] | None = None) -> native.TileLoops | None:
     """C loops for ``pair`` (a ``similarity.Pairwise`` without C loops of its own) in
     ``dtype`` with head dim ``head_dim``, traced from its term now (so they read the tensors
     the term captures as they are now), or None when it does not trace or nothing builds.
     The tile loops' scores and gradients are those of ``scale`` times the term; the edge
-    loops' are the term's (the graph engine scales each edge's score with its modifier)."""
+    loops' are the term's (the graph engine scales each edge's score with its modifier).
+    ``inputs``: the q and k (B, H, N, D) the tile gradient loops will read, when they are
+    known (the backward pass); loops built for them must not be given others."""
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
     graph = Graph("cpu", head_dim)
@@ -290,7 +312,7 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int,
     if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
         return None
     try:
-        source = _source(root, dtype)
+        source = _source(root, dtype, inputs)
     except CompileError:
         return None
     functions = load_functions(source, "similarity_term", _TERM_SIGNATURES)
