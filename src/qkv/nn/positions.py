@@ -96,8 +96,11 @@ class RotaryEmbedding(nn.Module):
         rotation = positions if isinstance(positions, Rotation) else self.rotation(positions)
         xf = x.float()
         half = xf.shape[-1] // 2
-        swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
-        return (xf * rotation.cos + swapped * rotation.sin).to(x.dtype)
+        out = xf * rotation.cos
+        # + swap_halves(x) · sin, half by half: the same sums without a swapped copy of x
+        out[..., :half].addcmul_(xf[..., half:], rotation.sin[..., :half])
+        out[..., half:].addcmul_(xf[..., :half], rotation.sin[..., half:])
+        return out.to(x.dtype)
 
 
 class PositionScheme(nn.Module):
