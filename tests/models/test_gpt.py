@@ -304,18 +304,27 @@ def test_last_only_gives_the_last_positions_logits(positions, extra):
     torch.testing.assert_close(then[:, 0], full[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_a_block_computes_its_last_positions_alone():
+def test_a_block_computes_its_last_positions_alone(monkeypatch):
     """``last`` skips the other queries: the same rows as the full block, and the block's
-    attention sees a query of ``last`` rows (keys and cache cover every position)."""
+    attention sees a query of ``last`` rows (keys and cache cover every position), unless
+    the layer is captured (``qkv.viz.capture``), whose maps keep every query."""
+    from qkv.nn import attention as layer_module
+    from qkv.viz import capture
+
     model = tiny("rope")
     block, seen = model.blocks[0], []
     x = torch.randn(2, 8, 16)
     positions = model.positions.for_layers(torch.arange(8))
-    block.self_attn.attend = lambda q, k, v, _f=block.self_attn.attend, **kw: (
-        seen.append((q.shape[2], k.shape[2])) or _f(q, k, v, **kw))
+    real = layer_module.attention
+    monkeypatch.setattr(layer_module, "attention", lambda q, k, v, **kw: (
+        seen.append((q.shape[2], k.shape[2])) or real(q, k, v, **kw)))
     with torch.no_grad():
         full = block(x, mask=qkv.causal(), positions=positions)
         cache = block.new_cache(2, 8)
         last = block(x, mask=qkv.causal(), positions=positions, cache=cache, last=3)
-    assert seen == [(8, 8), (3, 8)] and cache.length == 8
-    torch.testing.assert_close(last, full[:, -3:], rtol=1e-6, atol=1e-6)
+        assert seen == [(8, 8), (3, 8)] and cache.length == 8
+        torch.testing.assert_close(last, full[:, -3:], rtol=1e-6, atol=1e-6)
+        with capture(model, layers=0) as maps:
+            captured = block(x, mask=qkv.causal(), positions=positions, last=3)
+    assert maps.get(0).calls[0].shape[-2:] == (8, 8)
+    torch.testing.assert_close(captured, last, rtol=1e-6, atol=1e-6)

@@ -194,6 +194,12 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         return (out, weights) if return_weights else out
 
+    @property
+    def observed(self) -> bool:
+        """Whether something wraps this layer's ``attend`` (``qkv.viz.capture``), so that every
+        query's weights are wanted: a block then keeps all its queries (``last``)."""
+        return "attend" in self.__dict__
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
         """The layer's one call to ``qkv.attention``: q (B, H, Nq, D), k (B, Hkv, Nk, D) and
         v (B, Hkv, Nk, Dv) as the engine sees them (after RoPE and the KV cache), with

@@ -162,10 +162,12 @@ class TransformerBlock(nn.Module):
         def attend(h: Tensor) -> Tensor:
             if last is None:
                 return self.self_attn(h, **kwargs)
-            if isinstance(self.self_attn, MultiHeadAttention):
+            attn = self.self_attn
+            if isinstance(attn, MultiHeadAttention) and not attn.observed:
                 # The last queries against every key: the other queries' work is skipped.
-                return self.self_attn(h[:, -last:], h, **kwargs)
-            return self.self_attn(h, **kwargs)[:, -last:]  # other kinds: a memory, not keys
+                return attn(h[:, -last:], h, **kwargs)
+            # Other kinds take a memory, not keys; a captured layer's maps keep every query.
+            return attn(h, **kwargs)[:, -last:]
 
         return self.ffn_sublayer(self.attn_sublayer(x, attend, last), self.ffn)
 
