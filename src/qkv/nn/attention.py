@@ -198,7 +198,7 @@ class MultiHeadAttention(nn.Module):
     def observed(self) -> bool:
         """Whether something wraps this layer's ``attend`` (``qkv.viz.capture``), so that every
         query's weights are wanted: a block then keeps all its queries (``last``)."""
-        return "attend" in self.__dict__
+        return getattr(self.attend, "__func__", None) is not type(self).attend
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, **kwargs) -> tuple[Tensor, Tensor | None]:
         """The layer's one call to ``qkv.attention``: q (B, H, Nq, D), k (B, Hkv, Nk, D) and
