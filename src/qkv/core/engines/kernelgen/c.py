@@ -232,10 +232,11 @@ def _source(root: Sym, dtype: torch.dtype, inputs: tuple[Tensor, Tensor] | None 
     vector_groups = ""
     if not updates:  # the vector loops keep no tensor's gradient sums
         try:
-            plain = (inputs is not None and c_vec.halved_sign(d_q, d_k) is not None
-                     and plain_values(*inputs))
+            halved = None if inputs is None else c_vec.halved_sign(d_q, d_k)
+            if halved is not None and not plain_values(*inputs):
+                halved = None
             functions, vector_groups = c_vec.vector_groups(
-                d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots, plain)
+                d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots, halved)
             parts.append(functions)
         except CompileError:
             pass  # the scalar loops take all of d

@@ -329,19 +329,18 @@ def halved_sign(d_q, d_k) -> Sym | None:
 
 
 def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str,
-                  plain_inputs: bool = False) -> tuple[str, str]:
+                  halved: Sym | None = None) -> tuple[str, str]:
     """(functions, loop) for a term whose derivatives in q_d and k_d are ``d_q`` and ``d_k``
     (graphs or numbers): the C that goes before ``c_text.TERM_LOOPS`` and the loop over whole
-    vectors of d that goes into its ``term_grads``. ``plain_inputs``: the caller has checked
-    that q and k hold no NaN, infinity or -0, so a sign may take ``halved_sign``'s form. A
-    ``CompileError`` when a derivative has no vector form (an integer value, exp and the
+    vectors of d that goes into its ``term_grads``. ``halved``: ``halved_sign``'s node, for
+    q and k the caller has checked hold no NaN, infinity or -0; written in its halved form.
+    A ``CompileError`` when a derivative has no vector form (an integer value, exp and the
     other math functions, which have none here), or the two have more than
     ``MAX_OPERATIONS`` together."""
     count = len(operations_in(d_k, operations_in(d_q)))
     if count > MAX_OPERATIONS:
         raise CompileError(f"the derivatives have {count} operations; the vector loop takes "
                            f"{MAX_OPERATIONS} at most")
-    halved = halved_sign(d_q, d_k) if plain_inputs else None
     itype = "int32_t" if ctype == "float" else "int64_t"
     functions = [PRELUDE.format(T=ctype, I=itype, B="ss" if ctype == "float" else "sd",
                                 SIGN=_SIGN[ctype]),
