@@ -9,6 +9,7 @@ import qkv
 from qkv.core.engines import native
 from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.engines.kernelgen import c_vec
+from qkv.core.engines.kernelgen.derivative import derivative
 from qkv.core.engines.kernelgen.graph import CompileError, Graph
 from qkv.core.engines.kernelgen.trace import trace_term
 
@@ -155,7 +156,6 @@ NOT_HALVED = {
 
 
 def _derivatives(term):
-    from qkv.core.engines.kernelgen.derivative import derivative
     graph = Graph("cpu", D)
     root = trace_term(term, graph)
     return [derivative(root, graph.leaf(name, "float"), {}) for name in ("pq", "pk")]

@@ -75,8 +75,7 @@ _SIGN2_BITS = """static inline qkv_v qkv_vsign2(qkv_v x) {
     return (qkv_v)(((qkv_vi)QV(2) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & (x != QV(0)));
 }"""
 _SIGN = {
-    "float": """#if defined(__AVX2__) && VBYTES == 32
-#include <immintrin.h>
+    "float": """#if defined(__AVX2__) && VBYTES == 32 /* immintrin.h: in the prelude, with AVX */
 static inline qkv_v qkv_vsign(qkv_v x) {
     /* the integer -1 where x is neither, negated by vpsignd where x's bits as an int32 are
      * negative (its sign bit): -sign(x) */
