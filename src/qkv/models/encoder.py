@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..core import sliding_window
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask
 from .configs import EncoderConfig
@@ -35,7 +36,7 @@ class Encoder(nn.Module):
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
         self.norm = norm_layer(b) if b.norm_first else None
-        self.head = nn.Linear(b.d_model, c.num_classes) if c.num_classes else None
+        self.head = Linear(b.d_model, c.num_classes) if c.num_classes else None
         # "cls" and "first" pool the first position's output, "mean" the real tokens'.
         self.pool_first = c.pooling in ("cls", "first")
         init_weights(self)

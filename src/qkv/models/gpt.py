@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..core import causal, padding, sliding_window
 from ..distributed.context import active as active_context_parallel
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import (
     check_ids,
@@ -39,7 +40,7 @@ class GPT(nn.Module):
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
         self.norm = norm_layer(b)
-        self.lm_head = nn.Linear(b.d_model, c.vocab_size, bias=False)
+        self.lm_head = Linear(b.d_model, c.vocab_size, bias=False)
         init_weights(self)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..core import causal, padding
 from ..nn.blocks import decoder_block, norm_layer, transformer_block
+from ..nn.linear import Linear
 from ..nn.positions import PositionScheme, make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask, token_positions
 from .configs import TransformerConfig
@@ -43,7 +44,7 @@ class Transformer(nn.Module):
         final = b.norm_first if c.final_norm is None else c.final_norm
         self.encoder_norm = norm_layer(b) if final else None
         self.decoder_norm = norm_layer(b) if final else None
-        self.out_proj = nn.Linear(b.d_model, c.tgt_vocab_size, bias=False)
+        self.out_proj = Linear(b.d_model, c.tgt_vocab_size, bias=False)
         self.embedding_scale = math.sqrt(b.d_model) if c.scale_embeddings else None
         init_weights(self)
         for emb in {self.src_emb, self.tgt_emb}:

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import init_weights
 from .configs import ViTConfig
@@ -32,7 +33,7 @@ class ViT(nn.Module):
             transformer_block(b, self.positions.rotary()) for _ in range(c.n_layer)
         )
         self.norm = norm_layer(b)
-        self.head = nn.Linear(b.d_model, c.num_classes)
+        self.head = Linear(b.d_model, c.num_classes)
         self.pool_class_token = c.pooling == "cls"  # else the mean of the patches
         init_weights(self)
         nn.init.normal_(self.cls_token, 0.0, 0.02)

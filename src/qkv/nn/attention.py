@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..core.api import attention
 from ..core.similarity import Similarity, get_similarity
 from ..distributed.context import active as active_context_parallel
+from .linear import Linear
 from .positions import RotaryEmbedding, last_positions
 
 
@@ -106,10 +107,10 @@ class MultiHeadAttention(nn.Module):
         resolved = get_similarity(similarity)
         self.similarity, self.scale, self.dropout = similarity, scale, dropout
         self.rope, self.is_cross = rope, is_cross
-        self.q_proj = nn.Linear(d_model, n_head * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
+        self.q_proj = Linear(d_model, n_head * self.head_dim, bias=bias)
+        self.k_proj = Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
+        self.out_proj = Linear(n_head * self.head_dim, d_model, bias=bias)
         self.metric = None
         # Learnable tensors a user's similarity reads train with the module (shared by every
         # module that uses the same similarity, as the similarity itself is).

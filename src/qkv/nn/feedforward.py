@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import Linear
+
 # The activation of each plain MLP kind, built once per layer by ``feed_forward``.
 MLP_ACTIVATIONS = {
     "relu": nn.ReLU,
@@ -35,8 +37,8 @@ class MLP(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation: nn.Module, dropout: float = 0.0,
                  bias: bool = True):
         super().__init__()
-        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.up_proj = Linear(d_model, d_ff, bias=bias)
+        self.down_proj = Linear(d_ff, d_model, bias=bias)
         self.activation = activation
         self.dropout = nn.Dropout(dropout)
         # Checkpoints written before the projections took Hugging Face's names.
@@ -54,9 +56,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.gate_proj = Linear(d_model, d_ff, bias=bias)
+        self.up_proj = Linear(d_model, d_ff, bias=bias)
+        self.down_proj = Linear(d_ff, d_model, bias=bias)
         self.activation = nn.SiLU()
         self.dropout = nn.Dropout(dropout)
         self.register_load_state_dict_pre_hook(

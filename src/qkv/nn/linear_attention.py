@@ -30,6 +30,7 @@ from ..core.masks import (
     TensorMask,
     as_mask,
 )
+from .linear import Linear
 from .positions import RotaryEmbedding
 
 
@@ -154,10 +155,10 @@ class LinearAttention(nn.Module):
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.redraw_interval, self.calls_since_redraw = redraw_interval, 0
         self.rope, self.is_cross = rope, is_cross
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.q_proj = Linear(d_model, d_model, bias=bias)
+        self.k_proj = Linear(d_model, n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = Linear(d_model, n_kv_head * self.head_dim, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
         projection = None
         if feature_map == "favor":
             m = performer_feature_count(self.head_dim) if num_features is None else num_features

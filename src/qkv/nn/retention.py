@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..core.linear import check_positive_int, no_weights_error
 from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
+from .linear import Linear
 from .linear_attention import StateCache, causal_and_key_mask, split_heads
 from .positions import RotaryEmbedding
 
@@ -58,11 +59,11 @@ class Retention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d_model // n_head
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         self.rope, self.is_cross = rope, is_cross
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_head * self.head_dim, bias=bias)
-        self.gate_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.q_proj = Linear(d_model, d_model, bias=bias)
+        self.k_proj = Linear(d_model, n_kv_head * self.head_dim, bias=bias)
+        self.v_proj = Linear(d_model, n_kv_head * self.head_dim, bias=bias)
+        self.gate_proj = Linear(d_model, d_model, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
         self.group_norm = nn.GroupNorm(n_head, d_model, eps=norm_eps)
         self.register_buffer("gamma", retention_decays(n_head), persistent=False)
 

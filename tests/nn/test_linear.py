@@ -1,0 +1,170 @@
+"""qkv.nn.Linear: nn.Linear's numbers through oneDNN where that is faster, and F.linear
+wherever the oneDNN product does not apply (autograd, compile, autocast, other dtypes)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import qkv.nn.linear as linear_module
+from qkv.models import GPT, GPTConfig
+from qkv.nn.linear import Linear, linear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="this torch is built without oneDNN")
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """The oneDNN product forced on, and F.linear made to fail loudly: a call that passes
+    took the oneDNN path."""
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
+    monkeypatch.setattr(linear_module, "F", _NO_F_LINEAR)
+
+
+def _no_f_linear(*args, **kwargs):
+    raise AssertionError("F.linear was called")
+
+
+# Stands in for torch.nn.functional inside qkv.nn.linear only.
+_NO_F_LINEAR = SimpleNamespace(linear=_no_f_linear)
+
+
+def _exact(x, weight, bias):
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+def _close_to_exact(y, x, weight, bias):
+    want = _exact(x, weight, bias)
+    assert y.shape == want.shape and y.dtype == torch.float32
+    # Any order of float32 sums of in_features products (and the bias): the standard bound
+    # n·u·Σ|x_i w_i|, u = 2^-24, with room for the bias's rounding.
+    terms = x.abs().double() @ weight.abs().double().T
+    if bias is not None:
+        terms = terms + bias.abs().double()
+    bound = (x.shape[-1] + 2) * 2.0**-24 * terms + 1e-30
+    assert ((y.double() - want).abs() <= bound).all()
+
+
+@needs_onednn
+@settings(max_examples=30, deadline=None)
+@given(lead=st.lists(st.integers(0, 5), max_size=3), n_in=st.integers(1, 70),
+       n_out=st.integers(1, 70), bias=st.booleans(), transposed=st.booleans())
+def test_onednn_product_is_the_linear_map(lead, n_in, n_out, bias, transposed):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_module, "onednn_available", lambda: True)
+        mp.setattr(linear_module, "F", _NO_F_LINEAR)
+        g = torch.Generator().manual_seed(n_in * 97 + n_out)
+        x = torch.randn(*lead, n_in, generator=g)
+        if transposed and len(lead) >= 1:  # a non-contiguous input
+            x = torch.randn(n_in, *lead, generator=g).movedim(0, -1)
+        weight = torch.randn(n_out, n_in, generator=g)
+        b = torch.randn(n_out, generator=g) if bias else None
+        _close_to_exact(linear(x, weight, b), x, weight, b)
+
+
+@needs_onednn
+def test_linear_module_takes_the_onednn_path_in_inference(onednn):
+    layer = Linear(48, 24)
+    x = torch.randn(3, 5, 48)
+    with torch.no_grad():
+        y = layer(x)
+    _close_to_exact(y, x, layer.weight.detach(), layer.bias.detach())
+    with torch.inference_mode():
+        _close_to_exact(layer(x), x, layer.weight.detach(), layer.bias.detach())
+
+
+@pytest.mark.parametrize("case", ["grad", "float64", "autocast", "onednn off"])
+def test_f_linear_serves_what_onednn_does_not(monkeypatch, case):
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: case != "onednn off")
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(linear_module, "F", SimpleNamespace(
+        linear=lambda *a, **k: calls.append(1) or real(*a, **k)))
+    layer = Linear(16, 8)
+    x = torch.randn(4, 16)
+    if case == "grad":
+        y = layer(x)
+        y.sum().backward()  # autograd through F.linear
+        assert layer.weight.grad is not None
+    elif case == "float64":
+        layer = layer.double()
+        with torch.no_grad():
+            y = layer(x.double())
+        assert y.dtype == torch.float64
+    elif case == "autocast":
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        assert y.dtype == torch.bfloat16  # autocast saw the product
+    else:
+        with torch.no_grad():
+            y = layer(x)
+        assert torch.equal(y, real(x, layer.weight, layer.bias))
+    assert calls == [1]
+
+
+def test_linear_is_an_nn_linear_with_its_state_dict():
+    torch.manual_seed(0)
+    plain = nn.Linear(12, 7)
+    ours = Linear(12, 7)
+    assert isinstance(ours, nn.Linear)
+    ours.load_state_dict(plain.state_dict())
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randn(2, 12)
+    with torch.no_grad():
+        _close_to_exact(ours(x), x, plain.weight, plain.bias)
+
+
+@needs_onednn
+def test_compiled_linear_leaves_the_product_to_the_compiler(monkeypatch):
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
+    torch._dynamo.reset()
+    layer = Linear(32, 16)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want, got = layer(x), compiled(x)
+    _close_to_exact(got, x, layer.weight.detach(), layer.bias.detach())
+    _close_to_exact(want, x, layer.weight.detach(), layer.bias.detach())
+
+
+def test_the_forcing_variable_is_checked(monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN: the variable is never read")
+    linear_module.onednn_available.cache_clear()
+    try:
+        monkeypatch.setenv("QKV_ONEDNN_LINEAR", "yes")
+        with pytest.raises(ValueError, match="QKV_ONEDNN_LINEAR must be 0, 1 or unset"):
+            linear_module.onednn_available()
+        monkeypatch.setenv("QKV_ONEDNN_LINEAR", "0")
+        linear_module.onednn_available.cache_clear()
+        assert linear_module.onednn_available() is False
+        monkeypatch.setenv("QKV_ONEDNN_LINEAR", "1")
+        linear_module.onednn_available.cache_clear()
+        assert linear_module.onednn_available() is True
+    finally:
+        linear_module.onednn_available.cache_clear()
+
+
+@needs_onednn
+def test_a_gpt_generates_the_same_through_either_product(monkeypatch):
+    torch.manual_seed(0)
+    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
+             "bias": False}
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
+                          positions={"kind": "rope"})).eval()
+    idx = torch.randint(0, 64, (2, 12))
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: False)
+    with torch.no_grad():
+        want = model(idx)
+        greedy = model.generate(idx, 8, temperature=0)
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
+    with torch.no_grad():
+        got = model(idx)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert torch.equal(model.generate(idx, 8, temperature=0), greedy)
