@@ -6,6 +6,8 @@ real tokens (standard-library docstrings), at each batch size; the systems alter
 rounds so they see the same machine load, and the table gives the best round of each:
 
 - qkv fp32: ``qkv.models.GPT`` with its static KV cache;
+- qkv fp32 packed: the same model after ``qkv.nn.packed.pack_linears(model, torch.float32)``
+  (its float32 weights pre-packed for oneDNN, where ``qkv.nn.linear`` takes oneDNN);
 - qkv bf16: the same model after ``qkv.nn.packed.pack_linears`` (weight-only bf16);
 - HF fp32: ``transformers`` ``LlamaForCausalLM.generate`` on the same weights;
 - HF bf16: the HF model cast to bfloat16 (its own weight-and-activation bf16);
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-SYSTEMS = ("qkv fp32", "qkv bf16", "HF fp32", "HF bf16", "llama.cpp Q4_1")
+SYSTEMS = ("qkv fp32", "qkv fp32 packed", "qkv bf16", "HF fp32", "HF bf16", "llama.cpp Q4_1")
 
 
 def load_llama_cpp(threads: int):
@@ -70,9 +72,10 @@ def load(system: str, threads: int = 2):
         return load_llama_cpp(threads)
     if system.startswith("qkv"):
         model, _ = load_pretrained("smollm2")
-        if system == "qkv bf16":
-            pack_linears(model)
-        weights = sum(m.in_features * m.out_features * (2 if isinstance(m, PackedLinear) else 4)
+        if system != "qkv fp32":
+            pack_linears(model, torch.bfloat16 if system == "qkv bf16" else torch.float32)
+        weights = sum(m.in_features * m.out_features
+                      * (2 if getattr(m, "dtype", None) == torch.bfloat16 else 4)
                       for m in model.modules()
                       if isinstance(m, (torch.nn.Linear, PackedLinear)))
         return (lambda ids, new: model.generate(ids, new, temperature=0)), weights
@@ -166,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     loaded = {s: load(s, args.threads) for s in systems}
     bandwidth = read_bandwidth()
     print(f"# read bandwidth {bandwidth / 1e9:.1f} GB/s (1 GiB sum)\n")
-    print("| batch | " + " | ".join(f"{s} tok/s" for s in systems) + " | qkv fp32 / HF fp32 | "
-          "qkv bf16 / HF fp32 |")
-    print("|---" * (len(systems) + 3) + "|")
+    ours = [s for s in systems if s.startswith("qkv")] if "HF fp32" in systems else []
+    print("| batch | " + " | ".join(f"{s} tok/s" for s in systems)
+          + "".join(f" | {s} / HF fp32" for s in ours) + " |")
+    print("|---" * (len(systems) + len(ours) + 1) + "|")
     first_rates: dict[str, float] = {}
     with torch.no_grad():
         for batch in batches:
@@ -184,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             rate = {s: batch * args.new / best[s] for s in systems if best[s]}
             first_rates = first_rates or rate
             ratio = [f"{rate[a] / rate['HF fp32']:.2f}x" if a in rate and "HF fp32" in rate
-                     else "-" for a in ("qkv fp32", "qkv bf16")]
+                     else "-" for a in ours]
             print(f"| {batch} | " + " | ".join(f"{rate[s]:.1f}" if s in rate else "-"
                                                for s in systems)
-                  + f" | {ratio[0]} | {ratio[1]} |")
+                  + "".join(f" | {r}" for r in ratio) + " |")
         ids = prompts(1, args.ttft_len)
         ttft = dict.fromkeys(systems, float("inf"))
         for _ in range(args.rounds):
@@ -197,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                 ttft[s] = min(ttft[s], time.perf_counter() - start)
     print(f"\nTime to first token, {args.ttft_len}-token prompt, batch 1: "
           + ", ".join(f"{s} {ttft[s] * 1e3:.0f} ms" for s in systems))
+    if ours:
+        print("Time to first token / HF fp32's: " + ", ".join(
+            f"{s} {ttft[s] / ttft['HF fp32']:.2f}x" for s in ours))
     print("\nMemory-bandwidth bound at batch 1 (weight bytes per token / read bandwidth):")
     for s in systems:
         weights = loaded[s][1]

@@ -1,9 +1,11 @@
-"""Weight-only bf16 linear layers: the error they add, stated and bounded."""
+"""Inference-only packed linear layers: bf16 weights (the error they add, stated and bounded) and
+float32 weights (the layer's own numbers)."""
 
 import pytest
 import torch
 from torch import nn
 
+import qkv.nn.packed as packed_module
 from qkv.models import GPT, GPTConfig
 from qkv.nn.packed import PackedLinear, pack_linears
 
@@ -52,3 +54,49 @@ def test_pack_linears_keeps_a_gpt_close_and_generating_the_same():
         assert torch.equal(model.generate(idx, 8, temperature=0),
                            model.generate(idx, 8, temperature=0, use_cache=False))
     assert (model.generate(idx, 8, temperature=0) == greedy).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("rows", [1, 8, 130])
+def test_float32_packing_keeps_the_layer_s_numbers(monkeypatch, onednn, rows):
+    if onednn and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN")
+    monkeypatch.setattr(packed_module, "onednn_available", lambda: onednn)
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 40)
+    packed = PackedLinear(linear, torch.float32)
+    assert packed.onednn == onednn and "float32 weight" in repr(packed)
+    x = torch.randn(2, rows, 96)
+    with torch.no_grad():
+        y = packed(x)
+    w, b = linear.weight.detach().double(), linear.bias.detach().double()
+    want = x.double() @ w.T + b
+    # Any order of float32 sums of 96 products, then the bias: n·u·Σ|x_i w_i| (u = 2^-24).
+    bound = 98 * 2.0**-24 * (x.abs().double() @ w.abs().T + b.abs())
+    assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
+
+
+def test_pack_linears_float32_generates_what_the_model_generates():
+    torch.manual_seed(0)
+    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
+             "bias": False}
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
+                          positions={"kind": "rope"})).eval()
+    idx = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        want = model(idx)
+        greedy = model.generate(idx, 8, temperature=0)
+    pack_linears(model, torch.float32)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    with torch.no_grad():
+        got = model(idx)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert torch.equal(model.generate(idx, 8, temperature=0), greedy)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, "bf16"])
+def test_packing_refuses_other_dtypes(dtype):
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float32"):
+        PackedLinear(nn.Linear(4, 4), dtype)
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float32"):
+        pack_linears(nn.Sequential(nn.Linear(4, 4)), dtype)
