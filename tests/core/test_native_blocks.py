@@ -57,7 +57,9 @@ CASES = {
     "window": dict(shape=(1, 2, 1, 90, 90, 8, 8), kwargs={"mask": qkv.sliding_window(7)}),
     "cosine": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"similarity": "cosine"}),
     "scale": dict(shape=(1, 2, 2, 30, 30, 8, 8), kwargs={"scale": 0.7}),
-    "l1, causal, grouped heads": dict(shape=(2, 4, 2, 40, 47, 8, 8),
+    # L1's own gradient loops take whole vectors of d: 16 is a multiple of AVX2's 8 lanes
+    # and AVX-512's 16.
+    "l1, causal, grouped heads": dict(shape=(2, 4, 2, 40, 47, 16, 8),
                                       kwargs={"mask": qkv.causal(), "similarity": "l1"}),
     "l1, negative scale": dict(shape=(1, 2, 2, 30, 30, 16, 8),
                                kwargs={"similarity": "l1", "scale": -0.2}),
@@ -123,7 +125,8 @@ def test_inputs_in_projection_layout(similarity, block_runs):
     """(B, N, H, D) projections viewed as (B, H, N, D): rows H·D apart, heads D apart (read
     in place by the products, copied for a term's C loops, which read rows D apart)."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 19, 3, 8, generator=g).transpose(1, 2) for _ in range(3))
+    # D=16: whole vectors for L1's loops on AVX2 (8 lanes) and AVX-512 (16).
+    q, k, v = (torch.randn(2, 19, 3, 16, generator=g).transpose(1, 2) for _ in range(3))
     kwargs = {"mask": qkv.causal(), "similarity": similarity}
     ref = _out_and_grads(*(t.double() for t in (q, k, v)), backend="reference", **kwargs)
     ours = _out_and_grads(q, k, v, **kwargs)
