@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qkv.nn.linear as linear_module
-from qkv.models import GPT, GPTConfig
 from qkv.nn.linear import Linear, linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
@@ -152,13 +151,8 @@ def test_the_forcing_variable_is_checked(monkeypatch):
 
 
 @needs_onednn
-def test_a_gpt_generates_the_same_through_either_product(monkeypatch):
-    torch.manual_seed(0)
-    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
-             "bias": False}
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
-                          positions={"kind": "rope"})).eval()
-    idx = torch.randint(0, 64, (2, 12))
+def test_a_gpt_generates_the_same_through_either_product(monkeypatch, small_gpt):
+    model, idx = small_gpt
     monkeypatch.setattr(linear_module, "onednn_available", lambda: False)
     with torch.no_grad():
         want = model(idx)

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import qkv.nn.packed as packed_module
-from qkv.models import GPT, GPTConfig
 from qkv.nn.packed import PackedLinear, pack_linears
 
 
@@ -35,13 +34,8 @@ def test_packed_linear_is_bf16_weights_with_float_accumulation(rows, bias):
     assert 1e-5 < rel < 1e-2  # the error bf16 adds: visible, and bounded
 
 
-def test_pack_linears_keeps_a_gpt_close_and_generating_the_same():
-    torch.manual_seed(0)
-    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
-             "bias": False}
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
-                          positions={"kind": "rope"})).eval()
-    idx = torch.randint(0, 64, (2, 12))
+def test_pack_linears_keeps_a_gpt_close_and_generating_the_same(small_gpt):
+    model, idx = small_gpt
     with torch.no_grad():
         want = model(idx)
         greedy = model.generate(idx, 8, temperature=0)
@@ -76,13 +70,8 @@ def test_float32_packing_keeps_the_layer_s_numbers(monkeypatch, onednn, rows):
     assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
 
 
-def test_pack_linears_float32_generates_what_the_model_generates():
-    torch.manual_seed(0)
-    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
-             "bias": False}
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
-                          positions={"kind": "rope"})).eval()
-    idx = torch.randint(0, 64, (2, 12))
+def test_pack_linears_float32_generates_what_the_model_generates(small_gpt):
+    model, idx = small_gpt
     with torch.no_grad():
         want = model(idx)
         greedy = model.generate(idx, 8, temperature=0)
