@@ -120,7 +120,7 @@ def test_linear_is_an_nn_linear_with_its_state_dict():
 
 
 @needs_onednn
-def test_compiled_linear_leaves_the_product_to_the_compiler(monkeypatch):
+def test_compile_and_export_leave_the_product_to_the_compiler(monkeypatch):
     monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
     torch._dynamo.reset()
     layer = Linear(32, 16)
@@ -130,6 +130,10 @@ def test_compiled_linear_leaves_the_product_to_the_compiler(monkeypatch):
         want, got = layer(x), compiled(x)
     _close_to_exact(got, x, layer.weight.detach(), layer.bias.detach())
     _close_to_exact(want, x, layer.weight.detach(), layer.bias.detach())
+    with torch.no_grad():
+        exported = torch.export.export(layer, (x,))
+    calls = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert calls == [torch.ops.aten.linear.default]  # portable: no oneDNN op in the graph
 
 
 def test_the_forcing_variable_is_checked(monkeypatch):

@@ -8,7 +8,8 @@ shapes at 1,024 rows, and 0.65–0.75x on decoding's 1 to 17 rows. The two diffe
 order of the float32 sums: a few ulp, as MKL's own row counts differ among themselves.
 
 Everything else goes through ``F.linear`` unchanged: autograd (training), ``torch.compile``
-and export (the compiler picks its own kernels), autocast, other dtypes and devices, and the
+and export (the compiler picks its own kernels; the graph holds ``aten.linear``), autocast,
+tensor subclasses, other dtypes and devices, and the
 CPUs where oneDNN was not measured faster: Intel's (MKL's own code path) and AMD's without
 AVX-512 (there both libraries run AVX2 code).
 """
@@ -49,7 +50,9 @@ def onednn_available() -> bool:
 
 
 def _onednn_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    if not (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    # A subclass (a fake tensor of a trace, a user's) keeps F.linear and its own dispatch.
+    if not (type(x) is Tensor and x.device.type == "cpu"
+            and x.dtype == weight.dtype == torch.float32
             and x.layout == weight.layout == torch.strided and weight.dim() == 2):
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1):
