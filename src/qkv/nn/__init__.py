@@ -12,6 +12,7 @@ from .blocks import (
 )
 from .feedforward import ACTIVATIONS, MLP, GatedMLP, feed_forward
 from .kinds import ATTENTION_KINDS, build_attention, register_attention_kind
+from .linear import Linear
 from .linear_attention import LinearAttention, StateCache
 from .norms import NORMS, RMSNorm, make_norm
 from .positions import (
@@ -32,7 +33,8 @@ from .retention import Retention
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_KINDS", "ALiBiPositions", "BlockConfig", "DecoderBlock",
-    "GatedMLP", "KVCache", "LearnedPositions", "LinearAttention", "MLP", "MultiHeadAttention",
+    "GatedMLP", "KVCache", "LearnedPositions", "Linear", "LinearAttention", "MLP",
+    "MultiHeadAttention",
     "NORMS", "NoPositions", "POSITION_KINDS", "PositionScheme", "PositionsConfig",
     "RMSNorm", "RelativePositions", "Retention", "RotaryEmbedding", "RotaryPositions",
     "SinusoidalPositions", "StateCache", "Sublayer", "TransformerBlock", "attention_layer",
