@@ -13,6 +13,8 @@ from torch import nn
 import qkv.nn.linear as linear_module
 from qkv.nn.linear import Linear, linear
 
+from .conftest import assert_float32_linear
+
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="this torch is built without oneDNN")
 
@@ -33,23 +35,6 @@ def _no_f_linear(*args, **kwargs):
 _NO_F_LINEAR = SimpleNamespace(linear=_no_f_linear)
 
 
-def _exact(x, weight, bias):
-    y = x.double() @ weight.double().T
-    return y if bias is None else y + bias.double()
-
-
-def _close_to_exact(y, x, weight, bias):
-    want = _exact(x, weight, bias)
-    assert y.shape == want.shape and y.dtype == torch.float32
-    # Any order of float32 sums of in_features products (and the bias): the standard bound
-    # n·u·Σ|x_i w_i|, u = 2^-24, with room for the bias's rounding.
-    terms = x.abs().double() @ weight.abs().double().T
-    if bias is not None:
-        terms = terms + bias.abs().double()
-    bound = (x.shape[-1] + 2) * 2.0**-24 * terms + 1e-30
-    assert ((y.double() - want).abs() <= bound).all()
-
-
 @needs_onednn
 @settings(max_examples=30, deadline=None)
 @given(lead=st.lists(st.integers(0, 5), max_size=3), n_in=st.integers(1, 70),
@@ -64,7 +49,7 @@ def test_onednn_product_is_the_linear_map(lead, n_in, n_out, bias, transposed):
             x = torch.randn(n_in, *lead, generator=g).movedim(0, -1)
         weight = torch.randn(n_out, n_in, generator=g)
         b = torch.randn(n_out, generator=g) if bias else None
-        _close_to_exact(linear(x, weight, b), x, weight, b)
+        assert_float32_linear(linear(x, weight, b), x, weight, b)
 
 
 @needs_onednn
@@ -73,9 +58,9 @@ def test_linear_module_takes_the_onednn_path_in_inference(onednn):
     x = torch.randn(3, 5, 48)
     with torch.no_grad():
         y = layer(x)
-    _close_to_exact(y, x, layer.weight.detach(), layer.bias.detach())
+    assert_float32_linear(y, x, layer.weight, layer.bias)
     with torch.inference_mode():
-        _close_to_exact(layer(x), x, layer.weight.detach(), layer.bias.detach())
+        assert_float32_linear(layer(x), x, layer.weight, layer.bias)
 
 
 @pytest.mark.parametrize("case", ["grad", "float64", "autocast", "onednn off"])
@@ -116,7 +101,7 @@ def test_linear_is_an_nn_linear_with_its_state_dict():
     assert ours.state_dict().keys() == plain.state_dict().keys()
     x = torch.randn(2, 12)
     with torch.no_grad():
-        _close_to_exact(ours(x), x, plain.weight, plain.bias)
+        assert_float32_linear(ours(x), x, plain.weight, plain.bias)
 
 
 @needs_onednn
@@ -128,8 +113,8 @@ def test_compile_and_export_leave_the_product_to_the_compiler(monkeypatch):
     x = torch.randn(5, 32)
     with torch.no_grad():
         want, got = layer(x), compiled(x)
-    _close_to_exact(got, x, layer.weight.detach(), layer.bias.detach())
-    _close_to_exact(want, x, layer.weight.detach(), layer.bias.detach())
+    assert_float32_linear(got, x, layer.weight, layer.bias)
+    assert_float32_linear(want, x, layer.weight, layer.bias)
     with torch.no_grad():
         exported = torch.export.export(layer, (x,))
     calls = [n.target for n in exported.graph.nodes if n.op == "call_function"]

@@ -8,6 +8,8 @@ from torch import nn
 import qkv.nn.packed as packed_module
 from qkv.nn.packed import PackedLinear, pack_linears
 
+from .conftest import assert_float32_linear
+
 
 def bf16_reference(x, linear):
     """What PackedLinear computes, in float64: bf16-rounded input and weight, exact sums."""
@@ -63,11 +65,7 @@ def test_float32_packing_keeps_the_layer_s_numbers(monkeypatch, onednn, rows):
     x = torch.randn(2, rows, 96)
     with torch.no_grad():
         y = packed(x)
-    w, b = linear.weight.detach().double(), linear.bias.detach().double()
-    want = x.double() @ w.T + b
-    # Any order of float32 sums of 96 products, then the bias: n·u·Σ|x_i w_i| (u = 2^-24).
-    bound = 98 * 2.0**-24 * (x.abs().double() @ w.abs().T + b.abs())
-    assert y.dtype == torch.float32 and ((y.double() - want).abs() <= bound).all()
+    assert_float32_linear(y, x, linear.weight, linear.bias)
 
 
 def test_pack_linears_float32_generates_what_the_model_generates(small_gpt):

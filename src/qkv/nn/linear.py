@@ -65,11 +65,17 @@ def _onednn_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return onednn_available()
 
 
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out) in oneDNN, with no
+    activation after it; ``weight`` dense, or packed by ``mkldnn._reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``: x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out), in oneDNN
     where that was measured faster (module docstring), else in ``F.linear`` itself."""
     if _onednn_applies(x, weight, bias):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import linear, onednn_available
+from .linear import linear, onednn_available, onednn_linear
 
 # Rows up to which torch's own CPU bf16 product beats widening the weight to float32 (AVX2,
 # Zen 3, a 576 x 1536 layer: 8 rows 0.85 against 0.58 ms, 64 rows 6.9 against 1.7 ms; a
@@ -73,7 +73,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
         if self.onednn:
-            y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, None, "none", [], "")
+            y = onednn_linear(rows, self.weight)
         elif self.widen and rows.shape[0] > _BF16_ROWS:
             # The same numbers: bf16 inputs, exact float32 products and sums, a bf16 result.
             y = linear(rows.float(), self.weight.float()).to(torch.bfloat16)
