@@ -7,6 +7,12 @@
 #   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64,
 #                                           # beside FlexAttention (its kernel source kept) and
 #                                           # a bare FA-2 forward
+#   [BASELINE_SRC=DIR] benchmarks/gpu_suite.sh profile OUT_DIR
+#                                           # triton_profile.py at D=128: device time per
+#                                           # kernel against host time per call (qkv,
+#                                           # FlexAttention, SDPA) and a bare FA-2 forward
+#                                           # with the engine's extra steps one at a time;
+#                                           # with BASELINE_SRC, qkv's rows on that src first
 #   BASELINE_SRC=DIR benchmarks/gpu_suite.sh ab OUT_DIR
 #                                           # triton_tiling.py at D=128 on the src in DIR (an
 #                                           # older commit's, unpacked with git archive before
@@ -19,8 +25,8 @@
 # TESTS_TIMEOUT / BENCH_BUDGET (seconds; defaults fit a 10-minute call).
 set -uo pipefail
 
-stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles|ab[,...] OUT_DIR}
-out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles|ab[,...] OUT_DIR}
+stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles|profile|ab[,...] OUT_DIR}
+out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles|profile|ab[,...] OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -94,6 +100,23 @@ run_tiles() {
     return "${PIPESTATUS[0]}"
 }
 
+run_profile() {
+    if [ "$gpu" = 0 ]; then
+        echo "profile: needs a GPU (CUDA events, the profiler); skipped"
+        return 0
+    fi
+    local failed=0
+    : > "$out/profile.md"
+    if [ -n "${BASELINE_SRC:-}" ]; then
+        echo "### src: $BASELINE_SRC (qkv only)" | tee -a "$out/profile.md"
+        PYTHONPATH="$BASELINE_SRC:$root" "$py" benchmarks/triton_profile.py --systems qkv \
+            2>&1 | tee -a "$out/profile.md" || failed=1
+    fi
+    echo "### src: $root/src" | tee -a "$out/profile.md"
+    "$py" benchmarks/triton_profile.py 2>&1 | tee -a "$out/profile.md" || failed=1
+    return "$failed"
+}
+
 run_ab() {
     local base=${BASELINE_SRC:?ab: set BASELINE_SRC to the src folder of an older commit}
     if [ "$gpu" = 0 ]; then
@@ -120,7 +143,8 @@ for stage in "${wanted[@]}"; do
         d64) run_bench 64 || status=1 ;;
         tiles) run_tiles || status=1 ;;
         ab) run_ab || status=1 ;;
-        *) echo "unknown stage '$stage': expected tests, d128, d64, tiles or ab" >&2; exit 2 ;;
+        profile) run_profile || status=1 ;;
+        *) echo "unknown stage '$stage': expected tests, d128, d64, tiles, profile or ab" >&2; exit 2 ;;
     esac
 done
 exit "$status"

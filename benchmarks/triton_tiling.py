@@ -3,10 +3,9 @@ causal dot attention for candidate tilings, side by side, with SDPA's fastest ba
 same run (bf16, B·N = 16k).
 
 The engine is not autotuned (its block tables are built for one tiling before launch), so
-``function.choose_tiling`` is what this script replaces, one candidate at a time. Two
-baselines beside SDPA tell the kernel body's cost from the tiles': compiled FlexAttention
-(which uses these forward tiles on an H100 at D = 128) and a bare FlashAttention-2 forward
-with the engine's forward tiles and none of its variant machinery (forward only, no mask).
+``function.choose_tiling`` is what this script replaces, one candidate at a time, beside SDPA
+and compiled FlexAttention. Times are of synchronized calls, host time included
+(``triton_profile.py`` separates the kernels' device time, and times a bare FA-2 forward).
 ``--flex-source FILE`` writes the Triton code Inductor generated for FlexAttention.
 
     python benchmarks/triton_tiling.py --d 128 --n 8192 --flex-source flex_kernels.py
@@ -22,8 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 import qkv
 from qkv.core.engines.triton import function
@@ -32,11 +29,12 @@ from qkv.core.engines.triton.function import Tiles, Tiling
 # (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)
 CANDIDATES = {
     "now": None,
-    "fwd 128x128 w8 s3": ((128, 128, 8, 3), None, None),
-    "fwd 128x64 w4 s3": ((128, 64, 4, 3), None, None),
-    "fwd 64x64 w4 s4": ((64, 64, 4, 4), None, None),
-    "bwd dkv 64x64 w4 (before 2026-11-26 evening)": (None, None, (64, 64, 4, 3)),
-    "bwd dq 128x64 w8": (None, (128, 64, 8, 3), None),
+    "dkv 64x64 w4 s3": (None, None, (64, 64, 4, 3)),
+    "dkv 64x128 w8 s3": (None, None, (64, 128, 8, 3)),
+    "dkv 32x128 w4 s3": (None, None, (32, 128, 4, 3)),
+    "dkv 128x128 w8 s2": (None, None, (128, 128, 8, 2)),
+    "dq 128x64 w8 s3": (None, (128, 64, 8, 3), None),
+    "dq 128x128 w8 s2": (None, (128, 128, 8, 2), None),
 }
 
 
@@ -53,43 +51,6 @@ def _patched(candidate):
         return Tiling(fwd, dq, dkv, now.block_d)
 
     return choose
-
-
-@triton.jit
-def bare_forward(Q, K, V, O, qk_scale, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 D: tl.constexpr):
-    """Plain attention, (B·H, N, D) contiguous, N a multiple of both blocks: the online
-    softmax and two tensor-core products per key tile, nothing else."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    base = tl.program_id(1).to(tl.int64) * N * D
-    q = tl.load(Q + base + rows[:, None] * D + offs_d[None, :])
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, N, BLOCK_N):
-        keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)
-        k = tl.load(K + base + keys[:, None] * D + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base + keys[:, None] * D + offs_d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(O + base + rows[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty))
-
-
-def _bare(q, k, v):
-    t = ORIGINAL(0, q.shape[-1], True).fwd
-    out = torch.empty_like(q)
-    grid = (q.shape[2] // t.block_m, q.shape[0] * q.shape[1])
-    bare_forward[grid](q, k, v, out, q.shape[-1] ** -0.5 * 1.4426950408889634, q.shape[2],
-                       BLOCK_M=t.block_m, BLOCK_N=t.block_n, D=q.shape[-1],
-                       num_warps=t.num_warps, num_stages=t.num_stages)
-    return out
 
 
 def _write_flex_source(cache: str, path: str) -> None:
@@ -158,8 +119,6 @@ def main() -> None:
             return flex(*t, block_mask=block_mask)
 
         rows = [("SDPA (its own choice)", sdpa), ("FlexAttention (compiled)", flex_rows)]
-        if not causal:
-            rows.append(("bare FA-2 forward, the engine's forward tiles", _bare))
         for name in CANDIDATES:
             def ours(*t, causal=causal):
                 return qkv.attention(*t, mask=qkv.causal() if causal else None,
@@ -170,8 +129,7 @@ def main() -> None:
             try:
                 with torch.no_grad():
                     fwd = _ms(lambda fn=fn: fn(q, k, v))
-                both = (float("nan") if fn is _bare else
-                        _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)))
+                both = _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
             except Exception as e:  # a tiling that does not fit: say so, go on
                 print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:60]} | | | |")
                 continue

@@ -56,6 +56,19 @@ def load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
 
 
 @triton.jit
+def load_key_rows(base, offs, stride, n, D: tl.constexpr, offs_d, MASKED: tl.constexpr):
+    """``load_rows`` for a key tile. An unmasked tile (FULL: never the ragged last one) is
+    inside the matrix, so only the padded columns are masked: a constant along the loop,
+    where the row mask cost integer work on every tile."""
+    if MASKED:
+        x = load_rows(base, offs, stride, n, D, offs_d)
+    else:
+        x = tl.load(base + offs[:, None] * stride + offs_d[None, :],
+                    mask=(offs_d < D)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def sq_norms_kernel(X, OUT, sxb, sxh, sxn, H, N, D: tl.constexpr, D_PAD: tl.constexpr,
                     BLOCK: tl.constexpr):
     """Grid (ceil(N / BLOCK), B·H): OUT (B, H, N) fp32 = Σ_d X[b, h, n, d]², summed in fp32."""
@@ -161,7 +174,7 @@ def key_logits(offs_n, q, qn, Qb, Kb, KNb, offs_m, offs_d, q_idx, scale, b, h, s
     kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
     k = q
     if KERNEL < 2:
-        k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
+        k = load_key_rows(Kb, offs_n, skn, NK, D, offs_d, APPLY_MASK)
     kn = sq_norms(KNb, offs_n, NK, KERNEL)
     z = pair_scores(q, k, qn, kn, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2, A3, AS,
                     KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
@@ -180,7 +193,7 @@ def key_tile(tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale,
     """Key tile ``tile`` against a program's query rows: its offsets, v (loaded first, as
     before the scores) and ``key_logits``."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = load_rows(Vb, offs_n, svn, NK, DV, offs_v)
+    v = load_key_rows(Vb, offs_n, svn, NK, DV, offs_v, APPLY_MASK)
     kv_idx, k, z, s = key_logits(
         offs_n, q, qn, Qb, Kb, KNb, offs_m, offs_d, q_idx, scale, b, h, sqm, skn, NQ, NK, OFFSET,
         A0, A1, A2, A3, AS, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, APPLY_MASK, HAS_MASK,
@@ -209,7 +222,8 @@ def _fwd_tile(tile, m_i, l_i, acc, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_
     if DROPOUT:
         keep = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK, DROPOUT_P)
         p = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # rescaled before the product, which accumulates into it (no separate sum)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
 
 
