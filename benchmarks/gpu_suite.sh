@@ -109,7 +109,7 @@ run_profile() {
     : > "$out/profile.md"
     if [ -n "${BASELINE_SRC:-}" ]; then
         echo "### src: $BASELINE_SRC (qkv only)" | tee -a "$out/profile.md"
-        PYTHONPATH="$BASELINE_SRC:$root" "$py" benchmarks/triton_profile.py --systems qkv \
+        PYTHONPATH="$BASELINE_SRC:$root" "$py" benchmarks/triton_profile.py --parts qkv \
             2>&1 | tee -a "$out/profile.md" || failed=1
     fi
     echo "### src: $root/src" | tee -a "$out/profile.md"

@@ -5,7 +5,9 @@
    calls queued back to back (host time hidden behind the GPU's), and the device time of
    each kernel (torch.profiler), so that host overhead is told from kernel time;
 2. a bare FlashAttention-2 forward with the engine's forward tiles, and the same with one of
-   the engine's extra steps switched on at a time, to find which of them costs time.
+   the engine's extra steps switched on at a time, to find which of them costs time;
+3. host time per call, the GPU kept busy so that no call waits for it: qkv.attention against
+   the launch of its forward kernel alone (Triton's share), SDPA and FlexAttention.
 
     python benchmarks/triton_profile.py --d 128 --n 8192 --heads 16
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -86,6 +89,9 @@ BARE = {
 }
 
 
+PARTS = ("qkv", "flex", "sdpa", "bare", "host")
+
+
 def _bare(q, k, v, switches):
     t = choose_tiling(0, q.shape[-1], True).fwd
     out = torch.empty_like(q)
@@ -140,18 +146,84 @@ def kernel_ms(fn, reps: int = 5) -> dict[str, float]:
     return dict(times)
 
 
+def host_us(fn, reps: int = 20) -> float:
+    """Host time per call (µs), queued behind ~50 ms of products so that no call waits for
+    the GPU (a call that synchronizes shows as tens of milliseconds)."""
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(40):
+        busy @ busy
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e6
+
+
+def forward_launch(q, k, v, mask):
+    """The launch of qkv's forward kernel alone, replayed with the arguments of one call."""
+    from qkv.core.engines.triton import kernels
+
+    real, launches = kernels.fwd_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, args, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    kernels.fwd_kernel = Recorder()
+    try:
+        qkv.attention(q, k, v, mask=mask, backend="triton")
+    finally:
+        kernels.fwd_kernel = real
+    grid, args, kwargs = launches[0]
+    return lambda: real[grid](*args, **kwargs)
+
+
+def host_table(q, k, v, leaves, dout, flex) -> None:
+    print("\n| call (host only, GPU busy) | causal | µs per call |")
+    print("|---|---|---|")
+    for causal in (False, True):
+        mask = qkv.causal() if causal else None
+        with torch.no_grad():
+            launch = forward_launch(q, k, v, mask)
+        calls = {
+            "qkv.attention, triton, fwd": lambda m=mask: qkv.attention(q, k, v, mask=m,
+                                                                       backend="triton"),
+            "its fwd_kernel launch alone": launch,
+            "qkv.attention, triton, fwd+bwd": lambda m=mask: torch.autograd.grad(
+                qkv.attention(*leaves, mask=m, backend="triton"), leaves, dout),
+            "qkv.attention, auto (SDPA), fwd": lambda m=mask: qkv.attention(q, k, v, mask=m),
+            "sdpa, fwd": lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+        }
+        if not causal:
+            calls["flex (compiled), fwd"] = lambda: flex(q, k, v)
+        for name, fn in calls.items():
+            try:
+                with torch.no_grad() if "bwd" not in name else torch.enable_grad():
+                    fn()
+                    print(f"| {name} | {causal} | {host_us(fn):.0f} |", flush=True)
+            except Exception as e:
+                print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:80]} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--systems", default="qkv,flex,sdpa,bare",
-                        help="comma-separated subset of qkv, flex, sdpa, bare")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {', '.join(PARTS)}")
     args = parser.parse_args()
-    wanted = set(args.systems.split(","))
-    unknown = wanted - {"qkv", "flex", "sdpa", "bare"}
+    wanted = set(args.parts.split(","))
+    unknown = wanted - set(PARTS)
     if unknown:
-        parser.error(f"--systems: unknown {sorted(unknown)}; expected qkv, flex, sdpa, bare")
+        parser.error(f"--parts: unknown {sorted(unknown)}; expected {', '.join(PARTS)}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (device times, the profiler); none is visible")
     torch._dynamo.config.cache_size_limit = 64
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -202,8 +274,13 @@ def main() -> None:
                 listed = "; ".join(f"{key[:40]} {ms:.2f}" for key, ms in top)
                 print(f"| {name} | {causal} | {pass_} | {synced:.2f} | {queued:.2f} | "
                       f"{total:.2f} | {fl / total / 1e9:.0f} | {listed} |", flush=True)
-    if "bare" not in wanted:
-        return
+    if "bare" in wanted:
+        bare_table(q, k, v, pairs * 4.0 * args.d)
+    if "host" in wanted:
+        host_table(q, k, v, leaves, dout, flex)
+
+
+def bare_table(q, k, v, flops) -> None:
     print("\n| bare FA-2 forward (the engine's forward tiles) | ms | TFLOP/s |")
     print("|---|---|---|")
     for name, switches in BARE.items():
@@ -215,7 +292,7 @@ def main() -> None:
         except Exception as e:
             print(f"| {name} | {type(e).__name__}: {str(e)[:80]} | |")
             continue
-        print(f"| {name} | {ms:.3f} | {4.0 * pairs * args.d / ms / 1e9:.0f} |", flush=True)
+        print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
