@@ -142,6 +142,20 @@ def test_forced_backends():
         qkv.attention(q, k, v, return_weights=True, backend="fused")
 
 
+def test_inference_runs_the_same_kernels_without_a_graph():
+    # Under no_grad the engines' kernels run directly (no autograd Function, no pytree of the
+    # variant): the same bits as in grad mode, with a learnable slope and a graph mask.
+    q, k, v = rand_qkv(2, 4, 2, 13, 17, 8, 8, requires_grad=True)
+    slopes = torch.linspace(0.1, 0.8, 4, dtype=q.dtype).requires_grad_()
+    kwargs = dict(mask=qkv.causal() & qkv.padding([17, 9]), score_mod=qkv.alibi(slopes=slopes),
+                  similarity="l1", backend="fused")
+    with_graph = qkv.attention(q, k, v, **kwargs)
+    with torch.no_grad():
+        inference = qkv.attention(q, k, v, **kwargs)
+    assert with_graph.grad_fn is not None and inference.grad_fn is None
+    assert torch.equal(inference, with_graph)
+
+
 def test_returned_weights_come_from_the_saved_log_sum_exp():
     q, k, v = rand_qkv(2, 4, 2, 9, 11, 4, 3)
     mask = qkv.causal() & qkv.padding([11, 5])

@@ -12,7 +12,8 @@ Each engine gives an ``EngineKernels``: forward and backward over features q (B,
 k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``define`` registers them and returns the engine's
 ``EngineOp``, whose ``run`` calls them:
 - in eager mode, through an autograd Function that holds the variant itself (no registry
-  entry per call: a model that builds a fresh lambda each step would otherwise grow it);
+  entry per call: a model that builds a fresh lambda each step would otherwise grow it), or,
+  with grad mode off, the kernels directly (inference: no leaves to find, no graph node);
 - under torch.compile or torch.export, through the ops ``qkv::<engine>_forward`` and
   ``qkv::<engine>_backward``, behind a ``nonstrict_trace`` boundary so that the registry is
   written for real while Dynamo traces, and the ops' arguments are plain.
@@ -142,6 +143,10 @@ class EngineOp:
             out, lse, weights = traced(self.name, q, k, v, floats_as_scalars(variant),
                                        dropout_p, want_weights)
             return out, lse, weights if want_weights else None
+        if not torch.is_grad_enabled():  # inference: no graph to record, no leaves to find
+            out, lse, weights, _ = self.kernels.forward(q, k, v, variant, dropout_p,
+                                                        want_weights)
+            return out, lse, weights
         leaves = pytree.tree_leaves(variant)
         return _Eager.apply(self.kernels, variant, dropout_p, want_weights, q, k, v, *leaves)
 
