@@ -4,8 +4,8 @@ same run (bf16, B·N = 16k).
 
 The engine is not autotuned (its block tables are built for one tiling before launch), so
 ``function.choose_tiling`` is what this script replaces, one candidate at a time, beside SDPA
-and compiled FlexAttention. Times are of synchronized calls, host time included
-(``triton_profile.py`` separates the kernels' device time, and times a bare FA-2 forward).
+and compiled FlexAttention. Times are the kernels' device time per call (torch.profiler, as in
+``triton_profile.py``): host time, which varies by ±0.3 ms a call, stays out of the choice.
 ``--flex-source FILE`` writes the Triton code Inductor generated for FlexAttention.
 
     python benchmarks/triton_tiling.py --d 128 --n 8192 --flex-source flex_kernels.py
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.core.engines.triton import function
 from qkv.core.engines.triton.function import Tiles, Tiling
+from triton_profile import kernel_ms  # beside this script
 
 # (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)
 CANDIDATES = {
@@ -64,18 +65,12 @@ def _write_flex_source(cache: str, path: str) -> None:
     print(f"\n{len(found)} generated FlexAttention modules written to {path}")
 
 
-def _ms(fn, reps=20) -> float:
+def _device_ms(fn) -> tuple[float, dict[str, float]]:
+    """Device time of one call (ms) after a warm-up, and each kernel's."""
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    kernels = kernel_ms(fn, reps=10)
+    return sum(kernels.values()), kernels
 
 
 def main() -> None:
@@ -106,8 +101,9 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}, bf16, B={batch} H={args.heads} N={args.n} "
           f"D={args.d}\n")
-    print("| tiling | causal | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms |")
-    print("|---|---|---|---|---|---|")
+    print("| tiling | causal | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms "
+          "| dK/dV ms | dQ ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for causal in (False, True):
         def sdpa(*t, causal=causal):
             return F.scaled_dot_product_attention(*t, is_causal=causal)
@@ -128,14 +124,17 @@ def main() -> None:
             function.choose_tiling = _patched(CANDIDATES.get(name))
             try:
                 with torch.no_grad():
-                    fwd = _ms(lambda fn=fn: fn(q, k, v))
-                both = _ms(lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
+                    fwd, _ = _device_ms(lambda fn=fn: fn(q, k, v))
+                both, kernels = _device_ms(
+                    lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout))
             except Exception as e:  # a tiling that does not fit: say so, go on
-                print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:60]} | | | |")
+                print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:60]} | | | | | |")
                 continue
+            dkv, dq = (sum(ms for key, ms in kernels.items() if key.startswith(kernel))
+                       for kernel in ("bwd_kv_kernel", "bwd_q_kernel"))
             print(f"| {name} | {causal} | {tflops(flops[causal], fwd):.0f} | "
-                  f"{tflops(3.5 * flops[causal], both):.0f} | {fwd:.2f} | {both:.2f} |",
-                  flush=True)
+                  f"{tflops(3.5 * flops[causal], both):.0f} | {fwd:.2f} | {both:.2f} | "
+                  f"{dkv:.2f} | {dq:.2f} |", flush=True)
     if cache is not None:
         _write_flex_source(cache, args.flex_source)
 
