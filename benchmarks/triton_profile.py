@@ -29,6 +29,15 @@ from qkv.core.engines.triton.function import choose_tiling
 
 
 @triton.jit
+def _tile(pointers, ok, MASKED: tl.constexpr):
+    if MASKED:
+        x = tl.load(pointers, mask=ok, other=0.0)
+    else:
+        x = tl.load(pointers)
+    return x
+
+
+@triton.jit
 def bare_forward(Q, K, V, O, qk_scale, N, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  D: tl.constexpr, MASKED: tl.constexpr, ACC_ADD: tl.constexpr,
                  V_FIRST: tl.constexpr, SAFE_MAX: tl.constexpr):
@@ -46,16 +55,10 @@ def bare_forward(Q, K, V, O, qk_scale, N, stride, BLOCK_M: tl.constexpr, BLOCK_N
     for start in range(0, N, BLOCK_N):
         keys = tl.multiple_of(start, BLOCK_N) + tl.arange(0, BLOCK_N)
         ok = (keys[:, None] < N) & (offs_d[None, :] < D)
+        at = base + keys[:, None] * stride + offs_d[None, :]
         if V_FIRST:
-            if MASKED:
-                v = tl.load(V + base + keys[:, None] * stride + offs_d[None, :], mask=ok,
-                            other=0.0)
-            else:
-                v = tl.load(V + base + keys[:, None] * stride + offs_d[None, :])
-        if MASKED:
-            k = tl.load(K + base + keys[:, None] * stride + offs_d[None, :], mask=ok, other=0.0)
-        else:
-            k = tl.load(K + base + keys[:, None] * stride + offs_d[None, :])
+            v = _tile(V + at, ok, MASKED)
+        k = _tile(K + at, ok, MASKED)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if SAFE_MAX:
@@ -64,11 +67,7 @@ def bare_forward(Q, K, V, O, qk_scale, N, stride, BLOCK_M: tl.constexpr, BLOCK_N
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if not V_FIRST:
-            if MASKED:
-                v = tl.load(V + base + keys[:, None] * stride + offs_d[None, :], mask=ok,
-                            other=0.0)
-            else:
-                v = tl.load(V + base + keys[:, None] * stride + offs_d[None, :])
+            v = _tile(V + at, ok, MASKED)
         if ACC_ADD:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         else:
@@ -210,6 +209,23 @@ def host_table(q, k, v, leaves, dout, flex) -> None:
                 print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:80]} |")
 
 
+def compiled_flex():
+    """torch.compile(flex_attention), allowed a recompile per variant a run times."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.cache_size_limit = 64
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def problem(n: int, heads: int, d: int):
+    """q, k, v (B, H, N, D) bf16 on the GPU with B·N = 16k, a gradient of the output, and
+    q, k, v again as leaves that require grad."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(max(1, 16384 // n), heads, n, d, device="cuda", generator=g,
+                           dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v, torch.randn_like(q), [t.detach().requires_grad_() for t in (q, k, v)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, default=128)
@@ -224,16 +240,10 @@ def main() -> None:
         parser.error(f"--parts: unknown {sorted(unknown)}; expected {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (device times, the profiler); none is visible")
-    torch._dynamo.config.cache_size_limit = 64
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    flex = torch.compile(flex_attention, dynamic=False)
-    batch = max(1, 16384 // args.n)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(batch, args.heads, args.n, args.d, device="cuda", generator=g,
-                           dtype=torch.bfloat16) for _ in range(3))
-    dout = torch.randn_like(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    flex, (q, k, v, dout, leaves) = compiled_flex(), problem(args.n, args.heads, args.d)
+    batch = q.shape[0]
     pairs = batch * args.heads * args.n**2
     print(f"{torch.cuda.get_device_name()}, bf16, B={batch} H={args.heads} N={args.n} "
           f"D={args.d}\n")

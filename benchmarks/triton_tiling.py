@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.core.engines.triton import function
 from qkv.core.engines.triton.function import Tiles, Tiling
-from triton_profile import kernel_ms  # beside this script
+from triton_profile import compiled_flex, kernel_ms, problem  # beside this script
 
 # (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)
 CANDIDATES = {
@@ -84,15 +84,10 @@ def main() -> None:
     cache = None
     if args.flex_source:  # Inductor reads this when it first compiles
         cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="flex_")
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    flex = torch.compile(flex_attention, dynamic=False)
-    batch = max(1, 16384 // args.n)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(batch, args.heads, args.n, args.d, device="cuda", generator=g,
-                           dtype=torch.bfloat16) for _ in range(3))
-    dout = torch.randn_like(q)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    flex, (q, k, v, dout, leaves) = compiled_flex(), problem(args.n, args.heads, args.d)
+    batch = q.shape[0]
     flops = {False: 4.0 * batch * args.heads * args.n**2 * args.d}
     flops[True] = flops[False] / 2
 
