@@ -45,7 +45,7 @@ def _record_launches(monkeypatch, problem):
     recorders = {}
     for module, name in ((kernels, "fwd_kernel"), (backward, "bwd_kv_kernel"),
                          (backward, "bwd_q_kernel"), (kernels, "weights_kernel"),
-                         (kernels, "sq_norms_kernel")):
+                         (kernels, "row_dots_kernel")):
         recorders[name] = _Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, recorders[name])
     runner = triton_engine.plan(problem, on_cpu=True)
@@ -125,8 +125,9 @@ def test_kernels_compile_for_sm90(
     expected = ["fwd_kernel", "weights_kernel"] if weights else [
         "fwd_kernel", "bwd_kv_kernel", "bwd_q_kernel"
     ]
-    if similarity == "l2":  # its squared norms: q's and k's, in each of the two passes
-        expected += ["sq_norms_kernel"] * 4
+    # Row dots: L2's squared norms (q's and k's, in each of the two passes) and the
+    # backward's delta = rowsum(dO * O).
+    expected += ["row_dots_kernel"] * ((4 if similarity == "l2" else 0) + (0 if weights else 1))
     assert [kernel.fn.__name__ for kernel, _, _ in launches] == expected
     for kernel, args, kwargs in launches:
         compiled = _compile(kernel, args, kwargs)

@@ -203,13 +203,13 @@ def bwd_kv_kernel(
                         BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
                         MOD_BWD_FN, DROPOUT, PRECISION, TERM_FN, TERM_DK_FN, TERM_GRAD_FN)
     keep = offs_n[:, None] < NK
-    if KERNEL == 0:
-        tl.store(DKb + offs_n[:, None] * D + offs_d[None, :], dk, mask=keep & (offs_d[None, :] < D))
-    if KERNEL == 1:
-        dk = 2.0 * dk - 2.0 * col_sum[:, None] * k.to(tl.float32)
-        tl.store(DKb + offs_n[:, None] * D + offs_d[None, :], dk, mask=keep & (offs_d[None, :] < D))
-    tl.store(DV + pid_bh * NK * DVD + offs_n[:, None] * DVD + offs_v[None, :], dv,
-             mask=keep & (offs_v[None, :] < DVD))
+    if KERNEL < 2:  # stored once, in DK's dtype (the chunked terms added into fp32 DK above)
+        if KERNEL == 1:
+            dk = 2.0 * dk - 2.0 * col_sum[:, None] * k.to(tl.float32)
+        tl.store(DKb + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=keep & (offs_d[None, :] < D))
+    tl.store(DV + pid_bh * NK * DVD + offs_n[:, None] * DVD + offs_v[None, :],
+             dv.to(DV.dtype.element_ty), mask=keep & (offs_v[None, :] < DVD))
 
 
 @triton.jit
@@ -323,10 +323,10 @@ def bwd_q_kernel(
                     MASK_FN, HAS_MOD, MOD_FN, MOD_BWD_FN, MOD_GRAD, SCALE_GRAD, DROPOUT,
                     PRECISION, TERM_FN, TERM_DQ_FN, TERM_GRAD, TERM_GRAD_FN)
     keep = (offs_m[:, None] < NQ) & (offs_d[None, :] < D)
-    if KERNEL == 0:
-        tl.store(DQb + offs_m[:, None] * D + offs_d[None, :], dq, mask=keep)
-    if KERNEL == 1:
-        dq = 2.0 * dq - 2.0 * row_sum[:, None] * q.to(tl.float32)
-        tl.store(DQb + offs_m[:, None] * D + offs_d[None, :], dq, mask=keep)
+    if KERNEL < 2:  # stored once, in DQ's dtype (the chunked terms added into fp32 DQ)
+        if KERNEL == 1:
+            dq = 2.0 * dq - 2.0 * row_sum[:, None] * q.to(tl.float32)
+        tl.store(DQb + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=keep)
     if SCALE_GRAD:
         tl.atomic_add(DSCALE + h, tl.sum(dscale, 0))

@@ -195,22 +195,23 @@ def _info_on(values: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+def row_dots(x: Tensor, y: Tensor) -> Tensor:
+    """fp32 Σ_d x·y (B, H, N) of x and y (B, H, N, D), summed in fp32 in one pass over both."""
+    batch, heads, n, d = x.shape
+    out = torch.empty(batch, heads, n, dtype=torch.float32, device=x.device)
+    block = 64
+    kernels.row_dots_kernel[(-(-n // block), batch * heads)](
+        x, y, out, *_strides(x), *_strides(y), heads, n, D=d, D_PAD=_pad(d), BLOCK=block,
+        num_warps=4, num_stages=1)
+    return out
+
+
 def squared_norms(plan: KernelPlan, q: Tensor, k: Tensor, dummy: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 ‖q‖² (B, H, Nq) and ‖k‖² (B, Hkv, Nk) for neg_sqdist, whose kernels read them (once
     per call, not once per tile); ``dummy`` twice for the other kernels, which read neither."""
     if plan.kernel != KERNELS_OF_TERMS[NEG_SQDIST.term]:
         return dummy, dummy
-    batch = q.shape[0]
-    norms = []
-    for x in (q, k):
-        heads, n, d = x.shape[1:]
-        out = torch.empty(batch, heads, n, dtype=torch.float32, device=x.device)
-        block = 64
-        kernels.sq_norms_kernel[(-(-n // block), batch * heads)](
-            x, out, *_strides(x), heads, n, D=d, D_PAD=_pad(d), BLOCK=block, num_warps=4,
-            num_stages=1)
-        norms.append(out)
-    return norms[0], norms[1]
+    return row_dots(q, q), row_dots(k, k)
 
 
 def _common(plan: KernelPlan, q: Tensor, k: Tensor, v: Tensor) -> dict:
@@ -272,13 +273,15 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     batch, heads, nq, d = q.shape
     kv_heads, nk, dv = k.shape[1], k.shape[2], v.shape[3]
     grad_out = _rows(grad_out)
-    delta = (grad_out.float() * out.float()).sum(-1)
+    delta = row_dots(grad_out, out)
     if grad_lse is not None:
-        delta = delta - grad_lse.float() * _LOG2E
-    delta = delta.contiguous()
-    dq = torch.zeros(batch, heads, nq, d, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(batch, kv_heads, nk, d, dtype=torch.float32, device=q.device)
-    dvv = torch.zeros(batch, kv_heads, nk, dv, dtype=torch.float32, device=q.device)
+        delta = (delta - grad_lse.float() * _LOG2E).contiguous()
+    # Each program stores its rows of dq, dk (product terms) and dv once, in the inputs'
+    # dtype; the chunked terms' loops add into fp32 dq and dk tile by tile.
+    stored = plan.kernel < 2
+    dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=x.device) if stored
+              else torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k))
+    dvv = torch.empty(batch, kv_heads, nk, dv, dtype=v.dtype, device=q.device)
     dscale = torch.zeros(heads, dtype=torch.float32, device=q.device)
     slot_args, strides = _slot_args(slots, q.device)
     grads = [

@@ -69,19 +69,23 @@ def load_key_rows(base, offs, stride, n, D: tl.constexpr, offs_d, MASKED: tl.con
 
 
 @triton.jit
-def sq_norms_kernel(X, OUT, sxb, sxh, sxn, H, N, D: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Grid (ceil(N / BLOCK), B·H): OUT (B, H, N) fp32 = Σ_d X[b, h, n, d]², summed in fp32."""
+def row_dots_kernel(X, Y, OUT, sxb, sxh, sxn, syb, syh, syn, H, N, D: tl.constexpr,
+                    D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (ceil(N / BLOCK), B·H): OUT (B, H, N) fp32 = Σ_d X[b, h, n, d]·Y[b, h, n, d],
+    summed in fp32: squared norms (Y = X) for neg_sqdist, and the backward's
+    delta = rowsum(dO ∘ O)."""
     pid_bh = tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = load_rows(X + (pid_bh // H) * sxb + (pid_bh % H) * sxh, rows, sxn, N, D,
-                  tl.arange(0, D_PAD)).to(tl.float32)
-    tl.store(OUT + pid_bh * N + rows, tl.sum(x * x, 1), mask=rows < N)
+    offs = tl.arange(0, D_PAD)
+    x = load_rows(X + b * sxb + h * sxh, rows, sxn, N, D, offs).to(tl.float32)
+    y = load_rows(Y + b * syb + h * syh, rows, syn, N, D, offs).to(tl.float32)
+    tl.store(OUT + pid_bh * N + rows, tl.sum(x * y, 1), mask=rows < N)
 
 
 @triton.jit
 def sq_norms(NORMS, offs, n, KERNEL: tl.constexpr):
-    """‖x‖² of rows ``offs`` (< n) from sq_norms_kernel's output for neg_sqdist; unused zeros
+    """‖x‖² of rows ``offs`` (< n) from row_dots_kernel's output for neg_sqdist; unused zeros
     (nothing loaded) for the other kernels."""
     norms = offs.to(tl.float32) * 0.0
     if KERNEL == 1:
