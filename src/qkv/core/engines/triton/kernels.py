@@ -57,9 +57,8 @@ def load_rows(base, offs, stride, n, D: tl.constexpr, offs_d):
 
 @triton.jit
 def load_key_rows(base, offs, stride, n, D: tl.constexpr, offs_d, MASKED: tl.constexpr):
-    """``load_rows`` for a key tile. An unmasked tile (FULL: never the ragged last one) is
-    inside the matrix, so only the padded columns are masked: a constant along the loop,
-    where the row mask cost integer work on every tile."""
+    """``load_rows`` for a key tile. An unmasked tile (FULL: never the ragged last one) lies
+    inside the matrix, so only the padded columns are masked, a constant of the loop."""
     if MASKED:
         x = load_rows(base, offs, stride, n, D, offs_d)
     else:
