@@ -130,6 +130,7 @@ def test_dispatch_sends_plain_and_causal_dot_to_sdpa_and_the_rest_to_fused():
     assert _engine(mask=qkv.sliding_window(2)) == "fused"
     assert _engine(score_mod=qkv.softcap(5.0)) == "fused"
     assert _engine(similarity="l1") == "fused"
+    assert _engine(similarity="cosine") == "fused"  # SDPA takes cosine on CUDA only
     assert _engine(return_weights=True) == "fused"
 
 

@@ -154,16 +154,21 @@ def test_large_problems_on_many_tiles(name, dtype):
 
 
 def test_dispatch_on_cuda():
-    """Plain and causal dot go to SDPA; every other variant to the Triton kernels."""
+    """Plain and causal dot and cosine go to SDPA; every other variant to the Triton
+    kernels."""
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     pick = {name: engines.plan(build_problem(q, q, q, **kw)).engine for name, kw in {
         "dot": {}, "causal": {"mask": qkv.causal()},
         "alibi": {"mask": qkv.causal(), "score_mod": qkv.alibi(2)},
         "l1": {"similarity": "l1"}, "user": {"similarity": USER},
+        "cosine": {"similarity": "cosine"},
+        "cosine_causal": {"similarity": "cosine", "mask": qkv.causal()},
+        "l2": {"similarity": "l2"},
         "graph": {"mask": qkv.graph(torch.randint(0, 128, (2, 512), device="cuda"))},
     }.items()}
     assert pick == {"dot": "sdpa", "causal": "sdpa", "alibi": "triton", "l1": "triton",
-                    "user": "triton", "graph": "triton"}, pick
+                    "user": "triton", "cosine": "sdpa", "cosine_causal": "sdpa",
+                    "l2": "triton", "graph": "triton"}, pick
 
 
 @pytest.fixture

@@ -48,8 +48,8 @@ def checked(why_not: Callable[[Problem], str | None], run: Callable[[Problem], R
 
 
 # The dispatch order, the one place it is written: ``backend="auto"`` takes the first engine
-# that can run the request. SDPA only ever takes plain or causal dot products; the reference
-# can run everything and comes last.
+# that can run the request. SDPA only ever takes plain or causal dot products (and cosine, on
+# CUDA); the reference can run everything and comes last.
 ENGINES: list[Engine] = [
     Engine("sdpa", checked(sdpa.why_not, sdpa.run)),
     Engine("triton", triton.plan),
