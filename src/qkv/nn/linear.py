@@ -24,14 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.engines.native import cpuinfo_line
+
 
 def _amd_cpu() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            vendor = next((line for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        vendor = platform.processor()  # Windows: "AMD64 Family 25 ..., AuthenticAMD"
-    return "AuthenticAMD" in vendor
+    # Without /proc (Windows), platform.processor(): "AMD64 Family 25 ..., AuthenticAMD".
+    return "AuthenticAMD" in (cpuinfo_line("vendor_id") or platform.processor())
 
 
 @functools.cache

@@ -83,11 +83,12 @@ def term_id(pair) -> int | None:
     return C_TERMS.get(pair.term)
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags: ``-march=native`` code is only valid on a CPU that has them."""
+def cpuinfo_line(key: str) -> str:
+    """The first line of /proc/cpuinfo that starts with ``key`` ("" without one, or without
+    /proc)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(key)), "")
     except OSError:
         return ""
 
@@ -95,8 +96,10 @@ def _cpu_flags() -> str:
 def _build(compiler: str, source: bytes, stem: str) -> Path:
     """The shared library of C ``source``, compiled once per source, compiler, flags and CPU
     (a content hash names it: a changed source never loads a stale build)."""
+    # -march=native code is only valid on a CPU with the same feature flags.
+    cpu = cpuinfo_line("flags")
     key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()]
+        [source, compiler.encode(), " ".join(_FLAGS).encode(), cpu.encode()]
     )).hexdigest()[:16]
     target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():
