@@ -441,6 +441,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the correctness checks (their compiles and float64 references "
+                             "can take a short call's whole budget)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny CPU run of the whole script (set TRITON_INTERPRET=1)")
     args = parser.parse_args()
@@ -460,15 +463,8 @@ def main() -> None:
     print(f"# qkv attention on GPU — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"device: {name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"CUDA {torch.version.cuda}; dtype {args.dtype}\n")
-    print("## Correctness (relative error vs float64: out, dq, dk, dv)\n")
-    # Every variant in bf16 at the largest timed head dim (the timings reuse these compiles),
-    # and a few in fp16 and fp32 at the smallest: compiles are the slow part of a first call.
-    main_dtype, other = [args.dtype], [torch.float16, torch.float32]
-    checks = [(name, max(args.d), main_dtype) for name in args.variants]
-    if not args.smoke:
-        checks += [(name, min(args.d), other) for name in ("causal", "alibi", "l1")]
-    for line in correctness(device, 40 if args.smoke else 1000, checks):
-        print(line, flush=True)
+    if not args.no_check:
+        print_correctness(args, device)
     peak = None if args.smoke else matmul_peak_tflops(device)
     print(f"\n## Timings (bf16 matmul peak {_fmt(peak)} TFLOP/s)\n")
     print("\n".join(TABLE_HEADER), flush=True)
@@ -478,6 +474,18 @@ def main() -> None:
     if skipped:
         print(f"\nSkipped for the time budget ({len(skipped)}): " + "; ".join(skipped))
     print(f"\ntotal {time.monotonic() - start:.0f} s")
+
+
+def print_correctness(args, device) -> None:
+    print("## Correctness (relative error vs float64: out, dq, dk, dv)\n")
+    # Every variant in bf16 at the largest timed head dim (the timings reuse these compiles),
+    # and a few in fp16 and fp32 at the smallest: compiles are the slow part of a first call.
+    main_dtype, other = [args.dtype], [torch.float16, torch.float32]
+    checks = [(name, max(args.d), main_dtype) for name in args.variants]
+    if not args.smoke:
+        checks += [(name, min(args.d), other) for name in ("causal", "alibi", "l1")]
+    for line in correctness(device, 40 if args.smoke else 1000, checks):
+        print(line, flush=True)
 
 
 _FLEX = None

@@ -32,10 +32,7 @@ CANDIDATES = {
     "now": None,
     "dkv 64x64 w4 s3": (None, None, (64, 64, 4, 3)),
     "dkv 64x128 w8 s3": (None, None, (64, 128, 8, 3)),
-    "dkv 32x128 w4 s3": (None, None, (32, 128, 4, 3)),
-    "dkv 128x128 w8 s2": (None, None, (128, 128, 8, 2)),
-    "dq 128x64 w8 s3": (None, (128, 64, 8, 3), None),
-    "dq 128x128 w8 s2": (None, (128, 128, 8, 2), None),
+    "dq 64x64 w4 s3 (before 2026-11-27)": (None, (64, 64, 4, 3), None),
 }
 
 
