@@ -1,10 +1,11 @@
 """A score modifier compiled to C tile loops from its own definition.
 
 The modifier (``scores.py``: ALiBi, softcap, relative bias, a user's callable) is traced
-once per call (``trace.trace_score_mod``) into a graph over (score, b, h, q_idx, kv_idx,
-offset). This module writes that graph and its derivatives (``derivative``) into two loops
-over a tile of scores (B, H, bq, bk) whose key index is innermost, so the compiler vectorizes
-them; in float, exp and tanh are the inline forms of ``c_text.FAST_MATH``:
+(``trace.trace_score_mod``: a user's on every call, qkv's own once per structure, ``memo``)
+into a graph over (score, b, h, q_idx, kv_idx, offset). This module writes that graph and
+its derivatives (``derivative``) into two loops over a tile of scores (B, H, bq, bk) whose
+key index is innermost, so the compiler vectorizes them; in float, exp and tanh are the
+inline forms of ``c_text.FAST_MATH``:
 
 - ``mod_scores``: scale, then the modifier, one pass (torch needs a pass per operation and
   an autograd graph per tile in the backward);
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import native
+from . import memo
 from .c import _C_TYPES, CEmitter, flat_offset, load_functions
 from .c_text import HEADER
 from .derivative import depends_on, derivative, loads_in
@@ -232,12 +234,24 @@ class ModLoops:
         return tuple(s.view(v.shape) for s, v in zip(sums, self._grad_values, strict=True))
 
 
+_TRACES = memo.Traces()
+
+
 def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
-    """C loops for ``score_mod`` (a ``scores.ScoreMod``) in ``dtype``, traced now (so they read
-    the tensors it captures as they are now), or None: it does not trace, reads a tensor of
-    another type than float, integer or bool, or nothing builds."""
+    """C loops for ``score_mod`` (a ``scores.ScoreMod``) in ``dtype``, traced now or found
+    traced (``memo``), reading the tensors it captures now; or None: it does not trace,
+    reads a tensor of another type than float, integer or bool, or nothing builds."""
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
+    keyed = memo.variant_key(score_mod)
+    if keyed is not None:
+        key = (keyed[0], dtype, torch.is_grad_enabled())
+        found = _TRACES.lookup(key, keyed[1], "cpu")
+        if found is not None:
+            (functions, grad_slots, needs_raw, slope_is_one), slots = found
+            if _grad_slots(slots) == grad_slots:
+                return ModLoops(functions, slots, _values(slots, dtype), grad_slots, needs_raw,
+                                slope_is_one)
     graph = Graph("cpu")
     try:
         root = trace_score_mod(score_mod, graph)
@@ -245,7 +259,7 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
         return None
     if not all(t.is_floating_point() or t.dtype in _INT_C_TYPES for t in graph.slots):
         return None
-    grad_slots = [i for i, t in enumerate(graph.slots) if t.requires_grad]
+    grad_slots = _grad_slots(graph.slots)
     try:
         source = _source(root, set(grad_slots), dtype)
     except CompileError:
@@ -253,11 +267,21 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     functions = load_functions(source, "score_mod", _SIGNATURES)
     if functions is None:
         return None
-    values = [(t.detach().to(dtype) if t.is_floating_point() else t).contiguous()
-              for t in graph.slots]
     derivatives = [derivative(root, graph.leaf("score", FLOAT), {})] + [
         derivative(root, load, {}) for load in loads_in(root).values()
         if load.args[0] in grad_slots]
     needs_raw = any(depends_on(d, {"score"}) for d in derivatives)
     slope_is_one = not isinstance(derivatives[0], Sym) and derivatives[0] == 1
-    return ModLoops(functions, graph.slots, values, grad_slots, needs_raw, slope_is_one)
+    if keyed is not None:
+        _TRACES.store(key, keyed[1], (functions, grad_slots, needs_raw, slope_is_one), graph)
+    return ModLoops(functions, graph.slots, _values(graph.slots, dtype), grad_slots, needs_raw,
+                    slope_is_one)
+
+
+def _grad_slots(slots: list[Tensor]) -> list[int]:
+    return [i for i, t in enumerate(slots) if t.requires_grad]
+
+
+def _values(slots: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """The slots as the C loops read them: float ones in ``dtype``, detached, contiguous."""
+    return [(t.detach().to(dtype) if t.is_floating_point() else t).contiguous() for t in slots]

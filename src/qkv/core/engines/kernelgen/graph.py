@@ -47,6 +47,7 @@ class Graph:
         self.torch_function: Callable | None = None
         self.nodes: dict[tuple, Sym] = {}
         self.slots: list[Tensor] = []
+        self.sources: list[Tensor] = []  # each slot's tensor as the traced code read it
         self._slot_of: dict[int, int] = {}
 
     def node(self, op: str, args: tuple, kind: str) -> Sym:
@@ -76,9 +77,15 @@ class Graph:
             if tensor.dim() > 4:
                 raise CompileError(f"a captured tensor has {tensor.dim()} dims; at most 4 compile")
             index = len(self.slots)
-            self.slots.append(tensor.to(self.device).contiguous())
+            self.slots.append(self.place(tensor, self.device))
+            self.sources.append(tensor)
             self._slot_of[id(tensor)] = index
         return index
+
+    @staticmethod
+    def place(tensor: Tensor, device) -> Tensor:
+        """A captured tensor as a slot holds it: on ``device``, contiguous (differentiably)."""
+        return tensor.to(device).contiguous()
 
     def load(self, tensor: Tensor, index) -> Sym:
         """``tensor[index]`` with symbolic (or integer) indices, one per dimension."""

@@ -3,11 +3,12 @@ import needed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from ..kernelgen import memo
 from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import generate_source
@@ -35,13 +36,25 @@ def _trace(what: str, obj, trace, graph: Graph):
         ) from None
 
 
+_TRACES = memo.Traces()
+
+
 def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) -> TracedVariant:
     """The pairwise term (unless the kernels have its code), mask and score modifier of a
-    call on ``device`` with query head dim ``head_dim``, traced into one Triton module.
-    Raises CompileError naming what cannot be compiled."""
+    call on ``device`` with query head dim ``head_dim``, traced into one Triton module (or
+    found traced, ``memo``). Raises CompileError naming what cannot be compiled."""
+    kernel = kernel_id(pair)
+    keyed = None if kernel is None else memo.variant_key(mask, score_mod)
+    if keyed is not None:
+        key = (kernel, keyed[0], device, head_dim, torch.is_grad_enabled())
+        found = _TRACES.lookup(key, keyed[1], device)
+        if found is not None:
+            traced, slots = found
+            if _grad_slots(slots) == traced.grad_slots:
+                return replace(traced, slots=slots)
     graph = Graph(device, head_dim)
     term_root = (
-        None if kernel_id(pair) is not None
+        None if kernel is not None
         else _trace("the pairwise term", pair.term, trace_term, graph)
     )
     mask_root = None if mask is None else _trace("mask", mask, trace_mask, graph)
@@ -49,10 +62,8 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) ->
         None if score_mod is None
         else _trace("score_mod", score_mod, trace_score_mod, graph)
     )
-    grad_slots = {
-        i for i, t in enumerate(graph.slots) if t.is_floating_point() and t.requires_grad
-    }
-    return TracedVariant(
+    grad_slots = _grad_slots(graph.slots)
+    traced = TracedVariant(
         source=generate_source(mask_root, mod_root, grad_slots, term_root),
         has_mask=mask_root is not None,
         has_mod=mod_root is not None,
@@ -60,3 +71,10 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) ->
         slots=graph.slots,
         grad_slots=grad_slots,
     )
+    if keyed is not None:
+        _TRACES.store(key, keyed[1], replace(traced, slots=[]), graph)
+    return traced
+
+
+def _grad_slots(slots: list[Tensor]) -> set[int]:
+    return {i for i, t in enumerate(slots) if t.is_floating_point() and t.requires_grad}
