@@ -66,9 +66,9 @@ def test_user_callables_and_outside_subclasses_have_no_key():
 
 def test_triton_trace_is_reused_with_this_calls_tensors(monkeypatch):
     calls = _count_traces(monkeypatch, triton_variant)
-    first = triton_variant.trace_variant(DOT, qkv.causal(), qkv.alibi(4), CPU, 16)
+    first = triton_variant.trace_variant(DOT, qkv.causal(), qkv.alibi(4), CPU, 16, 64)
     slopes = torch.rand(4, requires_grad=False)
-    second = triton_variant.trace_variant(DOT, qkv.causal(), Alibi(slopes), CPU, 16)
+    second = triton_variant.trace_variant(DOT, qkv.causal(), Alibi(slopes), CPU, 16, 64)
     assert len(calls) == 1
     assert second.source == first.source
     assert second.slots[0] is slopes
@@ -77,22 +77,23 @@ def test_triton_trace_is_reused_with_this_calls_tensors(monkeypatch):
 
 def test_triton_trace_follows_requires_grad(monkeypatch):
     calls = _count_traces(monkeypatch, triton_variant)
-    plain = triton_variant.trace_variant(DOT, None, qkv.alibi(4), CPU, 16)
+    plain = triton_variant.trace_variant(DOT, None, qkv.alibi(4), CPU, 16, 64)
     learnable = torch.rand(4, requires_grad=True)
-    traced = triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16)
+    traced = triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16, 64)
     assert len(calls) == 2  # requires_grad is in the key: the code differs
     assert traced.grad_slots == {0} and plain.grad_slots == set()
     assert traced.slots[0] is learnable
     with torch.no_grad():  # grad mode is in the key too
-        assert triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16).slots[0] \
+        assert triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16, 64).slots[0] \
             is learnable
     assert len(calls) == 3
 
 
 def test_user_score_mod_is_traced_every_call(monkeypatch):
     calls = _count_traces(monkeypatch, triton_variant)
+    doubled = as_score_mod(lambda s, b, h, q, k: s * 2)
     for _ in range(3):
-        triton_variant.trace_variant(DOT, None, as_score_mod(lambda s, b, h, q, k: s * 2), CPU, 16)
+        triton_variant.trace_variant(DOT, None, doubled, CPU, 16, 64)
     assert len(calls) == 3
     assert len(triton_variant._TRACES) == 0
 

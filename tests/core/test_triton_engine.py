@@ -28,6 +28,7 @@ from qkv.core.engines.triton.blocks import classify
 from qkv.core.masks import FULL
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
+from qkv.core.scores import as_score_mod
 from qkv.core.similarity import SIMILARITIES
 
 from .conftest import EXAMPLE_D, registered_similarities
@@ -391,6 +392,52 @@ def test_dropout_matches_float64_with_the_kernels_keep_mask(interpreter_results)
     assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
 
 
+def run_integer_positions_case() -> dict:
+    """Runs in the interpreter subprocess: learned ALiBi with positions past the bound up to
+    which the kernels compute |q - k| in float (lowered here to 16 of the case's 40), so the
+    integer form of the generated code runs."""
+    from qkv.core.engines.triton import variant
+
+    limit = variant.POSITION_LIMIT
+    variant.POSITION_LIMIT = 16
+    variant._TRACES.clear()
+    try:
+        result = run_case("dot_alibi_learned_slopes")
+        result["float_sources"] = [
+            value.source.count("q_idx.to(tl.float32)") for value, _ in
+            variant._TRACES._entries.values()]
+        return result
+    finally:
+        variant.POSITION_LIMIT = limit
+        variant._TRACES.clear()
+
+
+def test_position_arithmetic_is_float_below_the_bound_only():
+    """ALiBi's |q - k| in float from the position vectors below POSITION_LIMIT; above it, in
+    integers (float32 holds every integer only up to 2**24). Index arithmetic that is not a
+    sum of positions (a floor division, the head index) stays integer."""
+    from qkv.core.engines.kernelgen.triton import POSITION_LIMIT
+    from qkv.core.engines.triton.variant import trace_variant
+
+    pair, cpu = SIMILARITIES["dot"].pairwise, torch.device("cpu")
+    short = trace_variant(pair, qkv.causal(), qkv.alibi(4), cpu, 64, POSITION_LIMIT).source
+    long = trace_variant(pair, qkv.causal(), qkv.alibi(4), cpu, 64, POSITION_LIMIT + 1).source
+    assert "q_idx.to(tl.float32)" in short and "kv_idx.to(tl.float32)" in short
+    assert "q_idx.to(tl.float32)" not in long and "tl.abs(" in long
+    halved = as_score_mod(lambda s, b, h, q, k: s - ((q - k) // 2).abs().float())
+    source = trace_variant(pair, None, halved, cpu, 64, 128).source
+    assert "q_idx.to(tl.float32)" not in source
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_positions_past_the_float_bound_match_float64(interpreter_results):
+    result = interpreter_results["integer_positions"]
+    assert "error" not in result, result["error"]
+    assert result["float_sources"] and not any(result["float_sources"]), result
+    assert result["out"] < TOLERANCE and max(result["grads"]) < TOLERANCE, result
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("name", list(COMPILE_CASES))
@@ -517,6 +564,7 @@ if __name__ == "__main__":  # the interpreter subprocess
     runs += [(case, run_weights_case) for case in WEIGHT_CASES]
     runs.append(("dropout", lambda _: run_dropout_case()))
     runs.append(("lse_sinks", lambda _: run_lse_sinks_case()))
+    runs.append(("integer_positions", lambda _: run_integer_positions_case()))
     for case, runner in runs:
         try:
             outcome = runner(case)

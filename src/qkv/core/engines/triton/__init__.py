@@ -47,7 +47,8 @@ def unsupported(p: Problem) -> str | None:
     if torch.compiler.is_compiling():
         return None
     try:
-        trace_variant(p.similarity.pairwise, p.mask, p.score_mod, p.q.device, p.q.shape[-1])
+        trace_variant(p.similarity.pairwise, p.mask, p.score_mod, p.q.device, p.q.shape[-1],
+                      max(p.nq, p.nk))
     except CompileError as e:
         return str(e)
     return None

@@ -323,7 +323,8 @@ def _prepare(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float,
              seed: int) -> KernelPlan:
     """Trace and load the variant's Triton functions, and plan the launch."""
     pair = variant.pair
-    traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1])
+    traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1],
+                           max(fq.shape[2], fk.shape[2]))
     kernel = TRACED if traced.has_term else kernel_id(pair)
     return make_plan(fq, fk, variant.mask, kernel, compile_variant(traced), dropout_p, seed)
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from ..kernelgen import memo
 from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
-from ..kernelgen.triton import generate_source
+from ..kernelgen.triton import POSITION_LIMIT, generate_source
 from .terms import kernel_id
 
 
@@ -39,14 +39,17 @@ def _trace(what: str, obj, trace, graph: Graph):
 _TRACES = memo.Traces()
 
 
-def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) -> TracedVariant:
+def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
+                  positions: int) -> TracedVariant:
     """The pairwise term (unless the kernels have its code), mask and score modifier of a
-    call on ``device`` with query head dim ``head_dim``, traced into one Triton module (or
-    found traced, ``memo``). Raises CompileError naming what cannot be compiled."""
+    call on ``device`` with query head dim ``head_dim`` and ``positions`` = max(Nq, Nk),
+    traced into one Triton module (or found traced, ``memo``). Raises CompileError naming
+    what cannot be compiled."""
     kernel = kernel_id(pair)
+    float_positions = positions <= POSITION_LIMIT
     keyed = None if kernel is None else memo.variant_key(mask, score_mod)
     if keyed is not None:
-        key = (kernel, keyed[0], device, head_dim, torch.is_grad_enabled())
+        key = (kernel, keyed[0], device, head_dim, float_positions, torch.is_grad_enabled())
         found = _TRACES.lookup(key, keyed[1], device)
         if found is not None:
             traced, slots = found
@@ -64,7 +67,7 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int) ->
     )
     grad_slots = _grad_slots(graph.slots)
     traced = TracedVariant(
-        source=generate_source(mask_root, mod_root, grad_slots, term_root),
+        source=generate_source(mask_root, mod_root, grad_slots, term_root, float_positions),
         has_mask=mask_root is not None,
         has_mod=mod_root is not None,
         has_term=term_root is not None,
