@@ -40,9 +40,10 @@ import triton.language as tl
 
 @triton.jit
 def _tanh(x):
-    t = tl.exp(-2.0 * tl.abs(x))
-    r = (1.0 - t) / (1.0 + t)
-    return tl.where(x < 0, -r, r)
+    # 1 - 2 / (1 + exp(2x)): -1 and 1 exactly at the ends (exp2 gives 0 or inf), no sign
+    # select; exp2, and a division without IEEE rounding (2 ulp): the rounded division and
+    # exp's range handling were most of a softcapped tile's instructions.
+    return 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(2.8853900817779268 * x))
 
 
 @triton.jit
@@ -243,6 +244,15 @@ def _tl_searchsorted(e: TritonEmitter, node: Sym) -> str:
     return lo
 
 
+def _tl_truediv(e: TritonEmitter, node: Sym) -> str:
+    """a / b without IEEE rounding (2 ulp; a constant divisor as its reciprocal, 1 ulp more):
+    the rounded division is a dozen instructions and a slow path per score."""
+    a, b = node.args
+    if _is_number(b) and b != 0 and math.isfinite(1.0 / b):
+        return f"({e.as_float(a)} * {1.0 / b!r})"
+    return f"tl.fdiv({e.as_float(a)}, {e.as_float(b)})"
+
+
 def _tl_unary(function: str):
     return lambda e, n: f"{function}({e.as_float(n.args[0])})"
 
@@ -250,6 +260,7 @@ def _tl_unary(function: str):
 TritonEmitter.OPS = {
     **COMMON_OPS,
     **{op: _tl_unary(function) for op, function in _TL_UNARY.items()},
+    "truediv": _tl_truediv,
     "floordiv": _tl_floordiv_mod,
     "mod": _tl_floordiv_mod,
     "invert": lambda e, n: (f"({e.ref(n.args[0])} == 0)" if n.args[0].kind == BOOL
