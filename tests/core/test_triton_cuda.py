@@ -34,6 +34,7 @@ from .test_triton_engine import (
     _relative_error,
     run_case,
     run_dropout_case,
+    run_integer_positions_case,
     run_lse_sinks_case,
     run_weights_case,
 )
@@ -97,6 +98,16 @@ def test_dropout_with_the_kernels_keep_mask():
     RESULTS["dropout"] = result
     assert abs(result["kept"] - 0.7) < 0.08, result
     assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
+
+
+def test_positions_past_the_float_bound():
+    """ALiBi's distances in integers (the bound for float positions lowered below the case's
+    sizes), compiled: the form longer sequences than 2**20 get."""
+    result = run_integer_positions_case("cuda", torch.float32)
+    RESULTS["integer_positions"] = result
+    assert "error" not in result, result["error"]
+    assert result["float_sources"] and not any(result["float_sources"]), result
+    assert result["out"] < TOLERANCE and max(result["grads"]) < TOLERANCE, result
 
 
 def test_lse_and_sinks():

@@ -392,17 +392,17 @@ def test_dropout_matches_float64_with_the_kernels_keep_mask(interpreter_results)
     assert max(result["out"], result["weights"], *result["grads"]) < TOLERANCE, result
 
 
-def run_integer_positions_case() -> dict:
-    """Runs in the interpreter subprocess: learned ALiBi with positions past the bound up to
-    which the kernels compute |q - k| in float (lowered here to 16 of the case's 40), so the
-    integer form of the generated code runs."""
+def run_integer_positions_case(device="cpu", dtype=torch.float32) -> dict:
+    """Runs in the interpreter subprocess (or on CUDA): learned ALiBi with positions past the
+    bound up to which the kernels compute |q - k| in float (lowered here to 16 of the case's
+    40), so the integer form of the generated code runs."""
     from qkv.core.engines.triton import variant
 
     limit = variant.POSITION_LIMIT
     variant.POSITION_LIMIT = 16
     variant._TRACES.clear()
     try:
-        result = run_case("dot_alibi_learned_slopes")
+        result = run_case("dot_alibi_learned_slopes", device, dtype)
         result["float_sources"] = [
             value.source.count("q_idx.to(tl.float32)") for value, _ in
             variant._TRACES._entries.values()]
