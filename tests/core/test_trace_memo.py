@@ -54,6 +54,19 @@ def test_key_covers_structure_and_tensor_metadata():
     assert memo.variant_key(qkv.softcap(2.0))[0] != memo.variant_key(qkv.softcap(2.0 + 1e-12))[0]
 
 
+def test_key_says_which_places_share_a_tensor(monkeypatch):
+    """One tensor read twice is one slot; two tensors in those places are two."""
+    calls = _count_traces(monkeypatch, triton_variant)
+    shared = torch.rand(4)
+    once = triton_variant.trace_variant(DOT, None, Alibi(shared).then(Alibi(shared)), CPU, 16,
+                                        64)
+    a, b = torch.rand(4), torch.rand(4)
+    twice = triton_variant.trace_variant(DOT, None, Alibi(a).then(Alibi(b)), CPU, 16, 64)
+    assert len(calls) == 2
+    assert len(once.slots) == 1
+    assert len(twice.slots) == 2 and twice.slots[0] is a and twice.slots[1] is b
+
+
 def test_user_callables_and_outside_subclasses_have_no_key():
     assert memo.variant_key(qkv.causal(), as_score_mod(lambda s, b, h, q, k: s)) is None
     assert memo.variant_key(qkv.custom_mask(lambda b, h, q, k: q >= k)) is None

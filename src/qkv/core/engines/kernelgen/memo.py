@@ -14,6 +14,7 @@ so can a subclass defined outside qkv: variants holding one are traced on every 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -57,26 +58,29 @@ def variant_key(*parts) -> tuple[Hashable, list[Tensor]] | None:
         key = tuple(_key(part, tensors) for part in parts)
     except _NotKeyable:
         return None
-    return key, tensors
+    # A tensor read in two places is one slot: which places share a tensor is structure too.
+    first: dict[int, int] = {}
+    shared = tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
+    return (key, shared), tensors
 
 
 class Traces:
-    """The last ``size`` traces by key, each with where its slots came from."""
+    """The last ``size`` traces by key, each with where its slots came from. Calls from
+    several threads share it."""
 
     def __init__(self, size: int = 128):
         self.size = size
         self._entries: OrderedDict[Hashable, tuple[object, tuple[int, ...]]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def lookup(self, key: Hashable, tensors: list[Tensor], device) -> tuple[object, list] | None:
         """(value, slots) stored under ``key``, the slots taken from ``tensors`` (this call's,
         in ``variant_key``'s order) as the trace took them; None on a miss."""
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        try:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
             self._entries.move_to_end(key)
-        except KeyError:  # dropped by another thread since
-            pass
         value, sources = entry
         return value, [Graph.place(tensors[i], device) for i in sources]
 
@@ -87,13 +91,15 @@ class Traces:
         sources = tuple(index.get(id(t), -1) for t in graph.sources)
         if -1 in sources:
             return
-        self._entries[key] = (value, sources)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        with self._lock:
+            self._entries[key] = (value, sources)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
