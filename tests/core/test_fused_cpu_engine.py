@@ -37,20 +37,37 @@ def test_causal_plan_skips_empty_and_unmasks_full_tiles():
             assert masked == (k1 - 1 > 4 * i)  # only tiles crossing the diagonal are masked
 
 
+def test_plans_of_masks_without_tensors_are_kept():
+    """Causal and window plans are made once per shape and tiling; a segments mask, which
+    reads a tensor, is classified every call."""
+    plan = tile_plan(spec_for(qkv.causal(), 45, 45, 8, 8), "cpu")
+    assert tile_plan(spec_for(qkv.causal(), 45, 45, 8, 8), "cpu") is plan
+    assert tile_plan(spec_for(qkv.causal(), 45, 45, 8, 16), "cpu") is not plan
+    wider = spec_for(qkv.causal(), 45, 45, 8, 8)
+    wider.span_k = 32
+    assert tile_plan(wider, "cpu") != plan
+    window = tile_plan(spec_for(qkv.sliding_window(9), 45, 45, 8, 8), "cpu")
+    assert window != plan
+    assert tile_plan(spec_for(qkv.sliding_window(9), 45, 45, 8, 8), "cpu") is window
+    ids = torch.arange(45) // 10
+    segments = tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu")
+    assert tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu") is not segments
+
+
 def test_plan_merges_neighbouring_blocks_up_to_the_span():
     # Causal, Nq = Nk = 40, 8x8 blocks, spans up to 16: query block 4 (rows 32-39) sees key
     # blocks 0-3 full and block 4 on the diagonal.
     spec = spec_for(qkv.causal(), 40, 40, 8, 8)
     spec.span_k = 16
-    assert tile_plan(spec, "cpu")[4] == [(0, 16, False), (16, 32, False), (32, 40, True)]
+    assert list(tile_plan(spec, "cpu")[4]) == [(0, 16, False), (16, 32, False), (32, 40, True)]
     window = spec_for(qkv.sliding_window(16), 40, 40, 8, 8)
     window.span_k = 32  # rows 32-39 see keys 16-39: block 2 partial, 3 full, 4 diagonal
-    assert tile_plan(window, "cpu")[4] == [(16, 40, True)]
+    assert list(tile_plan(window, "cpu")[4]) == [(16, 40, True)]
     window.span_k = 8
-    assert tile_plan(window, "cpu")[4] == [(16, 24, True), (24, 32, False), (32, 40, True)]
+    assert list(tile_plan(window, "cpu")[4]) == [(16, 24, True), (24, 32, False), (32, 40, True)]
     unmasked = spec_for(None, 8, 40, 8, 8)
     unmasked.span_k = 16
-    assert tile_plan(unmasked, "cpu")[0] == [(0, 16, False), (16, 32, False), (32, 40, False)]
+    assert list(tile_plan(unmasked, "cpu")[0]) == [(0, 16, False), (16, 32, False), (32, 40, False)]
 
 
 def test_plan_treats_tile_full_only_when_full_for_every_batch_element():
@@ -59,7 +76,7 @@ def test_plan_treats_tile_full_only_when_full_for_every_batch_element():
     assert states[0, 0, 0].tolist() == [FULL, FULL, FULL]
     assert states[1, 0, 0].tolist() == [FULL, 1, EMPTY]
     plan = tile_plan(spec_for(mask, 5, 21, 4, 8, batch=2), "cpu")
-    assert plan[0] == [(0, 8, False), (8, 16, True), (16, 21, True)]
+    assert list(plan[0]) == [(0, 8, False), (8, 16, True), (16, 21, True)]
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33])

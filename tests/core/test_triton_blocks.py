@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.core.engines.kept import Kept
 from qkv.core.engines.triton import blocks
 from qkv.core.engines.triton.blocks import (
     block_layout,
@@ -95,8 +96,7 @@ def test_a_mask_reading_tensors_or_user_code_is_classified_every_call(make):
 
 
 def test_only_the_last_layouts_are_kept(monkeypatch):
-    monkeypatch.setattr(blocks, "_KEPT_LAYOUTS", 3)
-    monkeypatch.setattr(blocks, "_layouts", type(blocks._layouts)())
+    monkeypatch.setattr(blocks, "_layouts", Kept(3))
     first = [_layout(qkv.causal(), nq=n) for n in (10, 20, 30)]
     assert _layout(qkv.causal(), nq=10) is first[0]  # now the most recent
     _layout(qkv.causal(), nq=40)  # evicts nq=20, the least recent

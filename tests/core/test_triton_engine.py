@@ -403,9 +403,8 @@ def run_integer_positions_case(device="cpu", dtype=torch.float32) -> dict:
     variant._TRACES.clear()
     try:
         result = run_case("dot_alibi_learned_slopes", device, dtype)
-        result["float_sources"] = [
-            value.source.count("q_idx.to(tl.float32)") for value, _ in
-            variant._TRACES._entries.values()]
+        result["float_sources"] = [value.source.count("q_idx.to(tl.float32)")
+                                   for value in variant._TRACES.values()]
         return result
     finally:
         variant.POSITION_LIMIT = limit

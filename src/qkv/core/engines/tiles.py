@@ -22,6 +22,7 @@ from ..reference import accumulation_dtype
 from ..scores import ScoreMod, modified_scores
 from ..similarity import Pairwise
 from . import native, ops
+from .kept import Kept
 
 BLOCK_Q = 128
 # Masks are classified in key blocks of BLOCK_K; runs of visited blocks are then merged into
@@ -97,12 +98,27 @@ def block_sizes(batch: int, heads: int, nq: int, nk: int,
 Span = tuple[int, int, bool]
 
 
-def tile_plan(spec: TileSpec, device) -> list[list[Span]]:
+_plans = Kept(64)
+
+
+def tile_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:
     """For each query block, the key spans (k0, k1, masked) to visit.
 
     A key block EMPTY for every (batch, head) is skipped; neighbouring visited blocks merge
     into spans of up to ``span_k`` keys, and a span evaluates the mask rule unless all its
-    blocks are FULL for every (batch, head)."""
+    blocks are FULL for every (batch, head). A mask that reads no tensors
+    (``Mask.layout_key``: causal, sliding windows) keeps its plan for later calls of the same
+    shape: classifying its tiles was a quarter of a decode step's host time."""
+    rule = ("none",) if spec.mask is None else spec.mask.layout_key()
+    if rule is None:
+        return _make_plan(spec, device)
+    key = (rule, spec.batch, spec.heads, spec.nq, spec.nk, spec.block_q, spec.block_k,
+           spec.span_k)
+    plan = _plans.get(key)
+    return plan if plan is not None else _plans.keep(key, _make_plan(spec, device))
+
+
+def _make_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:
     qb, kb = -(-spec.nq // spec.block_q), -(-spec.nk // spec.block_k)
     if spec.mask is None:
         visit, masked = [[True] * kb] * qb, [[False] * kb] * qb
@@ -112,10 +128,10 @@ def tile_plan(spec: TileSpec, device) -> list[list[Span]]:
         ).flatten(0, 1)
         visit = (states != EMPTY).any(0).tolist()
         masked = (states != FULL).any(0).tolist()
-    return [_spans(spec, visit[i], masked[i]) for i in range(qb)]
+    return tuple(_spans(spec, visit[i], masked[i]) for i in range(qb))
 
 
-def _spans(spec: TileSpec, visit: list[bool], masked: list[bool]) -> list[Span]:
+def _spans(spec: TileSpec, visit: list[bool], masked: list[bool]) -> tuple[Span, ...]:
     width = max(spec.span_k, spec.block_k)
     spans: list[Span] = []
     for j, (seen, needs_mask) in enumerate(zip(visit, masked, strict=True)):
@@ -127,7 +143,7 @@ def _spans(spec: TileSpec, visit: list[bool], masked: list[bool]) -> list[Span]:
             spans[-1] = (start, k1, state or needs_mask)
         else:
             spans.append((k0, k1, needs_mask))
-    return spans
+    return tuple(spans)
 
 
 def group_heads(t: Tensor, groups: int) -> Tensor:

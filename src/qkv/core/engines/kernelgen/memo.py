@@ -14,14 +14,13 @@ so can a subclass defined outside qkv: variants holding one are traced on every 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 
 import torch
 from torch import Tensor
 
 from ...structure import Node
+from ..kept import Kept
 from .graph import Graph
 
 _PLAIN = (bool, int, str, type(None), torch.dtype, torch.device)
@@ -69,18 +68,14 @@ class Traces:
     several threads share it."""
 
     def __init__(self, size: int = 128):
-        self.size = size
-        self._entries: OrderedDict[Hashable, tuple[object, tuple[int, ...]]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._kept = Kept(size)
 
     def lookup(self, key: Hashable, tensors: list[Tensor], device) -> tuple[object, list] | None:
         """(value, slots) stored under ``key``, the slots taken from ``tensors`` (this call's,
         in ``variant_key``'s order) as the trace took them; None on a miss."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
+        entry = self._kept.get(key)
+        if entry is None:
+            return None
         value, sources = entry
         return value, [Graph.place(tensors[i], device) for i in sources]
 
@@ -89,17 +84,15 @@ class Traces:
         slot of ``graph`` is not one of ``tensors`` (a tensor made while tracing)."""
         index = {id(t): i for i, t in enumerate(tensors)}
         sources = tuple(index.get(id(t), -1) for t in graph.sources)
-        if -1 in sources:
-            return
-        with self._lock:
-            self._entries[key] = (value, sources)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+        if -1 not in sources:
+            self._kept.keep(key, (value, sources))
+
+    def values(self) -> list:
+        """The values kept, least recently used first."""
+        return [value for value, _ in self._kept.values()]
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._kept.clear()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._kept)

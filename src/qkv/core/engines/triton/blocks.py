@@ -12,14 +12,12 @@ its layout between calls of the same shape, as a FlexAttention user keeps a Bloc
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ...masks import EMPTY, FULL, PARTIAL, Mask
+from ..kept import Kept
 
 
 def classify(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, block_m: int,
@@ -98,9 +96,7 @@ class BlockLayout:
         return self.tables[key]
 
 
-_KEPT_LAYOUTS = 64
-_layouts: OrderedDict[tuple, BlockLayout] = OrderedDict()
-_lock = threading.Lock()  # calls from several threads share the kept layouts
+_layouts = Kept(64)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -120,14 +116,8 @@ def block_layout(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, fi
         states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
         return BlockLayout(states, fine_m, fine_n, nk)
     key = (rule, batch, heads, nq, nk, fine_m, fine_n, device)
-    with _lock:
-        layout = _layouts.get(key)
-        if layout is not None:
-            _layouts.move_to_end(key)
-            return layout
-    states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
-    with _lock:
-        layout = _layouts.setdefault(key, BlockLayout(states, fine_m, fine_n, nk))
-        while len(_layouts) > _KEPT_LAYOUTS:
-            _layouts.popitem(last=False)
+    layout = _layouts.get(key)
+    if layout is None:
+        states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
+        layout = _layouts.keep(key, BlockLayout(states, fine_m, fine_n, nk))
     return layout
