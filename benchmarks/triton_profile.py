@@ -145,12 +145,14 @@ def kernel_ms(fn, reps: int = 5) -> dict[str, float]:
     return dict(times)
 
 
-def host_us(fn, reps: int = 20) -> float:
-    """Host time per call (µs), queued behind ~50 ms of products so that no call waits for
-    the GPU (a call that synchronizes shows as tens of milliseconds)."""
+def host_us(fn, reps: int = 50) -> float:
+    """Host time per call (µs), queued behind ~130 ms of products so that no call waits for
+    the GPU (a call that synchronizes shows as tens of milliseconds). 50 calls: with 20, one
+    slow call moved a row by tens of µs (2026-11-27: causal dispatch 94 against plain 47 µs,
+    where the CPU shows 4 µs between them)."""
     busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    for _ in range(40):
+    for _ in range(80):
         busy @ busy
     start = time.perf_counter()
     for _ in range(reps):
