@@ -138,7 +138,7 @@ def logits(z, scale, b, h, q_idx, kv_idx, key_ok, OFFSET, A0, A1, A2, A3, AS,
     else:
         s = z * (scale * 1.4426950408889634)  # log2(e): exp2 below
     if APPLY_MASK:
-        allowed = (q_idx >= 0) & key_ok
+        allowed = key_ok  # tl.where broadcasts it (and the rule's result) against s
         if HAS_MASK:
             allowed = allowed & MASK_FN(b, h, q_idx, kv_idx, OFFSET, A0, A1, A2, A3, AS)
         s = tl.where(allowed, s, float("-inf"))
