@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class Kept:
@@ -23,6 +23,12 @@ class Kept:
             if value is not None:
                 self._values.move_to_end(key)
             return value
+
+    def get_or_make(self, key: Hashable, make: Callable[[], object]):
+        """The value kept for ``key``, else ``make()`` kept (made outside the lock: two
+        threads may both make it, and the first kept is the one both get)."""
+        value = self.get(key)
+        return value if value is not None else self.keep(key, make())
 
     def keep(self, key: Hashable, value):
         """Keep ``value`` for ``key`` unless another thread kept one first; the kept one."""

@@ -114,8 +114,7 @@ def tile_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:
         return _make_plan(spec, device)
     key = (rule, spec.batch, spec.heads, spec.nq, spec.nk, spec.block_q, spec.block_k,
            spec.span_k)
-    plan = _plans.get(key)
-    return plan if plan is not None else _plans.keep(key, _make_plan(spec, device))
+    return _plans.get_or_make(key, lambda: _make_plan(spec, device))
 
 
 def _make_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:

@@ -111,13 +111,12 @@ def block_layout(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, fi
     earlier call where the mask's layout_key allows (the last 64 kept), else made now; always
     made now while a CUDA graph is captured (the graph then owns it)."""
     device = torch.device(device)
-    rule = ("none",) if mask is None else mask.layout_key()
-    if rule is None or _capturing(device):
+
+    def make() -> BlockLayout:
         states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
         return BlockLayout(states, fine_m, fine_n, nk)
-    key = (rule, batch, heads, nq, nk, fine_m, fine_n, device)
-    layout = _layouts.get(key)
-    if layout is None:
-        states = classify(mask, batch, heads, nq, nk, fine_m, fine_n, device)
-        layout = _layouts.keep(key, BlockLayout(states, fine_m, fine_n, nk))
-    return layout
+
+    rule = ("none",) if mask is None else mask.layout_key()
+    if rule is None or _capturing(device):
+        return make()
+    return _layouts.get_or_make((rule, batch, heads, nq, nk, fine_m, fine_n, device), make)
