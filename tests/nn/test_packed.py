@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 import qkv.nn.packed as packed_module
+from qkv.core.engines import cpu_bf16
+from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.packed import PackedLinear, pack_linears
 
 from .conftest import assert_float32_linear
@@ -46,10 +48,53 @@ def test_pack_linears_keeps_a_gpt_close_and_generating_the_same(small_gpt):
     with torch.no_grad():
         got = model(idx)
         assert ((got - want).norm() / want.norm()).item() < 1e-2
-        # The KV cache keeps float32 activations, so cached decoding equals the full pass.
+        # The KV cache keeps float32 activations, so cached decoding equals the full pass
+        # (with float32 attention products: the full pass's longer rows would otherwise take
+        # the bf16 engine, and the cached steps' single rows not).
+        _set_attention_precision(model, "ieee")
         assert torch.equal(model.generate(idx, 8, temperature=0),
                            model.generate(idx, 8, temperature=0, use_cache=False))
     assert (model.generate(idx, 8, temperature=0) == greedy).float().mean() > 0.9
+
+
+def _set_attention_precision(model, precision):
+    for m in model.modules():
+        if isinstance(m, MultiHeadAttention):
+            m.fp32_precision = precision
+
+
+def _attention_precisions(model):
+    return {m.fp32_precision for m in model.modules() if isinstance(m, MultiHeadAttention)}
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.bfloat16, "bf16"),
+                                              (torch.float32, "ieee")])
+def test_bf16_packing_lets_attention_products_round_to_bf16(small_gpt, dtype, precision):
+    model, _ = small_gpt
+    assert _attention_precisions(model) == {"ieee"}
+    pack_linears(model, dtype)
+    assert _attention_precisions(model) == {precision}
+
+
+@pytest.mark.skipif(not cpu_bf16.available(), reason="this CPU has no AVX512-BF16")
+def test_a_bf16_packed_prefill_runs_the_bf16_engine_and_decoding_does_not(small_gpt,
+                                                                          monkeypatch):
+    model, _ = small_gpt
+    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    pack_linears(model)
+    calls = []
+    share_out = cpu_bf16._share_out
+    monkeypatch.setattr(cpu_bf16, "_share_out", lambda *a: calls.append(a) or share_out(*a))
+    with torch.no_grad():
+        got = model(idx)
+        assert len(calls) == 2 * 2  # two layers: packing, then the blocks
+        _set_attention_precision(model, "ieee")
+        want = model(idx)
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+        _set_attention_precision(model, "bf16")
+        calls.clear()
+        model.generate(idx[:, :4], 4, temperature=0)  # 4-token prompt, then 1-token steps
+    assert not calls
 
 
 @pytest.mark.parametrize("onednn", [True, False])

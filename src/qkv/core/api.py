@@ -26,6 +26,7 @@ def attention(
     sinks: Tensor | None = None,
     metric: Tensor | None = None,
     backend: str = "auto",
+    fp32_precision: str = "ieee",
 ):
     """Attention softmax(score(q, k)) v with masks, score modifiers and pluggable similarity.
 
@@ -52,6 +53,12 @@ def attention(
             Gradients reach it.
         metric: L of shape (D, D) or (H, D, D), for similarity="mahalanobis" (-‖L(q-k)‖²).
         backend: "auto" (fastest engine that can run the request), or force one by name.
+        fp32_precision: "ieee" (default), or "bf16": float32 q, k, v and the softmax weights
+            may be rounded to bf16 for the two products (scores, softmax and sums stay
+            float32), as ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` allows for
+            torch's products. On CPUs with AVX512-BF16 a no-grad call of plain or causal dot
+            attention then runs the "bf16" engine; elsewhere nothing changes. bf16 inputs
+            take that engine whatever this says.
 
     Returns:
         out (B, H, Nq, Dv); with return_weights and/or return_lse, the tuple (out, weights,
@@ -75,6 +82,7 @@ def attention(
         dropout_p=dropout_p,
         return_weights=return_weights,
         needs_lse=return_lse or sinks is not None,
+        fp32_precision=fp32_precision,
     )
     if sinks is not None:
         check_sinks(sinks, problem.heads)

@@ -14,6 +14,7 @@ from .similarity import Similarity, get_similarity
 from .structure import values_readable
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+FP32_PRECISIONS = ("ieee", "bf16")
 
 
 class Problem(NamedTuple):
@@ -23,7 +24,8 @@ class Problem(NamedTuple):
 
     ``scale`` is a float, or a tensor of shape () or (H,) (a learnable temperature).
     ``needs_lse``: the caller reads the log-sum-exp (``return_lse``, sinks), so an engine
-    that cannot return a differentiable one must decline."""
+    that cannot return a differentiable one must decline. ``fp32_precision``: "ieee", or
+    "bf16" where float32 inputs may have their products rounded to bf16."""
 
     q: Tensor
     k: Tensor
@@ -36,6 +38,7 @@ class Problem(NamedTuple):
     dropout_p: float
     return_weights: bool
     needs_lse: bool = False
+    fp32_precision: str = "ieee"
 
     @property
     def batch(self) -> int:
@@ -184,7 +187,7 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
 
 def build_problem(
     q, k, v, *, mask=None, score_mod=None, similarity="dot", scale=None, metric=None,
-    dropout_p=0.0, return_weights=False, needs_lse=False,
+    dropout_p=0.0, return_weights=False, needs_lse=False, fp32_precision="ieee",
 ) -> Problem:
     _check_qkv(q, k, v)
     sim = get_similarity(similarity)
@@ -197,6 +200,9 @@ def build_problem(
     score_mod = as_score_mod(score_mod)
     if score_mod is not None:
         score_mod.check_heads(heads)
+    if fp32_precision not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}; got "
+                         f"{fp32_precision!r}")
     return Problem(
         q=q,
         k=k,
@@ -209,4 +215,5 @@ def build_problem(
         dropout_p=float(dropout_p),
         return_weights=bool(return_weights),
         needs_lse=bool(needs_lse),
+        fp32_precision=fp32_precision,
     )

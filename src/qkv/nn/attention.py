@@ -79,7 +79,10 @@ class MultiHeadAttention(nn.Module):
             keeps after the first call).
 
     Every call reaches ``qkv.attention`` through ``attend``, the layer's one call point
-    (``qkv.viz.capture`` wraps it to record attention maps).
+    (``qkv.viz.capture`` wraps it to record attention maps). The attribute
+    ``fp32_precision`` ("ieee", or "bf16" to let float32 inputs be rounded to bf16 for the
+    products, ``qkv.attention``'s keyword) goes with every call; ``pack_linears(model,
+    torch.bfloat16)`` sets it to "bf16".
     """
 
     def __init__(
@@ -107,6 +110,9 @@ class MultiHeadAttention(nn.Module):
         resolved = get_similarity(similarity)
         self.similarity, self.scale, self.dropout = similarity, scale, dropout
         self.rope, self.is_cross = rope, is_cross
+        # "bf16": float32 inputs may be rounded to bf16 for attention's products (an
+        # inference speed choice; ``qkv.attention``'s fp32_precision). pack_linears sets it.
+        self.fp32_precision = "ieee"
         self.q_proj = Linear(d_model, n_head * self.head_dim, bias=bias)
         self.k_proj = Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
@@ -180,7 +186,7 @@ class MultiHeadAttention(nn.Module):
         kwargs = dict(
             mask=mask, score_mod=score_mod, similarity=self.similarity, scale=self.scale,
             metric=self.metric, return_weights=return_weights,
-            dropout_p=self.dropout if self.training else 0.0,
+            dropout_p=self.dropout if self.training else 0.0, fp32_precision=self.fp32_precision,
         )
         split = active_context_parallel()
         if split is not None and not self.is_cross and cache is None and not return_weights:
@@ -189,6 +195,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("context parallel attention has no attention dropout (it "
                                  "would need whole rows); set the model's dropout to 0")
             kwargs.pop("return_weights")
+            kwargs.pop("fp32_precision")  # each rank's engines keep float32 products
             out, weights = split.attention(q, k, v, **kwargs), None
         else:
             out, weights = self.attend(q, k, v, **kwargs)

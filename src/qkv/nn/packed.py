@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import MultiHeadAttention
 from .linear import linear, onednn_available, onednn_linear
 
 # Rows up to which torch's own CPU bf16 product beats widening the weight to float32 (AVX2,
@@ -95,6 +96,12 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Mo
     weight in ``dtype``: a model for inference only; bf16 is about 2x smaller in weight bytes.
     Returns the model (in eval mode).
 
+    With bf16, the attention layers (``MultiHeadAttention``) also get ``fp32_precision =
+    "bf16"``: their float32 q, k, v and softmax weights may be rounded to bf16 for the two
+    products, as the linear layers round their inputs. On CPUs with AVX512-BF16 a prompt's
+    prefill then runs the "bf16" attention engine (``qkv.core.engines.cpu_bf16``); decoding's
+    few query rows keep float32.
+
     Tied weights (a GPT's lm_head and token embedding) are untied: the embedding keeps its
     float32 table, the head gets its own packed copy."""
     _check_dtype(dtype)
@@ -103,4 +110,6 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Mo
             setattr(model, name, PackedLinear(child, dtype))
         else:
             pack_linears(child, dtype)
+    if isinstance(model, MultiHeadAttention) and dtype == torch.bfloat16:
+        model.fp32_precision = "bf16"
     return model.eval()

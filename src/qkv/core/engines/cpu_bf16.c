@@ -1,0 +1,303 @@
+/* Dot-product attention, forward, with its two products in the CPU's bf16 dot-product
+ * instruction (AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds them into float32).
+ *
+ * On CPUs that have it, this instruction does twice the multiply-adds per cycle of float32
+ * FMA on half the bytes; neither torch's CPU SDPA nor the BLAS it links use it on AMD
+ * processors. The scores, the softmax and both sums stay float32: only q, k, v (or the
+ * inputs already in bf16) and the softmax weights p are rounded to bf16, as a GPU's flash
+ * attention rounds them.
+ *
+ * Layout. Per (batch, kv head), K is packed once as kp[key / 16][d / 2][16 keys][2]: one
+ * 64-byte vector holds one pair of dimensions for 16 keys, so a query row's pair (broadcast)
+ * times that vector gives 16 scores' partial sums. V is packed as vp[key / 2][dv][2]: one
+ * vector holds 16 columns of a pair of keys, which a row's pair of weights multiplies.
+ * A work item is one query block of every query head that reads the kv head (grouped
+ * heads share the packed K and V), rows stacked head by head and padded to a multiple of 8.
+ * The softmax is online, a block of BN keys at a time.
+ *
+ * Built with -march=native: without AVX512-BF16 the file compiles to bf16_available() = 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define BN 128 /* keys per block: a multiple of 32 (the score micro-kernel's width) */
+#define QK_ROWS 8     /* rows of the score micro-kernel */
+#define PV_ROWS 4     /* rows of the output micro-kernel */
+
+struct bf16_job {
+    const void *q, *k, *v;
+    int64_t q_st[3], k_st[3], v_st[3]; /* element strides of batch, head, row; unit columns */
+    int64_t inputs_bf16;              /* 1: q, k, v, out are bf16; 0: float32 */
+    void *out;
+    int64_t out_st[3];
+    float *lse;                       /* (B, H, Nq) contiguous, natural log; or 0 */
+    uint16_t *kp, *vp;                /* packed K and V, per (batch, kv head) */
+    int64_t kp_size, vp_size;         /* their elements per (batch, kv head) */
+    int64_t batch, heads, kv_heads, nq, nk, d, dv;
+    int64_t causal;                   /* key j allowed for query i iff j <= i + nk - nq */
+    int64_t bm;                       /* query rows per head in a block */
+    float scale_log2;                 /* scale * log2(e) > 0: scores in base 2 */
+};
+
+static inline uint16_t round_bf16(float x) { /* to nearest, ties to even (NaN stays NaN) */
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline uint16_t input_bf16(const struct bf16_job *J, const void *base, int64_t at) {
+    return J->inputs_bf16 ? ((const uint16_t *)base)[at] : round_bf16(((const float *)base)[at]);
+}
+
+static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+/* Pack K and V of (batch b, kv head g); keys past nk (up to the next BN) are zero. */
+static void pack(const struct bf16_job *J, int64_t b, int64_t g) {
+    const int64_t dp = J->d / 2, nkp = round_up(J->nk, BN);
+    uint16_t *kp = J->kp + (b * J->kv_heads + g) * J->kp_size;
+    uint16_t *vp = J->vp + (b * J->kv_heads + g) * J->vp_size;
+    const int64_t k0 = b * J->k_st[0] + g * J->k_st[1], v0 = b * J->v_st[0] + g * J->v_st[1];
+    for (int64_t j = 0; j < nkp; j++) {
+        uint16_t *o = kp + (j / 16) * dp * 32 + (j % 16) * 2;
+        for (int64_t p = 0; p < dp; p++) {
+            o[p * 32] = j < J->nk ? input_bf16(J, J->k, k0 + j * J->k_st[2] + 2 * p) : 0;
+            o[p * 32 + 1] = j < J->nk ? input_bf16(J, J->k, k0 + j * J->k_st[2] + 2 * p + 1) : 0;
+        }
+    }
+    for (int64_t j = 0; j < nkp; j++) {
+        uint16_t *o = vp + (j / 2) * J->dv * 2 + (j % 2);
+        for (int64_t c = 0; c < J->dv; c++)
+            o[2 * c] = j < J->nk ? input_bf16(J, J->v, v0 + j * J->v_st[2] + c) : 0;
+    }
+}
+
+/* Pack the (batch, kv head) pairs numbered by the shared counter `next` until none of
+ * `count` is left; each worker thread calls this once. `items` is unused (the pairs are
+ * numbered b * kv_heads + g). Returns 0. */
+int64_t bf16_packs(const struct bf16_job *J, const int64_t *items, int64_t count,
+                   int64_t *next) {
+    (void)items;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= count)
+            return 0;
+        pack(J, i / J->kv_heads, i % J->kv_heads);
+    }
+}
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+int64_t bf16_available(void) { return 1; }
+
+/* 2^y for y <= 0 (or -inf): 2^round(y) times a degree-5 polynomial of the remainder in
+ * [-1/2, 1/2] (relative error about 2e-7, far below the bf16 rounding p gets next); exactly 0
+ * below 2^-126, so masked scores (-inf) weigh nothing. */
+static inline __m512 exp2_nonpositive(__m512 y) {
+    __mmask16 live = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    y = _mm512_max_ps(y, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+static inline __m512bh pair_of(const uint16_t *at) {
+    return (__m512bh)_mm512_set1_epi32(*(const int32_t *)at);
+}
+
+/* s (rows, BN) = q rows (rows, d) . 32 keys starting at kp's block, for 8 rows. */
+static inline void scores_8x32(const uint16_t *q, int64_t d, const uint16_t *kp, float *s) {
+    const int64_t dp = d / 2;
+    __m512 acc[QK_ROWS][2];
+    for (int a = 0; a < QK_ROWS; a++)
+        acc[a][0] = acc[a][1] = _mm512_setzero_ps();
+    const uint16_t *k1 = kp + dp * 32;
+    for (int64_t p = 0; p < dp; p++) {
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + p * 32);
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
+        for (int a = 0; a < QK_ROWS; a++) {
+            __m512bh qa = pair_of(q + a * d + 2 * p);
+            acc[a][0] = _mm512_dpbf16_ps(acc[a][0], qa, b0);
+            acc[a][1] = _mm512_dpbf16_ps(acc[a][1], qa, b1);
+        }
+    }
+    for (int a = 0; a < QK_ROWS; a++) {
+        _mm512_storeu_ps(s + a * BN, acc[a][0]);
+        _mm512_storeu_ps(s + a * BN + 16, acc[a][1]);
+    }
+}
+
+/* o rows (4, 16 * NZ columns) = alpha o + p (4, pairs) . vp, for `pairs` pairs of keys. */
+#define DEFINE_PV(NZ)                                                                        \
+static inline void out_4x##NZ(float *o, int64_t dv, const float *alpha, const uint16_t *pb,  \
+                              const uint16_t *vp, int64_t pairs) {                          \
+    __m512 acc[PV_ROWS][NZ];                                                                 \
+    for (int a = 0; a < PV_ROWS; a++) {                                                      \
+        __m512 al = _mm512_set1_ps(alpha[a]);                                                \
+        for (int z = 0; z < NZ; z++)                                                         \
+            acc[a][z] = _mm512_mul_ps(al, _mm512_loadu_ps(o + a * dv + 16 * z));             \
+    }                                                                                        \
+    for (int64_t t = 0; t < pairs; t++) {                                                    \
+        __m512bh w[NZ];                                                                      \
+        for (int z = 0; z < NZ; z++)                                                         \
+            w[z] = (__m512bh)_mm512_loadu_si512(vp + t * dv * 2 + 32 * z);                   \
+        for (int a = 0; a < PV_ROWS; a++) {                                                  \
+            __m512bh pa = pair_of(pb + a * BN + 2 * t);                                      \
+            for (int z = 0; z < NZ; z++)                                                     \
+                acc[a][z] = _mm512_dpbf16_ps(acc[a][z], pa, w[z]);                           \
+        }                                                                                    \
+    }                                                                                        \
+    for (int a = 0; a < PV_ROWS; a++)                                                        \
+        for (int z = 0; z < NZ; z++)                                                         \
+            _mm512_storeu_ps(o + a * dv + 16 * z, acc[a][z]);                                \
+}
+DEFINE_PV(4)
+DEFINE_PV(1)
+
+/* Per-worker scratch, for up to `rows` stacked rows. */
+struct scratch {
+    uint16_t *q, *p;
+    float *s, *o, *row_max, *row_sum, *alpha;
+};
+
+/* One query block [m0, m0 + bm) of every query head of (batch b, kv head g). */
+static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, int64_t g,
+                  int64_t m0) {
+    const int64_t group = J->heads / J->kv_heads, d = J->d, dv = J->dv, BM = J->bm;
+    const int64_t bm = J->nq - m0 < BM ? J->nq - m0 : BM;
+    const int64_t rows = round_up(group * BM, QK_ROWS);
+    const int64_t offset = J->nk - J->nq;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t head = g * group + r / BM, i = r % BM;
+        const int live = r < group * BM && i < bm;
+        const int64_t at = b * J->q_st[0] + head * J->q_st[1] + (m0 + i) * J->q_st[2];
+        for (int64_t c = 0; c < d; c++)
+            W->q[r * d + c] = live ? input_bf16(J, J->q, at + c) : 0;
+        W->row_max[r] = -INFINITY;
+        W->row_sum[r] = 0;
+    }
+    memset(W->o, 0, sizeof(float) * rows * dv);
+    int64_t kend = J->causal ? m0 + bm + offset : J->nk;
+    kend = kend > J->nk ? J->nk : kend;
+    const uint16_t *kp = J->kp + (b * J->kv_heads + g) * J->kp_size;
+    const uint16_t *vp = J->vp + (b * J->kv_heads + g) * J->vp_size;
+    const __m512 scale = _mm512_set1_ps(J->scale_log2);
+    for (int64_t j0 = 0; j0 < kend; j0 += BN) {
+        const int64_t bn = kend - j0 < BN ? kend - j0 : BN;
+        for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS)
+            for (int64_t jj = 0; jj < BN; jj += 32)
+                scores_8x32(W->q + r0 * d, d, kp + ((j0 + jj) / 16) * (d / 2) * 32,
+                            W->s + r0 * BN + jj);
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = W->s + r * BN;
+            int64_t allowed = bn;
+            if (J->causal && m0 + r % BM + offset + 1 - j0 < allowed)
+                allowed = m0 + r % BM + offset + 1 - j0;
+            allowed = allowed < 0 ? 0 : allowed;
+            /* The max of the raw scores (the scale is positive); masked keys get -inf, which
+             * exp2 turns into 0. Only a block's partial rows need the mask. */
+            __m512 top = _mm512_set1_ps(-INFINITY);
+            if (allowed == BN) {
+                for (int64_t c = 0; c < BN; c += 16)
+                    top = _mm512_max_ps(top, _mm512_loadu_ps(s + c));
+            } else {
+                for (int64_t c = 0; c < BN; c += 16) {
+                    __mmask16 in = c >= allowed ? 0 : allowed - c >= 16 ? 0xffff
+                                   : (__mmask16)((1u << (allowed - c)) - 1);
+                    __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), in,
+                                                  _mm512_loadu_ps(s + c));
+                    _mm512_storeu_ps(s + c, x);
+                    top = _mm512_max_ps(top, x);
+                }
+            }
+            const float block_max = _mm512_reduce_max_ps(top) * J->scale_log2;
+            const float m = block_max > W->row_max[r] ? block_max : W->row_max[r];
+            const float safe = m == -INFINITY ? 0.0f : m;
+            W->alpha[r] = W->row_max[r] == -INFINITY ? 0.0f : exp2f(W->row_max[r] - safe);
+            W->row_max[r] = m;
+            __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(-safe);
+            for (int64_t c = 0; c < BN; c += 32) {
+                __m512 p0 = exp2_nonpositive(_mm512_fmadd_ps(_mm512_loadu_ps(s + c), scale, shift));
+                __m512 p1 = exp2_nonpositive(
+                    _mm512_fmadd_ps(_mm512_loadu_ps(s + c + 16), scale, shift));
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+                _mm512_storeu_si512(W->p + r * BN + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            W->row_sum[r] = W->row_sum[r] * W->alpha[r] + _mm512_reduce_add_ps(sum);
+        }
+        const uint16_t *vb = vp + (j0 / 2) * dv * 2;
+        const int64_t pairs = (bn + 1) / 2;
+        for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
+            int64_t c0 = 0;
+            for (; c0 + 64 <= dv; c0 += 64)
+                out_4x4(W->o + r0 * dv + c0, dv, W->alpha + r0, W->p + r0 * BN,
+                        vb + c0 * 2, pairs);
+            for (; c0 < dv; c0 += 16)
+                out_4x1(W->o + r0 * dv + c0, dv, W->alpha + r0, W->p + r0 * BN,
+                        vb + c0 * 2, pairs);
+        }
+    }
+    for (int64_t r = 0; r < group * BM; r++) {
+        const int64_t head = g * group + r / BM, i = r % BM;
+        if (i >= bm)
+            continue;
+        const float total = W->row_sum[r];
+        const float inv = total > 0 ? 1.0f / total : 0.0f;
+        const int64_t at = b * J->out_st[0] + head * J->out_st[1] + (m0 + i) * J->out_st[2];
+        for (int64_t c = 0; c < dv; c++) {
+            const float x = W->o[r * dv + c] * inv;
+            if (J->inputs_bf16)
+                ((uint16_t *)J->out)[at + c] = round_bf16(x);
+            else
+                ((float *)J->out)[at + c] = x;
+        }
+        if (J->lse)
+            J->lse[(b * J->heads + head) * J->nq + m0 + i] =
+                total > 0 ? (W->row_max[r] + log2f(total)) * 0.69314718055994531f : -INFINITY;
+    }
+}
+
+/* Run items (b, g, m0) of `items` from the shared counter `next` until none is left; each
+ * worker thread calls this once. Returns 0, or 1 when the scratch could not be allocated. */
+int64_t bf16_blocks(const struct bf16_job *J, const int64_t *items, int64_t count,
+                    int64_t *next) {
+    const int64_t rows = round_up(J->heads / J->kv_heads * J->bm, QK_ROWS);
+    struct scratch W;
+    char *memory = malloc(rows * (J->d + BN) * 2 + rows * (BN + J->dv + 3) * 4 + 64);
+    if (!memory)
+        return 1;
+    W.s = (float *)memory;
+    W.o = W.s + rows * BN;
+    W.row_max = W.o + rows * J->dv;
+    W.row_sum = W.row_max + rows;
+    W.alpha = W.row_sum + rows;
+    W.q = (uint16_t *)(W.alpha + rows);
+    W.p = W.q + rows * J->d;
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= count)
+            break;
+        block(J, &W, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+    }
+    free(memory);
+    return 0;
+}
+#else
+int64_t bf16_available(void) { return 0; }
+int64_t bf16_blocks(const struct bf16_job *J, const int64_t *items, int64_t count,
+                    int64_t *next) {
+    (void)J, (void)items, (void)count, (void)next;
+    return 1;
+}
+#endif
