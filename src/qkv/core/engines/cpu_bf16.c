@@ -76,20 +76,6 @@ static void pack(const struct bf16_job *J, int64_t b, int64_t g) {
     }
 }
 
-/* Pack the (batch, kv head) pairs numbered by the shared counter `next` until none of
- * `count` is left; each worker thread calls this once. `items` is unused (the pairs are
- * numbered b * kv_heads + g). Returns 0. */
-int64_t bf16_packs(const struct bf16_job *J, const int64_t *items, int64_t count,
-                   int64_t *next) {
-    (void)items;
-    for (;;) {
-        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= count)
-            return 0;
-        pack(J, i / J->kv_heads, i % J->kv_heads);
-    }
-}
-
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -268,36 +254,48 @@ static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, 
     }
 }
 
-/* Run items (b, g, m0) of `items` from the shared counter `next` until none is left; each
- * worker thread calls this once. Returns 0, or 1 when the scratch could not be allocated. */
-int64_t bf16_blocks(const struct bf16_job *J, const int64_t *items, int64_t count,
-                    int64_t *next) {
+/* Pack every (batch, kv head), then run the query blocks (b, g, m0) of `items`, costliest
+ * first, on `threads` threads of OpenMP's team: torch's own, since the library links the
+ * libgomp torch has loaded. (Threads of another pool would share the cores with torch's
+ * OpenMP threads, which spin for a while after each of torch's parallel operations: inside a
+ * model that doubled this engine's time.) Returns 0, or 1 when scratch memory ran out. */
+int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t count,
+                       int64_t threads) {
     const int64_t rows = round_up(J->heads / J->kv_heads * J->bm, QK_ROWS);
-    struct scratch W;
-    char *memory = malloc(rows * (J->d + BN) * 2 + rows * (BN + J->dv + 3) * 4 + 64);
-    if (!memory)
-        return 1;
-    W.s = (float *)memory;
-    W.o = W.s + rows * BN;
-    W.row_max = W.o + rows * J->dv;
-    W.row_sum = W.row_max + rows;
-    W.alpha = W.row_sum + rows;
-    W.q = (uint16_t *)(W.alpha + rows);
-    W.p = W.q + rows * J->d;
-    for (;;) {
-        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= count)
-            break;
-        block(J, &W, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+    const int64_t pairs = J->batch * J->kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < pairs; i++)
+            pack(J, i / J->kv_heads, i % J->kv_heads);
+        struct scratch W;
+        char *memory = malloc(rows * (J->d + BN) * 2 + rows * (BN + J->dv + 3) * 4 + 64);
+        if (!memory) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            W.s = (float *)memory;
+            W.o = W.s + rows * BN;
+            W.row_max = W.o + rows * J->dv;
+            W.row_sum = W.row_max + rows;
+            W.alpha = W.row_sum + rows;
+            W.q = (uint16_t *)(W.alpha + rows);
+            W.p = W.q + rows * J->d;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < count; i++)
+            if (memory)
+                block(J, &W, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
+        free(memory);
     }
-    free(memory);
-    return 0;
+    return failed;
 }
 #else
 int64_t bf16_available(void) { return 0; }
-int64_t bf16_blocks(const struct bf16_job *J, const int64_t *items, int64_t count,
-                    int64_t *next) {
-    (void)J, (void)items, (void)count, (void)next;
+int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t count,
+                       int64_t threads) {
+    (void)J, (void)items, (void)count, (void)threads;
     return 1;
 }
 #endif

@@ -30,7 +30,6 @@ from ..problem import Problem
 from ..result import Result
 from ..similarity import BUILTIN
 from . import native
-from .workers import on_every_worker
 
 _DOT = BUILTIN["dot"]
 _BN = 128  # BN in cpu_bf16.c: keys per block
@@ -55,7 +54,8 @@ def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None: no compiler, or a CPU without AVX512-BF16 (the source is
     built with -march=native and then reports that it has no kernel)."""
     try:
-        lib = native.compile_library(Path(__file__).with_suffix(".c").read_text(), "cpu_bf16")
+        lib = native.compile_library(Path(__file__).with_suffix(".c").read_text(), "cpu_bf16",
+                                     ("-fopenmp",))
     except (OSError, subprocess.SubprocessError):
         return None
     if lib is None:
@@ -63,9 +63,8 @@ def _library() -> ctypes.CDLL | None:
     lib.bf16_available.restype = _I
     if not lib.bf16_available():
         return None
-    for name in ("bf16_blocks", "bf16_packs"):
-        getattr(lib, name).argtypes = [_P, _P, _I, _P]
-        getattr(lib, name).restype = _I
+    lib.bf16_attention.argtypes = [_P, _P, _I, _I]
+    lib.bf16_attention.restype = _I
     return lib
 
 
@@ -137,23 +136,17 @@ def run(p: Problem) -> Result:
         batch, heads, kv_heads, nq, nk, d, dv, p.mask is not None, bm,
         p.scale * math.log2(math.e),
     )
-    lib = _library()
-    pairs = batch * kv_heads
-    _share_out(lib.bf16_packs, job, None, pairs)
     # Costliest blocks first (the last queries under a causal mask), so the last items
     # taken are the short ones.
-    starts = range(0, nq, bm)
-    items = torch.tensor([(b, g, m0) for m0 in reversed(starts) for b in range(batch)
+    items = torch.tensor([(b, g, m0) for m0 in reversed(range(0, nq, bm)) for b in range(batch)
                           for g in range(kv_heads)], dtype=torch.int64)
-    _share_out(lib.bf16_blocks, job, items, len(items))
+    _kernel(job, items)
     return Result(out, lse)
 
 
-def _share_out(function, job: _Job, items: Tensor | None, count: int) -> None:
-    """``function(job, items, count, next)`` on every worker; they take items from ``next``."""
-    taken = torch.zeros(1, dtype=torch.int64)
-    address = 0 if items is None else items.data_ptr()
-    failed = on_every_worker(
-        lambda: function(ctypes.byref(job), address, count, taken.data_ptr()), count)
-    if any(failed):
+def _kernel(job: _Job, items: Tensor) -> None:
+    """Pack K and V, then run the query blocks ``items`` (b, g, m0), on torch's threads."""
+    failed = _library().bf16_attention(ctypes.byref(job), items.data_ptr(), len(items),
+                                       torch.get_num_threads())
+    if failed:
         raise MemoryError("the bf16 engine could not allocate its scratch memory")

@@ -93,13 +93,14 @@ def cpuinfo_line(key: str) -> str:
         return ""
 
 
-def _build(compiler: str, source: bytes, stem: str) -> Path:
+def _build(compiler: str, source: bytes, stem: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared library of C ``source``, compiled once per source, compiler, flags and CPU
     (a content hash names it: a changed source never loads a stale build)."""
     # -march=native code is only valid on a CPU with the same feature flags.
     cpu = cpuinfo_line("flags")
+    flags = [*_FLAGS, *extra_flags]
     key = hashlib.sha256(b"\0".join(
-        [source, compiler.encode(), " ".join(_FLAGS).encode(), cpu.encode()]
+        [source, compiler.encode(), " ".join(flags).encode(), cpu.encode()]
     )).hexdigest()[:16]
     target = cache_dir() / f"{stem}_{key}.so"
     if target.exists():
@@ -109,7 +110,7 @@ def _build(compiler: str, source: bytes, stem: str) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-x", "c", "-", "-o", partial], input=source,
+        subprocess.run([compiler, *flags, "-x", "c", "-", "-o", partial], input=source,
                        check=True, capture_output=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -124,14 +125,15 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def compile_library(source: str, stem: str) -> ctypes.CDLL | None:
-    """Build (or find in ``$QKV_CACHE``) and load generated C source; None without a
-    compiler or with ``QKV_NATIVE=0``. Raises ``OSError`` / ``SubprocessError`` when the
-    source does not compile."""
+def compile_library(source: str, stem: str,
+                    extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """Build (or find in ``$QKV_CACHE``) and load generated C source, with ``extra_flags``
+    after the usual ones; None without a compiler or with ``QKV_NATIVE=0``. Raises
+    ``OSError`` / ``SubprocessError`` when the source does not compile."""
     compiler = _compiler()
     if compiler is None or _load() is None:
         return None
-    return ctypes.CDLL(str(_build(compiler, source.encode(), stem)))
+    return ctypes.CDLL(str(_build(compiler, source.encode(), stem, extra_flags)))
 
 
 def _load() -> dict | None:

@@ -192,11 +192,3 @@ def sum_chains(parts: list[list], buffers: int) -> list:
     return total
 
 
-
-def on_every_worker(job: Callable[[], object], items: int) -> list:
-    """``job()`` once on each of torch's thread count of workers, at most one per item (in
-    this thread alone for one): for C loops that share out their ``items`` themselves."""
-    workers = max(1, min(torch.get_num_threads(), items))
-    if workers == 1:
-        return [job()]
-    return _on_workers(workers, lambda _: job(), [None] * workers)
