@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import qkv.nn.packed as packed_module
-from qkv.core.engines import cpu_bf16
+from qkv.core.engines import cpu_flash
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.packed import PackedLinear, pack_linears
 
@@ -49,8 +49,8 @@ def test_pack_linears_keeps_a_gpt_close_and_generating_the_same(small_gpt):
         got = model(idx)
         assert ((got - want).norm() / want.norm()).item() < 1e-2
         # The KV cache keeps float32 activations, so cached decoding equals the full pass
-        # (with float32 attention products: the full pass's longer rows would otherwise take
-        # the bf16 engine, and the cached steps' single rows not).
+        # (with float32 attention products: the full pass's longer rows would otherwise
+        # multiply in bf16, and the cached steps' single rows not).
         _set_attention_precision(model, "ieee")
         assert torch.equal(model.generate(idx, 8, temperature=0),
                            model.generate(idx, 8, temperature=0, use_cache=False))
@@ -76,18 +76,19 @@ def test_bf16_packing_lets_attention_products_round_to_bf16(small_gpt, dtype, pr
     assert _attention_precisions(model) == {precision}
 
 
-@pytest.mark.skipif(not cpu_bf16.available(), reason="this CPU has no AVX512-BF16")
-def test_a_bf16_packed_prefill_runs_the_bf16_engine_and_decoding_does_not(small_gpt,
-                                                                          monkeypatch):
+@pytest.mark.skipif(not cpu_flash.available("bf16"),
+                    reason="not an AMD CPU with AVX512-BF16 (or no C compiler)")
+def test_a_bf16_packed_prefill_multiplies_in_bf16_and_decoding_does_not(small_gpt,
+                                                                        monkeypatch):
     model, _ = small_gpt
     idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
     pack_linears(model)
     calls = []
-    kernel = cpu_bf16._kernel
-    monkeypatch.setattr(cpu_bf16, "_kernel", lambda *a: calls.append(a) or kernel(*a))
+    kernel = cpu_flash._kernel
+    monkeypatch.setattr(cpu_flash, "_kernel", lambda *a: calls.append(a[0]) or kernel(*a))
     with torch.no_grad():
         got = model(idx)
-        assert len(calls) == 2  # the two layers
+        assert calls == ["bf16", "bf16"]  # the two layers
         _set_attention_precision(model, "ieee")
         want = model(idx)
         assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -56,9 +56,9 @@ def attention(
         fp32_precision: "ieee" (default), or "bf16": float32 q, k, v and the softmax weights
             may be rounded to bf16 for the two products (scores, softmax and sums stay
             float32), as ``torch.backends.mkldnn.matmul.fp32_precision = "bf16"`` allows for
-            torch's products. On CPUs with AVX512-BF16 a no-grad call of plain or causal dot
-            attention then runs the "bf16" engine; elsewhere nothing changes. bf16 inputs
-            take that engine whatever this says.
+            torch's products. The "flash" CPU engine (plain or causal dot products, no
+            gradients, AMD CPUs with AVX512-BF16) then multiplies in bf16; other engines
+            keep float32.
 
     Returns:
         out (B, H, Nq, Dv); with return_weights and/or return_lse, the tuple (out, weights,

@@ -18,18 +18,12 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engines.native import cpuinfo_line
-
-
-def _amd_cpu() -> bool:
-    # Without /proc (Windows), platform.processor(): "AMD64 Family 25 ..., AuthenticAMD".
-    return "AuthenticAMD" in (cpuinfo_line("vendor_id") or platform.processor())
+from ..core.engines.native import amd_cpu
 
 
 @functools.cache
@@ -44,7 +38,7 @@ def onednn_available() -> bool:
         raise ValueError(f"QKV_ONEDNN_LINEAR must be 0, 1 or unset; got {forced!r}")
     if forced:
         return forced == "1"
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _amd_cpu()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and amd_cpu()
 
 
 def _onednn_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

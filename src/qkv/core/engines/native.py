@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -91,6 +92,12 @@ def cpuinfo_line(key: str) -> str:
             return next((line for line in f if line.startswith(key)), "")
     except OSError:
         return ""
+
+
+def amd_cpu() -> bool:
+    """Whether this is an AMD processor, on whose AVX-512 torch's MKL runs its AVX2 code."""
+    # Without /proc (Windows), platform.processor(): "AMD64 Family 25 ..., AuthenticAMD".
+    return "AuthenticAMD" in (cpuinfo_line("vendor_id") or platform.processor())
 
 
 def _build(compiler: str, source: bytes, stem: str, extra_flags: tuple[str, ...] = ()) -> Path:

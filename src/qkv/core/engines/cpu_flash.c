@@ -1,21 +1,25 @@
-/* Dot-product attention, forward, with its two products in the CPU's bf16 dot-product
- * instruction (AVX512-BF16: vdpbf16ps multiplies pairs of bf16 and adds them into float32).
+/* Dot-product attention's forward on CPU, flash-style: blocks of queries against blocks of
+ * keys with an online softmax, both products in AVX-512 micro-kernels of this file.
  *
- * On CPUs that have it, this instruction does twice the multiply-adds per cycle of float32
- * FMA on half the bytes; neither torch's CPU SDPA nor the BLAS it links use it on AMD
- * processors. The scores, the softmax and both sums stay float32: only q, k, v (or the
- * inputs already in bf16) and the softmax weights p are rounded to bf16, as a GPU's flash
- * attention rounds them.
+ * Built twice from this source (cpu_flash.py):
+ * - bf16 products (the default): the CPU's bf16 dot-product instruction (AVX512-BF16:
+ *   vdpbf16ps multiplies pairs of bf16 and adds both into a float32 lane), twice float32
+ *   FMA's multiply-adds per cycle on half the bytes. Only q, k, v (unless already bf16) and
+ *   the softmax weights p are rounded to bf16, as a GPU's flash attention rounds them.
+ * - float32 products (-DQKV_FP32_PRODUCTS): AVX-512 FMA, float32 throughout.
+ * Neither torch's CPU SDPA nor the BLAS it links runs these instructions on AMD processors.
+ * Scores, the softmax and both sums are float32 either way.
  *
- * Layout. Per (batch, kv head), K is packed once as kp[key / 16][d / 2][16 keys][2]: one
- * 64-byte vector holds one pair of dimensions for 16 keys, so a query row's pair (broadcast)
- * times that vector gives 16 scores' partial sums. V is packed as vp[key / 2][dv][2]: one
- * vector holds 16 columns of a pair of keys, which a row's pair of weights multiplies.
+ * Layout. PAIR elements per float32 lane: 2 (bf16) or 1 (float32). Per (batch, kv head), K
+ * is packed once as kp[key / 16][d / PAIR][16 keys][PAIR]: one 64-byte vector holds one
+ * pair of dimensions for 16 keys, so a query row's pair (broadcast) times that vector gives
+ * 16 scores' partial sums. V is packed as vp[key / PAIR][dv][PAIR]: one vector holds 16
+ * columns of a pair of keys, which a row's pair of weights multiplies.
  * A work item is one query block of every query head that reads the kv head (grouped
  * heads share the packed K and V), rows stacked head by head and padded to a multiple of 8.
  * The softmax is online, a block of BN keys at a time.
  *
- * Built with -march=native: without AVX512-BF16 the file compiles to bf16_available() = 0.
+ * Built with -march=native: without the instructions, flash_available() = 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,14 +30,14 @@
 #define QK_ROWS 8     /* rows of the score micro-kernel */
 #define PV_ROWS 4     /* rows of the output micro-kernel */
 
-struct bf16_job {
+struct flash_job {
     const void *q, *k, *v;
     int64_t q_st[3], k_st[3], v_st[3]; /* element strides of batch, head, row; unit columns */
     int64_t inputs_bf16;              /* 1: q, k, v, out are bf16; 0: float32 */
     void *out;
     int64_t out_st[3];
     float *lse;                       /* (B, H, Nq) contiguous, natural log; or 0 */
-    uint16_t *kp, *vp;                /* packed K and V, per (batch, kv head) */
+    void *kp, *vp;                    /* packed K and V, per (batch, kv head) */
     int64_t kp_size, vp_size;         /* their elements per (batch, kv head) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
     int64_t causal;                   /* key j allowed for query i iff j <= i + nk - nq */
@@ -50,36 +54,76 @@ static inline uint16_t round_bf16(float x) { /* to nearest, ties to even (NaN st
     return (uint16_t)(u >> 16);
 }
 
-static inline uint16_t input_bf16(const struct bf16_job *J, const void *base, int64_t at) {
+static inline uint16_t input_bf16(const struct flash_job *J, const void *base, int64_t at) {
     return J->inputs_bf16 ? ((const uint16_t *)base)[at] : round_bf16(((const float *)base)[at]);
 }
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-/* Pack K and V of (batch b, kv head g); keys past nk (up to the next BN) are zero. */
-static void pack(const struct bf16_job *J, int64_t b, int64_t g) {
-    const int64_t dp = J->d / 2, nkp = round_up(J->nk, BN);
-    uint16_t *kp = J->kp + (b * J->kv_heads + g) * J->kp_size;
-    uint16_t *vp = J->vp + (b * J->kv_heads + g) * J->vp_size;
+/* What the products read: bf16 pairs (vdpbf16ps multiplies two and adds both into one
+ * float32 lane), or with QKV_FP32_PRODUCTS float32 singles (an FMA per lane). */
+#ifdef QKV_FP32_PRODUCTS
+typedef float elem;
+#define PAIR 1
+static inline elem input_elem(const struct flash_job *J, const void *base, int64_t at) {
+    (void)J;
+    return ((const float *)base)[at];
+}
+#else
+typedef uint16_t elem;
+#define PAIR 2
+#define input_elem input_bf16
+#endif
+
+/* Pack K and V of (batch b, kv head g); keys past nk (up to the next BN) are zero.
+ * kp[key / 16][d / PAIR][16 keys][PAIR], vp[key / PAIR][dv][PAIR]. */
+static void pack(const struct flash_job *J, int64_t b, int64_t g) {
+    const int64_t dp = J->d / PAIR, nkp = round_up(J->nk, BN);
+    elem *kp = (elem *)J->kp + (b * J->kv_heads + g) * J->kp_size;
+    elem *vp = (elem *)J->vp + (b * J->kv_heads + g) * J->vp_size;
     const int64_t k0 = b * J->k_st[0] + g * J->k_st[1], v0 = b * J->v_st[0] + g * J->v_st[1];
     for (int64_t j = 0; j < nkp; j++) {
-        uint16_t *o = kp + (j / 16) * dp * 32 + (j % 16) * 2;
-        for (int64_t p = 0; p < dp; p++) {
-            o[p * 32] = j < J->nk ? input_bf16(J, J->k, k0 + j * J->k_st[2] + 2 * p) : 0;
-            o[p * 32 + 1] = j < J->nk ? input_bf16(J, J->k, k0 + j * J->k_st[2] + 2 * p + 1) : 0;
-        }
+        elem *o = kp + (j / 16) * dp * 16 * PAIR + (j % 16) * PAIR;
+        for (int64_t c = 0; c < J->d; c++)
+            o[(c / PAIR) * 16 * PAIR + c % PAIR] =
+                j < J->nk ? input_elem(J, J->k, k0 + j * J->k_st[2] + c) : 0;
     }
     for (int64_t j = 0; j < nkp; j++) {
-        uint16_t *o = vp + (j / 2) * J->dv * 2 + (j % 2);
+        elem *o = vp + (j / PAIR) * J->dv * PAIR + (j % PAIR);
         for (int64_t c = 0; c < J->dv; c++)
-            o[2 * c] = j < J->nk ? input_bf16(J, J->v, v0 + j * J->v_st[2] + c) : 0;
+            o[PAIR * c] = j < J->nk ? input_elem(J, J->v, v0 + j * J->v_st[2] + c) : 0;
     }
 }
 
-#ifdef __AVX512BF16__
+#if defined(QKV_FP32_PRODUCTS) ? defined(__AVX512F__) : defined(__AVX512BF16__)
 #include <immintrin.h>
 
-int64_t bf16_available(void) { return 1; }
+int64_t flash_available(void) { return 1; }
+
+#ifdef QKV_FP32_PRODUCTS
+typedef __m512 operand;
+static inline operand broadcast(const elem *at) { return _mm512_set1_ps(*at); }
+static inline operand load_operand(const elem *at) { return _mm512_loadu_ps(at); }
+static inline __m512 multiply_add(__m512 acc, operand a, operand b) {
+    return _mm512_fmadd_ps(a, b, acc);
+}
+static inline void store_weights(elem *at, __m512 p0, __m512 p1) {
+    _mm512_storeu_ps(at, p0);
+    _mm512_storeu_ps(at + 16, p1);
+}
+#else
+typedef __m512bh operand;
+static inline operand broadcast(const elem *at) {
+    return (__m512bh)_mm512_set1_epi32(*(const int32_t *)at);
+}
+static inline operand load_operand(const elem *at) { return (__m512bh)_mm512_loadu_si512(at); }
+static inline __m512 multiply_add(__m512 acc, operand a, operand b) {
+    return _mm512_dpbf16_ps(acc, a, b);
+}
+static inline void store_weights(elem *at, __m512 p0, __m512 p1) {
+    _mm512_storeu_si512(at, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+#endif
 
 /* 2^y for y <= 0 (or -inf): 2^round(y) times a degree-5 polynomial of the remainder in
  * [-1/2, 1/2] (relative error about 2e-7, far below the bf16 rounding p gets next); exactly 0
@@ -98,24 +142,20 @@ static inline __m512 exp2_nonpositive(__m512 y) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-static inline __m512bh pair_of(const uint16_t *at) {
-    return (__m512bh)_mm512_set1_epi32(*(const int32_t *)at);
-}
-
 /* s (rows, BN) = q rows (rows, d) . 32 keys starting at kp's block, for 8 rows. */
-static inline void scores_8x32(const uint16_t *q, int64_t d, const uint16_t *kp, float *s) {
-    const int64_t dp = d / 2;
+static inline void scores_8x32(const elem *q, int64_t d, const elem *kp, float *s) {
+    const int64_t dp = d / PAIR;
     __m512 acc[QK_ROWS][2];
     for (int a = 0; a < QK_ROWS; a++)
         acc[a][0] = acc[a][1] = _mm512_setzero_ps();
-    const uint16_t *k1 = kp + dp * 32;
+    const elem *k1 = kp + dp * 16 * PAIR;
     for (int64_t p = 0; p < dp; p++) {
-        __m512bh b0 = (__m512bh)_mm512_loadu_si512(kp + p * 32);
-        __m512bh b1 = (__m512bh)_mm512_loadu_si512(k1 + p * 32);
+        operand b0 = load_operand(kp + p * 16 * PAIR);
+        operand b1 = load_operand(k1 + p * 16 * PAIR);
         for (int a = 0; a < QK_ROWS; a++) {
-            __m512bh qa = pair_of(q + a * d + 2 * p);
-            acc[a][0] = _mm512_dpbf16_ps(acc[a][0], qa, b0);
-            acc[a][1] = _mm512_dpbf16_ps(acc[a][1], qa, b1);
+            operand qa = broadcast(q + a * d + PAIR * p);
+            acc[a][0] = multiply_add(acc[a][0], qa, b0);
+            acc[a][1] = multiply_add(acc[a][1], qa, b1);
         }
     }
     for (int a = 0; a < QK_ROWS; a++) {
@@ -126,8 +166,8 @@ static inline void scores_8x32(const uint16_t *q, int64_t d, const uint16_t *kp,
 
 /* o rows (4, 16 * NZ columns) = alpha o + p (4, pairs) . vp, for `pairs` pairs of keys. */
 #define DEFINE_PV(NZ)                                                                        \
-static inline void out_4x##NZ(float *o, int64_t dv, const float *alpha, const uint16_t *pb,  \
-                              const uint16_t *vp, int64_t pairs) {                          \
+static inline void out_4x##NZ(float *o, int64_t dv, const float *alpha, const elem *pb,      \
+                              const elem *vp, int64_t pairs) {                              \
     __m512 acc[PV_ROWS][NZ];                                                                 \
     for (int a = 0; a < PV_ROWS; a++) {                                                      \
         __m512 al = _mm512_set1_ps(alpha[a]);                                                \
@@ -135,13 +175,13 @@ static inline void out_4x##NZ(float *o, int64_t dv, const float *alpha, const ui
             acc[a][z] = _mm512_mul_ps(al, _mm512_loadu_ps(o + a * dv + 16 * z));             \
     }                                                                                        \
     for (int64_t t = 0; t < pairs; t++) {                                                    \
-        __m512bh w[NZ];                                                                      \
+        operand w[NZ];                                                                       \
         for (int z = 0; z < NZ; z++)                                                         \
-            w[z] = (__m512bh)_mm512_loadu_si512(vp + t * dv * 2 + 32 * z);                   \
+            w[z] = load_operand(vp + t * dv * PAIR + 16 * PAIR * z);                         \
         for (int a = 0; a < PV_ROWS; a++) {                                                  \
-            __m512bh pa = pair_of(pb + a * BN + 2 * t);                                      \
+            operand pa = broadcast(pb + a * BN + PAIR * t);                                  \
             for (int z = 0; z < NZ; z++)                                                     \
-                acc[a][z] = _mm512_dpbf16_ps(acc[a][z], pa, w[z]);                           \
+                acc[a][z] = multiply_add(acc[a][z], pa, w[z]);                               \
         }                                                                                    \
     }                                                                                        \
     for (int a = 0; a < PV_ROWS; a++)                                                        \
@@ -153,12 +193,12 @@ DEFINE_PV(1)
 
 /* Per-worker scratch, for up to `rows` stacked rows. */
 struct scratch {
-    uint16_t *q, *p;
+    elem *q, *p;
     float *s, *o, *row_max, *row_sum, *alpha;
 };
 
 /* One query block [m0, m0 + bm) of every query head of (batch b, kv head g). */
-static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, int64_t g,
+static void block(const struct flash_job *J, const struct scratch *W, int64_t b, int64_t g,
                   int64_t m0) {
     const int64_t group = J->heads / J->kv_heads, d = J->d, dv = J->dv, BM = J->bm;
     const int64_t bm = J->nq - m0 < BM ? J->nq - m0 : BM;
@@ -169,21 +209,21 @@ static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, 
         const int live = r < group * BM && i < bm;
         const int64_t at = b * J->q_st[0] + head * J->q_st[1] + (m0 + i) * J->q_st[2];
         for (int64_t c = 0; c < d; c++)
-            W->q[r * d + c] = live ? input_bf16(J, J->q, at + c) : 0;
+            W->q[r * d + c] = live ? input_elem(J, J->q, at + c) : 0;
         W->row_max[r] = -INFINITY;
         W->row_sum[r] = 0;
     }
     memset(W->o, 0, sizeof(float) * rows * dv);
     int64_t kend = J->causal ? m0 + bm + offset : J->nk;
     kend = kend > J->nk ? J->nk : kend;
-    const uint16_t *kp = J->kp + (b * J->kv_heads + g) * J->kp_size;
-    const uint16_t *vp = J->vp + (b * J->kv_heads + g) * J->vp_size;
+    const elem *kp = (const elem *)J->kp + (b * J->kv_heads + g) * J->kp_size;
+    const elem *vp = (const elem *)J->vp + (b * J->kv_heads + g) * J->vp_size;
     const __m512 scale = _mm512_set1_ps(J->scale_log2);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
         const int64_t bn = kend - j0 < BN ? kend - j0 : BN;
         for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS)
             for (int64_t jj = 0; jj < BN; jj += 32)
-                scores_8x32(W->q + r0 * d, d, kp + ((j0 + jj) / 16) * (d / 2) * 32,
+                scores_8x32(W->q + r0 * d, d, kp + ((j0 + jj) / 16) * (d / PAIR) * 16 * PAIR,
                             W->s + r0 * BN + jj);
         for (int64_t r = 0; r < rows; r++) {
             float *s = W->s + r * BN;
@@ -218,20 +258,20 @@ static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, 
                 __m512 p1 = exp2_nonpositive(
                     _mm512_fmadd_ps(_mm512_loadu_ps(s + c + 16), scale, shift));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-                _mm512_storeu_si512(W->p + r * BN + c, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                store_weights(W->p + r * BN + c, p0, p1);
             }
             W->row_sum[r] = W->row_sum[r] * W->alpha[r] + _mm512_reduce_add_ps(sum);
         }
-        const uint16_t *vb = vp + (j0 / 2) * dv * 2;
-        const int64_t pairs = (bn + 1) / 2;
+        const elem *vb = vp + (j0 / PAIR) * dv * PAIR;
+        const int64_t pairs = (bn + PAIR - 1) / PAIR;
         for (int64_t r0 = 0; r0 < rows; r0 += PV_ROWS) {
             int64_t c0 = 0;
             for (; c0 + 64 <= dv; c0 += 64)
                 out_4x4(W->o + r0 * dv + c0, dv, W->alpha + r0, W->p + r0 * BN,
-                        vb + c0 * 2, pairs);
+                        vb + c0 * PAIR, pairs);
             for (; c0 < dv; c0 += 16)
                 out_4x1(W->o + r0 * dv + c0, dv, W->alpha + r0, W->p + r0 * BN,
-                        vb + c0 * 2, pairs);
+                        vb + c0 * PAIR, pairs);
         }
     }
     for (int64_t r = 0; r < group * BM; r++) {
@@ -259,7 +299,7 @@ static void block(const struct bf16_job *J, const struct scratch *W, int64_t b, 
  * libgomp torch has loaded. (Threads of another pool would share the cores with torch's
  * OpenMP threads, which spin for a while after each of torch's parallel operations: inside a
  * model that doubled this engine's time.) Returns 0, or 1 when scratch memory ran out. */
-int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t count,
+int64_t flash_attention(const struct flash_job *J, const int64_t *items, int64_t count,
                        int64_t threads) {
     const int64_t rows = round_up(J->heads / J->kv_heads * J->bm, QK_ROWS);
     const int64_t pairs = J->batch * J->kv_heads;
@@ -270,7 +310,7 @@ int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t c
         for (int64_t i = 0; i < pairs; i++)
             pack(J, i / J->kv_heads, i % J->kv_heads);
         struct scratch W;
-        char *memory = malloc(rows * (J->d + BN) * 2 + rows * (BN + J->dv + 3) * 4 + 64);
+        char *memory = malloc(rows * (J->d + BN) * sizeof(elem) + rows * (BN + J->dv + 3) * 4 + 64);
         if (!memory) {
 #pragma omp atomic write
             failed = 1;
@@ -280,7 +320,7 @@ int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t c
             W.row_max = W.o + rows * J->dv;
             W.row_sum = W.row_max + rows;
             W.alpha = W.row_sum + rows;
-            W.q = (uint16_t *)(W.alpha + rows);
+            W.q = (elem *)(W.alpha + rows);
             W.p = W.q + rows * J->d;
         }
 #pragma omp for schedule(dynamic, 1)
@@ -292,8 +332,8 @@ int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t c
     return failed;
 }
 #else
-int64_t bf16_available(void) { return 0; }
-int64_t bf16_attention(const struct bf16_job *J, const int64_t *items, int64_t count,
+int64_t flash_available(void) { return 0; }
+int64_t flash_attention(const struct flash_job *J, const int64_t *items, int64_t count,
                        int64_t threads) {
     (void)J, (void)items, (void)count, (void)threads;
     return 1;

@@ -1,13 +1,14 @@
-"""The bf16 CPU engine against torch's SDPA, inference forward, side by side in one run.
+"""The flash CPU engine against torch's SDPA, inference forward, side by side in one run.
 
-For each shape: qkv's "bf16" engine on float32 inputs (``fp32_precision="bf16"``) and on bf16
-inputs, against SDPA on the same float32 and bf16 inputs. The cases alternate within each
-round (the machines are shared and noisy); each keeps its fastest round, and the ratios are
-SDPA's time over the engine's at the same input dtype (> 1: qkv is faster). The error
-column is the largest output difference from float64 on the float32 inputs.
+For each shape, qkv's flash engine three ways: float32 inputs with float32 products, float32
+inputs with ``fp32_precision="bf16"`` (bf16 products), and bf16 inputs. Against them, SDPA on
+the same float32 and bf16 inputs. The cases alternate within each round (the machines are
+shared and noisy), and each keeps its fastest round. The ratios are SDPA's time over qkv's at
+the same input dtype (> 1: qkv is faster). In brackets, each output's largest difference
+from float64 on the float32 inputs.
 
-    python benchmarks/attention_bf16_cpu.py                  # the default shapes, 10 rounds
-    python benchmarks/attention_bf16_cpu.py --rounds 20 --n 1024 4096
+    python benchmarks/attention_flash_cpu.py                  # the default shapes, 10 rounds
+    python benchmarks/attention_flash_cpu.py --rounds 20 --n 1024 4096
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core.engines import cpu_bf16
+from qkv.core.engines import cpu_flash
 from qkv.core.engines.native import cpuinfo_line
+
+COLUMNS = ("qkv fp32", "qkv fp32, bf16 products", "qkv bf16", "SDPA fp32", "SDPA bf16")
 
 
 def _time(fn) -> float:
@@ -36,13 +39,13 @@ def report(heads: int, kv_heads: int, n: int, causal: bool, rounds: int) -> str:
     bf = [t.bfloat16() for t in (q, k, v)]
     mask = qkv.causal() if causal else None
     gqa = {"enable_gqa": True} if heads != kv_heads else {}
-    cases = {
-        "qkv fp32 inputs": lambda: qkv.attention(q, k, v, mask=mask, fp32_precision="bf16",
-                                                 backend="bf16"),
-        "qkv bf16 inputs": lambda: qkv.attention(*bf, mask=mask, backend="bf16"),
-        "SDPA fp32": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa),
-        "SDPA bf16": lambda: F.scaled_dot_product_attention(*bf, is_causal=causal, **gqa),
-    }
+    cases = dict(zip(COLUMNS, (
+        lambda: qkv.attention(q, k, v, mask=mask, backend="flash"),
+        lambda: qkv.attention(q, k, v, mask=mask, fp32_precision="bf16", backend="flash"),
+        lambda: qkv.attention(*bf, mask=mask, backend="flash"),
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa),
+        lambda: F.scaled_dot_product_attention(*bf, is_causal=causal, **gqa),
+    ), strict=True))
     best = dict.fromkeys(cases, float("inf"))
     with torch.no_grad():
         exact = qkv.attention(q.double(), k.double(), v.double(), mask=mask, backend="sdpa")
@@ -51,9 +54,10 @@ def report(heads: int, kv_heads: int, n: int, causal: bool, rounds: int) -> str:
             for name in cases if turn % 2 == 0 else list(cases)[::-1]:
                 best[name] = min(best[name], _time(cases[name]))
     ms = " | ".join(f"{best[c] * 1e3:.2f} ({error[c]:.1e})" for c in cases)
+    sdpa = best["SDPA fp32"]
     return (f"| {heads}/{kv_heads} | {n} | {'causal' if causal else 'none'} | {ms} | "
-            f"{best['SDPA fp32'] / best['qkv fp32 inputs']:.2f}x | "
-            f"{best['SDPA bf16'] / best['qkv bf16 inputs']:.2f}x |")
+            f"{sdpa / best['qkv fp32']:.2f}x | {sdpa / best['qkv fp32, bf16 products']:.2f}x | "
+            f"{best['SDPA bf16'] / best['qkv bf16']:.2f}x |")
 
 
 def main(argv=None) -> None:
@@ -61,16 +65,17 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--rounds", type=int, default=10)
     args = p.parse_args(argv)
-    if not cpu_bf16.available():
-        raise SystemExit("this CPU has no AVX512-BF16 (or there is no C compiler): no bf16 engine")
+    if not (cpu_flash.available("fp32") and cpu_flash.available("bf16")):
+        raise SystemExit("the flash engine needs an AMD CPU with AVX-512 and AVX512-BF16, and a "
+                         "C compiler")
     cpu = cpuinfo_line("model name").partition(":")[2].strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu} "
           f"({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; B=1, D=64, fastest of {args.rounds} alternating rounds")
     print("# ms (largest error from float64 on the float32 inputs)\n")
-    print("| heads / KV heads | N | mask | qkv, fp32 inputs | qkv, bf16 inputs | SDPA fp32 | "
-          "SDPA bf16 | SDPA fp32 / qkv | SDPA bf16 / qkv |")
-    print("|---" * 9 + "|")
+    print("| heads / KV heads | N | mask | " + " | ".join(COLUMNS) + " | SDPA fp32 / qkv fp32 "
+          "| SDPA fp32 / qkv bf16 products | SDPA bf16 / qkv bf16 |")
+    print("|---" * 11 + "|")
     for n in args.n:
         for heads, kv_heads, causal in ((8, 8, False), (8, 8, True), (9, 3, True)):
             print(report(heads, kv_heads, n, causal, args.rounds), flush=True)

@@ -1,0 +1,172 @@
+"""The flash CPU engine: plain and causal dot-product attention's forward (inference) in
+AVX-512 micro-kernels (``cpu_flash.c``), on AMD processors.
+
+torch's CPU SDPA multiplies through MKL, which runs its AVX2 code on AMD processors and never
+uses the bf16 dot-product instruction (AVX512-BF16). On a 2-core Zen 4, one causal prefill
+layer of SmolLM2 (9 query heads, 3 KV heads, 1,024 tokens, D = 64) took 11.7-12.8 ms in
+SDPA, 8.6-8.9 ms here with float32 products and about 5.5 ms with bf16 products
+(docs/benchmarks.md, "Sixteenth session").
+
+Which products:
+- bf16 inputs, or float32 inputs with ``fp32_precision="bf16"`` (the caller's consent that
+  q, k, v and the softmax weights be rounded to bf16, as ``torch.backends.mkldnn.matmul.
+  fp32_precision = "bf16"`` consents for torch's own float32 products): bf16 products, on
+  CPUs with AVX512-BF16. Without it, float32 inputs get float32 products.
+- float32 inputs otherwise: float32 products (AVX-512 FMA), within a few float32 ulp of SDPA.
+Scores, softmax and sums are float32 either way; the output has the inputs' dtype.
+
+Only on AMD processors, where it was measured; on Intel's, MKL and oneDNN run AVX-512 (and
+AMX) themselves. Plain or causal attention, no gradients (a call that needs them goes on to
+SDPA or the fused engine), and not on a few query rows (decoding), where SDPA's
+matrix-vector loops beat packing the keys.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..problem import Problem
+from ..result import Result
+from ..similarity import BUILTIN
+from . import native
+
+_DOT = BUILTIN["dot"]
+_BN = 128  # BN in cpu_flash.c: keys per block
+_MIN_QUERIES = 16  # below this SDPA's loops were faster than packing K and V
+_MAX_D = 256
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# Products -> (elements per float32 lane, packed element dtype, extra compiler flags).
+_BUILDS = {"bf16": (2, torch.int16, ()), "fp32": (1, torch.float32, ("-DQKV_FP32_PRODUCTS",))}
+
+
+class _Job(ctypes.Structure):  # struct flash_job in cpu_flash.c
+    _fields_ = [
+        ("q", _P), ("k", _P), ("v", _P),
+        ("q_st", _I * 3), ("k_st", _I * 3), ("v_st", _I * 3),
+        ("inputs_bf16", _I), ("out", _P), ("out_st", _I * 3), ("lse", _P),
+        ("kp", _P), ("vp", _P), ("kp_size", _I), ("vp_size", _I),
+        ("batch", _I), ("heads", _I), ("kv_heads", _I), ("nq", _I), ("nk", _I),
+        ("d", _I), ("dv", _I), ("causal", _I), ("bm", _I), ("scale_log2", ctypes.c_float),
+    ]
+
+
+@functools.cache
+def _library(products: str) -> ctypes.CDLL | None:
+    """The kernel with ``products`` ("bf16" or "fp32"), or None: no compiler, not an AMD
+    CPU, or a CPU without the instructions (the source is built with -march=native and then
+    reports that it has no kernel)."""
+    if not native.amd_cpu():
+        return None
+    try:
+        lib = native.compile_library(Path(__file__).with_suffix(".c").read_text(),
+                                     f"cpu_flash_{products}", ("-fopenmp", *_BUILDS[products][2]))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if lib is None:
+        return None
+    lib.flash_available.restype = _I
+    if not lib.flash_available():
+        return None
+    lib.flash_attention.argtypes = [_P, _P, _I, _I]
+    lib.flash_attention.restype = _I
+    return lib
+
+
+def available(products: str) -> bool:
+    """Whether this machine runs the engine with ``products`` ("bf16": an AMD CPU with
+    AVX512-BF16; "fp32": with AVX-512F; a C compiler either way)."""
+    return _library(products) is not None
+
+
+def products_of(p: Problem) -> str | None:
+    """The products the engine would run ``p`` with, or None for inputs it does not take."""
+    dtype = p.q.dtype
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype != torch.float32:
+        return None
+    return "bf16" if p.fp32_precision == "bf16" and available("bf16") else "fp32"
+
+
+def why_not(p: Problem) -> str | None:
+    products = products_of(p)
+    if products is None:
+        return f"the flash engine takes float32 or bf16 inputs; got {p.q.dtype}"
+    if p.q.device.type != "cpu":
+        return f"the flash engine runs CPU tensors; got device {p.q.device}"
+    if p.similarity is not _DOT:
+        return f"the flash engine computes the dot product only, not {p.similarity.name!r}"
+    if p.score_mod is not None or p.return_weights or p.dropout_p > 0:
+        return "the flash engine has no score_mod, return_weights or dropout"
+    if p.metric is not None or not isinstance(p.scale, float) or not p.scale > 0:
+        return "the flash engine needs a plain positive float scale"
+    if p.mask is not None and not p.is_causal_only:
+        return "the flash engine runs only no mask or qkv.causal()"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
+        return "the flash engine is for inference: it has no backward"
+    if p.nq < _MIN_QUERIES:
+        return f"fewer than {_MIN_QUERIES} query rows (decoding): SDPA is faster there"
+    d, dv = p.q.shape[3], p.v.shape[3]
+    if d % 2 or d > _MAX_D or dv % 16 or dv > _MAX_D:
+        return f"the flash engine needs D even and Dv a multiple of 16, both <= {_MAX_D}"
+    if torch.compiler.is_compiling() or not all(type(t) is Tensor for t in (p.q, p.k, p.v)):
+        return "the flash engine runs eager tensors only"
+    if any(t.stride(3) != 1 for t in (p.q, p.k, p.v)):
+        return "the flash engine reads rows with unit column stride"
+    if not available(products):
+        return (f"this CPU has no {products} kernel here: it needs an AMD CPU with "
+                f"{'AVX512-BF16' if products == 'bf16' else 'AVX-512'} and a C compiler")
+    return None
+
+
+def _strides(t: Tensor):
+    return (_I * 3)(*t.stride()[:3])
+
+
+def _block_rows(group: int, nq: int) -> int:
+    """Query rows per head in a block: the heads of a group stacked give about 64 rows, so
+    the score tile (64 x 128 floats) fits a 32 KiB L1 cache. (On the Zen 4, 64 and 128 rows,
+    and 64 and 128 keys per block, ran within a few percent of each other.)"""
+    return max(1, min(nq, 64, max(8, 64 // group)))
+
+
+def run(p: Problem) -> Result:
+    q, k, v = p.q, p.k, p.v
+    batch, heads, kv_heads, nq, nk = p.batch, p.heads, p.kv_heads, p.nq, p.nk
+    d, dv = q.shape[3], v.shape[3]
+    products = products_of(p)
+    keys = -(-nk // _BN) * _BN
+    out = torch.empty(batch, heads, nq, dv, dtype=q.dtype)
+    lse = torch.empty(batch, heads, nq, dtype=torch.float32)
+    packed_dtype = _BUILDS[products][1]
+    kp = torch.empty(batch * kv_heads * keys * d, dtype=packed_dtype)
+    vp = torch.empty(batch * kv_heads * keys * dv, dtype=packed_dtype)
+    bm = _block_rows(heads // kv_heads, nq)
+    job = _Job(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides(q), _strides(k), _strides(v),
+        q.dtype == torch.bfloat16, out.data_ptr(), _strides(out), lse.data_ptr(),
+        kp.data_ptr(), vp.data_ptr(), keys * d, keys * dv,
+        batch, heads, kv_heads, nq, nk, d, dv, p.mask is not None, bm,
+        p.scale * math.log2(math.e),
+    )
+    # Costliest blocks first (the last queries under a causal mask), so the last items
+    # taken are the short ones.
+    items = torch.tensor([(b, g, m0) for m0 in reversed(range(0, nq, bm)) for b in range(batch)
+                          for g in range(kv_heads)], dtype=torch.int64)
+    _kernel(products, job, items)
+    return Result(out, lse)
+
+
+def _kernel(products: str, job: _Job, items: Tensor) -> None:
+    """Pack K and V, then run the query blocks ``items`` (b, g, m0), on torch's threads."""
+    failed = _library(products).flash_attention(ctypes.byref(job), items.data_ptr(),
+                                                len(items), torch.get_num_threads())
+    if failed:
+        raise MemoryError("the flash engine could not allocate its scratch memory")

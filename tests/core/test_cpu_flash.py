@@ -1,0 +1,166 @@
+"""The flash CPU engine (inference; bf16 products in AVX512-BF16, or float32 products in
+AVX-512 FMA): parity with float64 (for bf16 products, on the same bf16-rounded inputs), the
+rows and layouts it must handle, and when the dispatcher takes it."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv.core import engines
+from qkv.core.engines import cpu_flash
+from qkv.core.problem import build_problem
+
+needs_bf16 = pytest.mark.skipif(not cpu_flash.available("bf16"),
+                                reason="not an AMD CPU with AVX512-BF16 (or no C compiler)")
+needs_fp32 = pytest.mark.skipif(not cpu_flash.available("fp32"),
+                                reason="not an AMD CPU with AVX-512 (or no C compiler)")
+PRODUCTS = [pytest.param("bf16", marks=needs_bf16), pytest.param("fp32", marks=needs_fp32)]
+
+
+def _inputs(batch, heads, kv_heads, nq, nk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, nq, d, generator=g)
+    k = torch.randn(batch, kv_heads, nk, d, generator=g)
+    v = torch.randn(batch, kv_heads, nk, dv, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _check(q, k, v, causal, products="bf16"):
+    """The engine against float64. bf16 products: on the bf16-rounded q, k, v it multiplies,
+    whose products are exact in float32, so the log-sum-exp matches to float32 sums and the
+    output carries only the softmax weights' rounding to bf16 (2^-9 relative). float32
+    products: on the inputs themselves, to float32's own bounds."""
+    mask = qkv.causal() if causal else None
+    with torch.no_grad():
+        precision = "bf16" if products == "bf16" else "ieee"
+        out, lse = qkv.attention(q, k, v, mask=mask, fp32_precision=precision,
+                                 return_lse=True, backend="flash")
+    bf16 = products == "bf16" or q.dtype == torch.bfloat16
+    exact = [(t.to(torch.bfloat16) if bf16 else t).double() for t in (q, k, v)]
+    want, want_lse = qkv.attention(*exact, mask=mask, return_lse=True, backend="reference")
+    assert out.dtype == q.dtype and out.shape == want.shape
+    assert lse.dtype == torch.float32
+    no_key = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), no_key)
+    assert (out.double()[no_key] == 0).all()
+    assert ((lse.double() - want_lse)[~no_key].abs() < (1e-4 if bf16 else 1e-5)).all()
+    scale = want.abs().max().clamp_min(1.0) if want.numel() else 1.0
+    assert ((out.double() - want).abs() / scale < (1e-2 if bf16 else 1e-5)).all()
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_heads_match_float64(products, causal):
+    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), causal, products)
+
+
+@needs_bf16
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_inputs_match_float64(causal):
+    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.bfloat16), causal)
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+@pytest.mark.parametrize("shape", [
+    (1, 4, 4, 37, 203, 32, 48),     # Nq < Nk: bottom-right causal; Dv not a multiple of 64
+    (1, 2, 1, 70, 20, 18, 16),      # Nq > Nk: the first 50 rows have no key
+    (1, 3, 3, 16, 1, 256, 256),     # the widest heads, one key
+    (2, 9, 3, 300, 300, 64, 128),   # SmolLM2's grouping; Dv = 2 x 64
+])
+def test_shapes(products, shape):
+    _check(*_inputs(*shape, torch.float32, seed=sum(shape)), True, products)
+
+
+@pytest.mark.parametrize("products", PRODUCTS)
+def test_strided_inputs_are_read_in_place(products):
+    q, k, v = _inputs(1, 4, 2, 64, 80, 32, 32, torch.float32)
+    # (B, N, H, D) memory seen as (B, H, N, D), as a model's split heads are.
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not q.is_contiguous()
+    _check(q, k, v, True, products)
+
+
+@needs_bf16
+@needs_fp32
+@settings(max_examples=25, deadline=None)
+@given(heads=st.sampled_from([(1, 1), (4, 2), (6, 1), (5, 5)]),
+       nq=st.integers(16, 150), nk=st.integers(1, 150), d=st.sampled_from([2, 16, 40, 64]),
+       dv=st.sampled_from([16, 64, 80]), causal=st.booleans(),
+       case=st.sampled_from([(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
+                             (torch.float32, "fp32")]))
+def test_any_shape_matches_float64(heads, nq, nk, d, dv, causal, case):
+    dtype, products = case
+    _check(*_inputs(1, heads[0], heads[1], nq, nk, d, dv, dtype, seed=nq * nk), causal,
+           products)
+
+
+def _engine(q, k, v, **kwargs) -> str:
+    return engines.plan(build_problem(q, k, v, **kwargs)).engine
+
+
+@needs_bf16
+@needs_fp32
+def test_dispatch_takes_it_only_for_inference_of_plain_or_causal_dot():
+    q, k, v = _inputs(1, 4, 2, 64, 64, 32, 32, torch.float32)
+    causal = qkv.causal()
+    with torch.no_grad():
+        assert _engine(q, k, v, mask=causal) == "flash"
+        assert _engine(*(t.bfloat16() for t in (q, k, v)), mask=causal) == "flash"
+        assert _engine(q[:, :, :4], k, v) == "sdpa"  # decoding's rows
+        assert _engine(q, k, v, score_mod=qkv.softcap(20.0)) == "fused"
+        assert _engine(q, k, v, similarity="l2") == "fused"
+        assert _engine(q, k, v, scale=-0.5) == "sdpa"
+        assert _engine(q.half(), k.half(), v.half()) == "sdpa"
+    q.requires_grad_()
+    assert _engine(q, k, v, mask=causal) == "sdpa"  # no backward
+
+
+@needs_bf16
+def test_fp32_precision_picks_the_products(monkeypatch):
+    q, k, v = _inputs(1, 4, 2, 64, 64, 32, 32, torch.float32)
+    used = []
+    kernel = cpu_flash._kernel
+    monkeypatch.setattr(cpu_flash, "_kernel", lambda *a: used.append(a[0]) or kernel(*a))
+    with torch.no_grad():
+        exact = qkv.attention(q, k, v)
+        rounded = qkv.attention(q, k, v, fp32_precision="bf16")
+        qkv.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert used == ["fp32", "bf16", "bf16"]
+    assert not torch.equal(exact, rounded)
+
+
+def test_fp32_precision_is_checked():
+    q, k, v = _inputs(1, 2, 2, 4, 4, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="fp32_precision must be one of"):
+        qkv.attention(q, k, v, fp32_precision="tf32")
+
+
+def test_forcing_it_where_it_cannot_run_says_why():
+    q, k, v = _inputs(1, 2, 2, 32, 32, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="takes float32 or bf16 inputs"):
+        qkv.attention(q.double(), k.double(), v.double(), backend="flash")
+    with pytest.raises(ValueError, match="Dv a multiple of 16"):
+        qkv.attention(q, k, v[..., :6], backend="flash")
+
+
+@needs_fp32
+def test_lse_is_the_natural_log_sum_exp():
+    q, k, v = _inputs(1, 2, 2, 32, 48, 16, 16, torch.float32)
+    with torch.no_grad():
+        _, lse = qkv.attention(q, k, v, return_lse=True, backend="flash", scale=0.5)
+    scores = q.double() @ k.double().transpose(-1, -2) * 0.5
+    assert torch.allclose(lse.double(), scores.logsumexp(-1), atol=1e-5)
+
+
+def test_under_compile_the_call_runs_elsewhere():
+    q, k, v = _inputs(1, 4, 2, 32, 32, 16, 16, torch.bfloat16)
+
+    def f(q, k, v):
+        return qkv.attention(q, k, v, mask=qkv.causal())
+
+    with torch.no_grad():
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+        want = qkv.attention(q, k, v, mask=qkv.causal(), backend="sdpa")
+    assert torch.equal(got, want)
