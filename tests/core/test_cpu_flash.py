@@ -50,10 +50,15 @@ def _check(q, k, v, causal, products="bf16"):
     assert ((out.double() - want).abs() / scale < (1e-2 if bf16 else 1e-5)).all()
 
 
-@pytest.mark.parametrize("products", PRODUCTS)
+@needs_bf16
 @pytest.mark.parametrize("causal", [False, True])
-def test_grouped_heads_match_float64(products, causal):
-    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), causal, products)
+def test_grouped_heads_match_float64(causal):
+    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), causal)
+
+
+@needs_fp32
+def test_grouped_heads_match_float64_with_float32_products():
+    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), True, "fp32")
 
 
 @needs_bf16
@@ -92,8 +97,9 @@ def test_strided_inputs_are_read_in_place(products):
                              (torch.float32, "fp32")]))
 def test_any_shape_matches_float64(heads, nq, nk, d, dv, causal, case):
     dtype, products = case
-    _check(*_inputs(1, heads[0], heads[1], nq, nk, d, dv, dtype, seed=nq * nk), causal,
-           products)
+    # Plain float32 attention is SDPA's (the dispatch test): float32 products are causal.
+    _check(*_inputs(1, heads[0], heads[1], nq, nk, d, dv, dtype, seed=nq * nk),
+           causal or products == "fp32", products)
 
 
 def _engine(q, k, v, **kwargs) -> str:
@@ -107,12 +113,14 @@ def test_dispatch_takes_it_only_for_inference_of_plain_or_causal_dot():
     causal = qkv.causal()
     with torch.no_grad():
         assert _engine(q, k, v, mask=causal) == "flash"
-        assert _engine(*(t.bfloat16() for t in (q, k, v)), mask=causal) == "flash"
-        assert _engine(q[:, :, :4], k, v) == "sdpa"  # decoding's rows
-        assert _engine(q, k, v, score_mod=qkv.softcap(20.0)) == "fused"
-        assert _engine(q, k, v, similarity="l2") == "fused"
-        assert _engine(q, k, v, scale=-0.5) == "sdpa"
-        assert _engine(q.half(), k.half(), v.half()) == "sdpa"
+        assert _engine(q, k, v) == "sdpa"  # plain float32: the flash engine is no faster
+        assert _engine(q, k, v, fp32_precision="bf16") == "flash"
+        assert _engine(*(t.bfloat16() for t in (q, k, v))) == "flash"
+        assert _engine(q[:, :, :4], k, v, mask=causal) == "sdpa"  # decoding's rows
+        assert _engine(q, k, v, mask=causal, score_mod=qkv.softcap(20.0)) == "fused"
+        assert _engine(q, k, v, mask=causal, similarity="l2") == "fused"
+        assert _engine(q, k, v, mask=causal, scale=-0.5) == "sdpa"
+        assert _engine(q.half(), k.half(), v.half(), mask=causal) == "sdpa"
     q.requires_grad_()
     assert _engine(q, k, v, mask=causal) == "sdpa"  # no backward
 
@@ -123,10 +131,11 @@ def test_fp32_precision_picks_the_products(monkeypatch):
     used = []
     kernel = cpu_flash._kernel
     monkeypatch.setattr(cpu_flash, "_kernel", lambda *a: used.append(a[0]) or kernel(*a))
+    causal = qkv.causal()
     with torch.no_grad():
-        exact = qkv.attention(q, k, v)
-        rounded = qkv.attention(q, k, v, fp32_precision="bf16")
-        qkv.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        exact = qkv.attention(q, k, v, mask=causal)
+        rounded = qkv.attention(q, k, v, mask=causal, fp32_precision="bf16")
+        qkv.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=causal)
     assert used == ["fp32", "bf16", "bf16"]
     assert not torch.equal(exact, rounded)
 
@@ -142,15 +151,19 @@ def test_forcing_it_where_it_cannot_run_says_why():
     with pytest.raises(ValueError, match="takes float32 or bf16 inputs"):
         qkv.attention(q.double(), k.double(), v.double(), backend="flash")
     with pytest.raises(ValueError, match="Dv a multiple of 16"):
-        qkv.attention(q, k, v[..., :6], backend="flash")
+        qkv.attention(q, k, v[..., :6], mask=qkv.causal(), backend="flash")
+    with torch.no_grad(), pytest.raises(ValueError, match="plain float32 attention is SDPA's"):
+        qkv.attention(q, k, v, backend="flash")
 
 
 @needs_fp32
 def test_lse_is_the_natural_log_sum_exp():
     q, k, v = _inputs(1, 2, 2, 32, 48, 16, 16, torch.float32)
     with torch.no_grad():
-        _, lse = qkv.attention(q, k, v, return_lse=True, backend="flash", scale=0.5)
+        _, lse = qkv.attention(q, k, v, mask=qkv.causal(), return_lse=True, backend="flash",
+                               scale=0.5)
     scores = q.double() @ k.double().transpose(-1, -2) * 0.5
+    scores = scores.masked_fill(torch.ones(32, 48, dtype=torch.bool).triu(17), -torch.inf)
     assert torch.allclose(lse.double(), scores.logsumexp(-1), atol=1e-5)
 
 
