@@ -53,25 +53,25 @@ def _check(q, k, v, causal, products="bf16"):
 @needs_bf16
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_heads_match_float64(causal):
-    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), causal)
+    _check(*_inputs(2, 6, 2, 130, 130, 64, 64, torch.float32), causal)
 
 
 @needs_fp32
 def test_grouped_heads_match_float64_with_float32_products():
-    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.float32), True, "fp32")
+    _check(*_inputs(2, 6, 2, 130, 130, 64, 64, torch.float32), True, "fp32")
 
 
 @needs_bf16
 @pytest.mark.parametrize("causal", [False, True])
 def test_bf16_inputs_match_float64(causal):
-    _check(*_inputs(2, 6, 2, 100, 100, 64, 64, torch.bfloat16), causal)
+    _check(*_inputs(2, 6, 2, 130, 130, 64, 64, torch.bfloat16), causal)
 
 
 @pytest.mark.parametrize("products", PRODUCTS)
 @pytest.mark.parametrize("shape", [
-    (1, 4, 4, 37, 203, 32, 48),     # Nq < Nk: bottom-right causal; Dv not a multiple of 64
-    (1, 2, 1, 70, 20, 18, 16),      # Nq > Nk: the first 50 rows have no key
-    (1, 3, 3, 16, 1, 256, 256),     # the widest heads, one key
+    (1, 4, 4, 137, 263, 32, 48),    # Nq < Nk: bottom-right causal; Dv not a multiple of 64
+    (1, 2, 1, 170, 20, 18, 16),     # Nq > Nk: the first 150 rows have no key
+    (1, 3, 3, 128, 1, 256, 256),    # the widest heads, one key
     (2, 9, 3, 300, 300, 64, 128),   # SmolLM2's grouping; Dv = 2 x 64
 ])
 def test_shapes(products, shape):
@@ -80,7 +80,7 @@ def test_shapes(products, shape):
 
 @pytest.mark.parametrize("products", PRODUCTS)
 def test_strided_inputs_are_read_in_place(products):
-    q, k, v = _inputs(1, 4, 2, 64, 80, 32, 32, torch.float32)
+    q, k, v = _inputs(1, 4, 2, 128, 160, 32, 32, torch.float32)
     # (B, N, H, D) memory seen as (B, H, N, D), as a model's split heads are.
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     assert not q.is_contiguous()
@@ -91,7 +91,7 @@ def test_strided_inputs_are_read_in_place(products):
 @needs_fp32
 @settings(max_examples=25, deadline=None)
 @given(heads=st.sampled_from([(1, 1), (4, 2), (6, 1), (5, 5)]),
-       nq=st.integers(16, 150), nk=st.integers(1, 150), d=st.sampled_from([2, 16, 40, 64]),
+       nq=st.integers(128, 200), nk=st.integers(1, 256), d=st.sampled_from([2, 16, 40, 64]),
        dv=st.sampled_from([16, 64, 80]), causal=st.booleans(),
        case=st.sampled_from([(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
                              (torch.float32, "fp32")]))
@@ -109,14 +109,19 @@ def _engine(q, k, v, **kwargs) -> str:
 @needs_bf16
 @needs_fp32
 def test_dispatch_takes_it_only_for_inference_of_plain_or_causal_dot():
-    q, k, v = _inputs(1, 4, 2, 64, 64, 32, 32, torch.float32)
+    q, k, v = _inputs(1, 4, 2, 128, 128, 32, 32, torch.float32)
     causal = qkv.causal()
+    long_k, long_v = (torch.cat([t, t, t], 2) for t in (k, v))
     with torch.no_grad():
         assert _engine(q, k, v, mask=causal) == "flash"
-        assert _engine(q, k, v) == "sdpa"  # plain float32: the flash engine is no faster
+        # float32 products gain only on the causal diagonal's blocks
+        assert _engine(q, k, v) == "sdpa"
+        assert _engine(q, long_k, long_v, mask=causal) == "sdpa"
+        assert _engine(q, long_k, long_v, mask=causal, fp32_precision="bf16") == "flash"
         assert _engine(q, k, v, fp32_precision="bf16") == "flash"
         assert _engine(*(t.bfloat16() for t in (q, k, v))) == "flash"
-        assert _engine(q[:, :, :4], k, v, mask=causal) == "sdpa"  # decoding's rows
+        assert _engine(q[:, :, :100], k, v, mask=causal) == "sdpa"  # a short prompt
+        assert _engine(q[:, :, :1], k, v, mask=causal) == "sdpa"  # decoding
         assert _engine(q, k, v, mask=causal, score_mod=qkv.softcap(20.0)) == "fused"
         assert _engine(q, k, v, mask=causal, similarity="l2") == "fused"
         assert _engine(q, k, v, mask=causal, scale=-0.5) == "sdpa"
@@ -127,7 +132,7 @@ def test_dispatch_takes_it_only_for_inference_of_plain_or_causal_dot():
 
 @needs_bf16
 def test_fp32_precision_picks_the_products(monkeypatch):
-    q, k, v = _inputs(1, 4, 2, 64, 64, 32, 32, torch.float32)
+    q, k, v = _inputs(1, 4, 2, 128, 128, 32, 32, torch.float32)
     used = []
     kernel = cpu_flash._kernel
     monkeypatch.setattr(cpu_flash, "_kernel", lambda *a: used.append(a[0]) or kernel(*a))
@@ -147,33 +152,39 @@ def test_fp32_precision_is_checked():
 
 
 def test_forcing_it_where_it_cannot_run_says_why():
-    q, k, v = _inputs(1, 2, 2, 32, 32, 8, 8, torch.float32)
+    q, k, v = _inputs(1, 2, 2, 128, 128, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="takes float32 or bf16 inputs"):
         qkv.attention(q.double(), k.double(), v.double(), backend="flash")
-    with pytest.raises(ValueError, match="Dv a multiple of 16"):
-        qkv.attention(q, k, v[..., :6], mask=qkv.causal(), backend="flash")
-    with torch.no_grad(), pytest.raises(ValueError, match="plain float32 attention is SDPA's"):
-        qkv.attention(q, k, v, backend="flash")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="Dv a multiple of 16"):
+            qkv.attention(q, k, v[..., :6], mask=qkv.causal(), backend="flash")
+        with pytest.raises(ValueError, match="only under a causal mask"):
+            qkv.attention(q, k, v, backend="flash")
+        with pytest.raises(ValueError, match="fewer than 128 query rows"):
+            qkv.attention(q[:, :, :16], k, v, mask=qkv.causal(), fp32_precision="bf16",
+                          backend="flash")
 
 
 @needs_fp32
 def test_lse_is_the_natural_log_sum_exp():
-    q, k, v = _inputs(1, 2, 2, 32, 48, 16, 16, torch.float32)
+    q, k, v = _inputs(1, 2, 2, 128, 160, 16, 16, torch.float32)
     with torch.no_grad():
         _, lse = qkv.attention(q, k, v, mask=qkv.causal(), return_lse=True, backend="flash",
                                scale=0.5)
     scores = q.double() @ k.double().transpose(-1, -2) * 0.5
-    scores = scores.masked_fill(torch.ones(32, 48, dtype=torch.bool).triu(17), -torch.inf)
+    scores = scores.masked_fill(torch.ones(128, 160, dtype=torch.bool).triu(33), -torch.inf)
     assert torch.allclose(lse.double(), scores.logsumexp(-1), atol=1e-5)
 
 
 def test_under_compile_the_call_runs_elsewhere():
-    q, k, v = _inputs(1, 4, 2, 32, 32, 16, 16, torch.bfloat16)
+    q, k, v = _inputs(1, 4, 2, 128, 128, 16, 16, torch.bfloat16)
 
     def f(q, k, v):
         return qkv.attention(q, k, v, mask=qkv.causal())
 
     with torch.no_grad():
+        if cpu_flash.available("bf16"):
+            assert _engine(q, k, v, mask=qkv.causal()) == "flash"  # in eager mode
         got = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
         want = qkv.attention(q, k, v, mask=qkv.causal(), backend="sdpa")
     assert torch.equal(got, want)

@@ -7,6 +7,7 @@ from torch import nn
 
 import qkv.nn.packed as packed_module
 from qkv.core.engines import cpu_flash
+from qkv.models import GPT, GPTConfig
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.packed import PackedLinear, pack_linears
 
@@ -78,10 +79,14 @@ def test_bf16_packing_lets_attention_products_round_to_bf16(small_gpt, dtype, pr
 
 @pytest.mark.skipif(not cpu_flash.available("bf16"),
                     reason="not an AMD CPU with AVX512-BF16 (or no C compiler)")
-def test_a_bf16_packed_prefill_multiplies_in_bf16_and_decoding_does_not(small_gpt,
-                                                                        monkeypatch):
-    model, _ = small_gpt
-    idx = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+def test_a_bf16_packed_prefill_multiplies_in_bf16_and_decoding_does_not(monkeypatch):
+    torch.manual_seed(0)
+    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
+             "bias": False}
+    model = GPT(GPTConfig(vocab_size=64, block_size=160, n_layer=2, block=block,
+                          positions={"kind": "rope"})).eval()
+    # A prompt of 130 tokens: the flash engine takes 128 query rows or more.
+    idx = torch.randint(0, 64, (2, 130), generator=torch.Generator().manual_seed(1))
     pack_linears(model)
     calls = []
     kernel = cpu_flash._kernel
@@ -94,8 +99,9 @@ def test_a_bf16_packed_prefill_multiplies_in_bf16_and_decoding_does_not(small_gp
         assert ((got - want).norm() / want.norm()).item() < 1e-2
         _set_attention_precision(model, "bf16")
         calls.clear()
-        model.generate(idx[:, :4], 4, temperature=0)  # 4-token prompt, then 1-token steps
-    assert not calls
+        model.generate(idx, 3, temperature=0)  # the prompt, then steps of one query row
+    # Only the prompt's first layer: generation's last layer computes the last position alone.
+    assert calls == ["bf16"]
 
 
 @pytest.mark.parametrize("onednn", [True, False])

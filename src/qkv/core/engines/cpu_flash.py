@@ -13,13 +13,14 @@ Which products:
   fp32_precision = "bf16"`` consents for torch's own float32 products): bf16 products, on
   CPUs with AVX512-BF16. Without it, float32 inputs get float32 products.
 - float32 inputs otherwise: float32 products (AVX-512 FMA), within a few float32 ulp of SDPA,
-  under a causal mask only: plain float32 attention ran at SDPA's own speed (1.02x).
+  under a causal mask with Nk <= 2 Nq only: plain float32 attention ran at SDPA's own speed
+  (1.02x), and few queries against many keys slower.
 Scores, softmax and sums are float32 either way; the output has the inputs' dtype.
 
 Only on AMD processors, where it was measured; on Intel's, MKL and oneDNN run AVX-512 (and
 AMX) themselves. Plain or causal attention, no gradients (a call that needs them goes on to
-SDPA or the fused engine), and not on a few query rows (decoding), where SDPA's
-matrix-vector loops beat packing the keys.
+SDPA or the fused engine), and from 128 query rows (a prompt): on fewer, and in decoding,
+SDPA was faster than packing the keys.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from . import native
 
 _DOT = BUILTIN["dot"]
 _BN = 128  # BN in cpu_flash.c: keys per block
-_MIN_QUERIES = 16  # below this SDPA's loops were faster than packing K and V
+# Below this many query rows SDPA was as fast or faster (packing K and V, and the call's own
+# overhead, are not paid back): 1.4-4x slower at 16-64 rows, 0.6-0.9x from 128 on (Zen 4).
+_MIN_QUERIES = 128
 _MAX_D = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # Products -> (elements per float32 lane, packed element dtype, extra compiler flags).
@@ -110,9 +113,11 @@ def why_not(p: Problem) -> str | None:
         return "the flash engine needs a plain positive float scale"
     if p.mask is not None and not p.is_causal_only:
         return "the flash engine runs only no mask or qkv.causal()"
-    if p.mask is None and products == "fp32":
-        # Measured at SDPA's own speed (1.02x): its gain is in the causal diagonal and bf16.
-        return "plain float32 attention is SDPA's: the flash engine is no faster there"
+    if products == "fp32" and (p.mask is None or p.nk > 2 * p.nq):
+        # Plain attention ran at SDPA's own speed (1.02x), and 256 causal queries against 4,096
+        # keys 1.28x slower: float32 products gain only on the causal diagonal's blocks.
+        return ("float32 products gain only under a causal mask with Nk <= 2 Nq; SDPA is as "
+                "fast or faster otherwise")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
         return "the flash engine is for inference: it has no backward"
     if p.nq < _MIN_QUERIES:
