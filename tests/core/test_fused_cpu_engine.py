@@ -298,6 +298,37 @@ def test_run_queued_runs_every_block_once():
     assert sorted(i for part in ran for i in part) == [0, 2, 3, 4, 5, 7]
 
 
+@pytest.mark.parametrize("team", [True, False])
+def test_workers_run_each_job_on_its_own_thread_and_raise_on_the_caller_s(monkeypatch, team):
+    """On torch's OpenMP team (where the C runner builds) or the thread pool: job(arg) for
+    each arg, results in order, two workers on two threads, each single-threaded; a worker's
+    exception reaches the caller, and torch's thread count comes back either way."""
+    if not team:
+        monkeypatch.setattr(workers, "_team", lambda: None)
+    elif workers._team() is None:
+        pytest.skip("no C compiler: the thread pool serves")
+    threads = torch.get_num_threads()
+    barrier = threading.Barrier(2, timeout=10)  # both jobs must run at once
+
+    def job(arg):
+        barrier.wait()
+        return arg, threading.get_ident(), torch.get_num_threads()
+
+    got = workers._on_workers(2, job, ["a", "b"])
+    assert [arg for arg, _, _ in got] == ["a", "b"]
+    assert got[0][1] != got[1][1] and {n for _, _, n in got} == {1}
+    assert torch.get_num_threads() == threads
+
+    def failing(arg):
+        if arg == "b":
+            raise KeyError("from a worker")
+        return arg
+
+    with pytest.raises(KeyError, match="from a worker"):
+        workers._on_workers(2, failing, ["a", "b"])
+    assert torch.get_num_threads() == threads
+
+
 def _chain_run(plan, slow_worker: str | None, chain_bytes: int = 1):
     """run_in_chains on two workers, each step appending (index, worker) to its chain's
     list; the worker named ``slow_worker`` (by its first item) sleeps in each step."""

@@ -11,12 +11,18 @@ most work left, so a slower core runs fewer items instead of holding up the call
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import subprocess
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
+
+from . import native
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -70,22 +76,54 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return _POOL
 
 
+_JOB = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+@functools.cache
+def _team():
+    """``qkv_run_on_team`` (``workers_team.c``, built with -fopenmp), or None without a C
+    compiler; the thread pool serves then."""
+    try:
+        lib = native.compile_library(Path(__file__).with_name("workers_team.c").read_text(),
+                                     "workers_team", ("-fopenmp",))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if lib is None:
+        return None
+    lib.qkv_run_on_team.argtypes = [ctypes.c_int64, _JOB]
+    lib.qkv_run_on_team.restype = None
+    return lib.qkv_run_on_team
+
+
 def _on_workers(workers: int, job: Callable, args: list) -> list:
-    """``job(arg)`` for each of ``args`` on the pool, each single-threaded: one parallel
+    """``job(arg)`` for each of ``args`` (one per worker), each single-threaded: one parallel
     region per worker, instead of one per small tile op, keeps both cores busy without a
     barrier per op; on a shared machine a per-op barrier across cores costs more than the op
-    itself."""
+    itself. The workers are the threads of torch's own OpenMP team where the small C runner
+    builds (``workers_team.c`` says why), else a thread pool's."""
     threads = torch.get_num_threads()
+    results: list = [None] * len(args)
+    errors: list[BaseException] = []
 
-    def single_threaded(arg):
-        torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
-        return job(arg)
+    def single_threaded(i):
+        try:
+            torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
+            results[i] = job(args[i])
+        except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller's thread
+            errors.append(error)
 
     try:
-        futures = [_pool(workers).submit(single_threaded, arg) for arg in args]
-        return [f.result() for f in futures]
+        team = _team()
+        if team is not None:
+            team(len(args), _JOB(single_threaded))
+        else:
+            for future in [_pool(workers).submit(single_threaded, i) for i in range(len(args))]:
+                future.result()
     finally:
         torch.set_num_threads(threads)  # torch also keeps a process-wide default for new threads
+    if errors:
+        raise errors[0]
+    return results
 
 
 def run_queued(task, plan, cost) -> list:
