@@ -312,11 +312,15 @@ def test_workers_run_each_job_on_its_own_thread_and_raise_on_the_caller_s(monkey
 
     def job(arg):
         barrier.wait()
-        return arg, threading.get_ident(), torch.get_num_threads()
+        modes = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))
+        return arg, threading.get_ident(), torch.get_num_threads(), modes
 
-    got = workers._on_workers(2, job, ["a", "b"])
-    assert [arg for arg, _, _ in got] == ["a", "b"]
-    assert got[0][1] != got[1][1] and {n for _, _, n in got} == {1}
+    # The caller's thread-local modes do not reach the jobs (one runs on the caller's thread).
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = workers._on_workers(2, job, ["a", "b"])
+    assert [arg for arg, *_ in got] == ["a", "b"]
+    assert got[0][1] != got[1][1] and {n for _, _, n, _ in got} == {1}
+    assert {modes for *_, modes in got} == {(True, False)}
     assert torch.get_num_threads() == threads
 
     def failing(arg):

@@ -106,9 +106,12 @@ def _on_workers(workers: int, job: Callable, args: list) -> list:
     errors: list[BaseException] = []
 
     def single_threaded(i):
+        # The team's first thread is the caller's: give each job a new thread's grad mode and
+        # no autocast, whichever thread runs it, as the pool's threads had.
         try:
             torch.set_num_threads(1)  # the calling thread's OpenMP/MKL setting
-            results[i] = job(args[i])
+            with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+                results[i] = job(args[i])
         except BaseException as error:  # noqa: BLE001 - re-raised below, on the caller's thread
             errors.append(error)
 
