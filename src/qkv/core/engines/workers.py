@@ -7,6 +7,9 @@ A task that sums (the backward's key-side gradients) runs in *chains*: fixed lis
 each with its own sums, which take their items in order whichever worker runs them, so every
 run adds in the same order; a worker takes the next item of whichever free chain has the
 most work left, so a slower core runs fewer items instead of holding up the call.
+
+The workers are the threads of torch's own OpenMP team (``workers_team.c``), the caller's
+among them, or a thread pool's where no C compiler builds that runner.
 """
 
 from __future__ import annotations
