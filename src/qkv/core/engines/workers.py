@@ -234,5 +234,3 @@ def sum_chains(parts: list[list], buffers: int) -> list:
     else:
         _on_workers(workers, add_range, list(range(workers)))
     return total
-
-
