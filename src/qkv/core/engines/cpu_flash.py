@@ -121,7 +121,7 @@ def why_not(p: Problem) -> str | None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
         return "the flash engine is for inference: it has no backward"
     if p.nq < _MIN_QUERIES:
-        return f"fewer than {_MIN_QUERIES} query rows (decoding): SDPA is faster there"
+        return f"fewer than {_MIN_QUERIES} query rows (decoding, short prompts): SDPA is faster"
     d, dv = p.q.shape[3], p.v.shape[3]
     if d % 2 or d > _MAX_D or dv % 16 or dv > _MAX_D:
         return f"the flash engine needs D even and Dv a multiple of 16, both <= {_MAX_D}"
