@@ -37,8 +37,6 @@ struct flash_job {
     void *out;
     int64_t out_st[3];
     float *lse;                       /* (B, H, Nq) contiguous, natural log; or 0 */
-    void *kp, *vp;                    /* packed K and V, per (batch, kv head) */
-    int64_t kp_size, vp_size;         /* their elements per (batch, kv head) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
     int64_t causal;                   /* key j allowed for query i iff j <= i + nk - nq */
     int64_t bm;                       /* query rows per head in a block */
@@ -75,12 +73,18 @@ typedef uint16_t elem;
 #define input_elem input_bf16
 #endif
 
-/* Pack K and V of (batch b, kv head g); keys past nk (up to the next BN) are zero.
- * kp[key / 16][d / PAIR][16 keys][PAIR], vp[key / PAIR][dv][PAIR]. */
-static void pack(const struct flash_job *J, int64_t b, int64_t g) {
+/* K and V packed for the products, k_size and v_size elements per (batch, kv head):
+ * k[key / 16][d / PAIR][16 keys][PAIR], v[key / PAIR][dv][PAIR], keys up to the next BN. */
+struct packed {
+    elem *k, *v;
+    int64_t k_size, v_size;
+};
+
+/* Pack K and V of (batch b, kv head g); keys past nk (up to the next BN) are zero. */
+static void pack(const struct flash_job *J, const struct packed *P, int64_t b, int64_t g) {
     const int64_t dp = J->d / PAIR, nkp = round_up(J->nk, BN);
-    elem *kp = (elem *)J->kp + (b * J->kv_heads + g) * J->kp_size;
-    elem *vp = (elem *)J->vp + (b * J->kv_heads + g) * J->vp_size;
+    elem *kp = P->k + (b * J->kv_heads + g) * P->k_size;
+    elem *vp = P->v + (b * J->kv_heads + g) * P->v_size;
     const int64_t k0 = b * J->k_st[0] + g * J->k_st[1], v0 = b * J->v_st[0] + g * J->v_st[1];
     for (int64_t j = 0; j < nkp; j++) {
         elem *o = kp + (j / 16) * dp * 16 * PAIR + (j % 16) * PAIR;
@@ -199,8 +203,8 @@ struct scratch {
 };
 
 /* One query block [m0, m0 + bm) of every query head of (batch b, kv head g). */
-static void block(const struct flash_job *J, const struct scratch *W, int64_t b, int64_t g,
-                  int64_t m0) {
+static void block(const struct flash_job *J, const struct packed *P, const struct scratch *W,
+                  int64_t b, int64_t g, int64_t m0) {
     const int64_t group = J->heads / J->kv_heads, d = J->d, dv = J->dv, BM = J->bm;
     const int64_t bm = J->nq - m0 < BM ? J->nq - m0 : BM;
     const int64_t rows = round_up(group * BM, QK_ROWS);
@@ -217,8 +221,8 @@ static void block(const struct flash_job *J, const struct scratch *W, int64_t b,
     memset(W->o, 0, sizeof(float) * rows * dv);
     int64_t kend = J->causal ? m0 + bm + offset : J->nk;
     kend = kend > J->nk ? J->nk : kend;
-    const elem *kp = (const elem *)J->kp + (b * J->kv_heads + g) * J->kp_size;
-    const elem *vp = (const elem *)J->vp + (b * J->kv_heads + g) * J->vp_size;
+    const elem *kp = P->k + (b * J->kv_heads + g) * P->k_size;
+    const elem *vp = P->v + (b * J->kv_heads + g) * P->v_size;
     const __m512 scale = _mm512_set1_ps(J->scale_log2);
     for (int64_t j0 = 0; j0 < kend; j0 += BN) {
         const int64_t bn = kend - j0 < BN ? kend - j0 : BN;
@@ -296,49 +300,58 @@ static void block(const struct flash_job *J, const struct scratch *W, int64_t b,
     }
 }
 
-/* Pack every (batch, kv head), then run the query blocks (b, g, m0) of `items`, costliest
- * first, on `threads` threads of OpenMP's team: torch's own, since the library links the
- * libgomp torch has loaded. (Threads of another pool would share the cores with torch's
- * OpenMP threads, which spin for a while after each of torch's parallel operations: inside a
- * model that doubled this engine's time.) Returns 0, or 1 when scratch memory ran out. */
-int64_t flash_attention(const struct flash_job *J, const int64_t *items, int64_t count,
-                        int64_t threads) {
+/* Pack every (batch, kv head), then run every query block, costliest first (the last
+ * queries under a causal mask) so that the last ones taken are short, on `threads` threads
+ * of OpenMP's team: torch's own, since the library links the libgomp torch has loaded.
+ * (Threads of another pool would share the cores with torch's OpenMP threads, which spin
+ * for a while after each of torch's parallel operations: inside a model that doubled this
+ * engine's time.) Returns 0, or 1 when memory ran out. */
+int64_t flash_attention(const struct flash_job *J, int64_t threads) {
     const int64_t rows = round_up(J->heads / J->kv_heads * J->bm, QK_ROWS);
-    const int64_t pairs = J->batch * J->kv_heads;
-    int failed = 0;
+    const int64_t pairs = J->batch * J->kv_heads, blocks = (J->nq + J->bm - 1) / J->bm;
+    const int64_t keys = round_up(J->nk, BN);
+    struct packed P = {0, 0, keys * J->d, keys * J->dv};
+    P.k = malloc(pairs * P.k_size * sizeof(elem));
+    P.v = malloc(pairs * P.v_size * sizeof(elem));
+    int failed = !P.k || !P.v;
+    if (!failed) {
 #pragma omp parallel num_threads(threads)
-    {
+        {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < pairs; i++)
-            pack(J, i / J->kv_heads, i % J->kv_heads);
-        struct scratch W;
-        char *memory = malloc(rows * (J->d + BN) * sizeof(elem)
-                              + rows * (BN + J->dv + 3) * sizeof(float) + 64);
-        if (!memory) {
+            for (int64_t i = 0; i < pairs; i++)
+                pack(J, &P, i / J->kv_heads, i % J->kv_heads);
+            struct scratch W = {0};
+            char *memory = malloc(rows * (J->d + BN) * sizeof(elem)
+                                  + rows * (BN + J->dv + 3) * sizeof(float) + 64);
+            if (!memory) {
 #pragma omp atomic write
-            failed = 1;
-        } else {
-            W.s = (float *)memory;
-            W.o = W.s + rows * BN;
-            W.row_max = W.o + rows * J->dv;
-            W.row_sum = W.row_max + rows;
-            W.alpha = W.row_sum + rows;
-            W.q = (elem *)(W.alpha + rows);
-            W.p = W.q + rows * J->d;
-        }
+                failed = 1;
+            } else {
+                W.s = (float *)memory;
+                W.o = W.s + rows * BN;
+                W.row_max = W.o + rows * J->dv;
+                W.row_sum = W.row_max + rows;
+                W.alpha = W.row_sum + rows;
+                W.q = (elem *)(W.alpha + rows);
+                W.p = W.q + rows * J->d;
+            }
+            /* Item i: query block blocks - 1 - i / pairs of (batch, kv head) i % pairs. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < count; i++)
-            if (memory)
-                block(J, &W, items[3 * i], items[3 * i + 1], items[3 * i + 2]);
-        free(memory);
+            for (int64_t i = 0; i < blocks * pairs; i++)
+                if (memory)
+                    block(J, &P, &W, (i % pairs) / J->kv_heads, i % J->kv_heads,
+                          (blocks - 1 - i / pairs) * J->bm);
+            free(memory);
+        }
     }
+    free(P.k);
+    free(P.v);
     return failed;
 }
 #else
 int64_t flash_available(void) { return 0; }
-int64_t flash_attention(const struct flash_job *J, const int64_t *items, int64_t count,
-                        int64_t threads) {
-    (void)J, (void)items, (void)count, (void)threads;
+int64_t flash_attention(const struct flash_job *J, int64_t threads) {
+    (void)J, (void)threads;
     return 1;
 }
 #endif

@@ -40,14 +40,13 @@ from ..similarity import BUILTIN
 from . import native
 
 _DOT = BUILTIN["dot"]
-_BN = 128  # BN in cpu_flash.c: keys per block
 # Below this many query rows SDPA was as fast or faster (packing K and V, and the call's own
 # overhead, are not paid back): 1.4-4x slower at 16-64 rows, 0.6-0.9x from 128 on (Zen 4).
 _MIN_QUERIES = 128
 _MAX_D = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-# Products -> (elements per float32 lane, packed element dtype, extra compiler flags).
-_BUILDS = {"bf16": (2, torch.int16, ()), "fp32": (1, torch.float32, ("-DQKV_FP32_PRODUCTS",))}
+# Products -> the compiler flags that build cpu_flash.c for them.
+_FLAGS = {"bf16": ("-fopenmp",), "fp32": ("-fopenmp", "-DQKV_FP32_PRODUCTS")}
 
 
 class _Job(ctypes.Structure):  # struct flash_job in cpu_flash.c
@@ -55,7 +54,6 @@ class _Job(ctypes.Structure):  # struct flash_job in cpu_flash.c
         ("q", _P), ("k", _P), ("v", _P),
         ("q_st", _I * 3), ("k_st", _I * 3), ("v_st", _I * 3),
         ("inputs_bf16", _I), ("out", _P), ("out_st", _I * 3), ("lse", _P),
-        ("kp", _P), ("vp", _P), ("kp_size", _I), ("vp_size", _I),
         ("batch", _I), ("heads", _I), ("kv_heads", _I), ("nq", _I), ("nk", _I),
         ("d", _I), ("dv", _I), ("causal", _I), ("bm", _I), ("scale_log2", ctypes.c_float),
     ]
@@ -70,7 +68,7 @@ def _library(products: str) -> ctypes.CDLL | None:
         return None
     try:
         lib = native.compile_library(Path(__file__).with_suffix(".c").read_text(),
-                                     f"cpu_flash_{products}", ("-fopenmp", *_BUILDS[products][2]))
+                                     f"cpu_flash_{products}", _FLAGS[products])
     except (OSError, subprocess.SubprocessError):
         return None
     if lib is None:
@@ -78,7 +76,7 @@ def _library(products: str) -> ctypes.CDLL | None:
     lib.flash_available.restype = _I
     if not lib.flash_available():
         return None
-    lib.flash_attention.argtypes = [_P, _P, _I, _I]
+    lib.flash_attention.argtypes = [_P, _I]
     lib.flash_attention.restype = _I
     return lib
 
@@ -100,11 +98,12 @@ def products_of(p: Problem) -> str | None:
 
 
 def why_not(p: Problem) -> str | None:
+    # The device first: products_of may build the CPU kernels, which a CUDA call never needs.
+    if p.q.device.type != "cpu":
+        return f"the flash engine runs CPU tensors; got device {p.q.device}"
     products = products_of(p)
     if products is None:
         return f"the flash engine takes float32 or bf16 inputs; got {p.q.dtype}"
-    if p.q.device.type != "cpu":
-        return f"the flash engine runs CPU tensors; got device {p.q.device}"
     if p.similarity is not _DOT:
         return f"the flash engine computes the dot product only, not {p.similarity.name!r}"
     if p.score_mod is not None or p.return_weights or p.dropout_p > 0:
@@ -148,34 +147,21 @@ def _block_rows(group: int, nq: int) -> int:
 
 def run(p: Problem) -> Result:
     q, k, v = p.q, p.k, p.v
-    batch, heads, kv_heads, nq, nk = p.batch, p.heads, p.kv_heads, p.nq, p.nk
+    batch, heads, kv_heads, nq = p.batch, p.heads, p.kv_heads, p.nq
     d, dv = q.shape[3], v.shape[3]
-    products = products_of(p)
-    keys = -(-nk // _BN) * _BN
     out = torch.empty(batch, heads, nq, dv, dtype=q.dtype)
     lse = torch.empty(batch, heads, nq, dtype=torch.float32)
-    packed_dtype = _BUILDS[products][1]
-    kp = torch.empty(batch * kv_heads * keys * d, dtype=packed_dtype)
-    vp = torch.empty(batch * kv_heads * keys * dv, dtype=packed_dtype)
-    bm = _block_rows(heads // kv_heads, nq)
     job = _Job(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), _strides(q), _strides(k), _strides(v),
         q.dtype == torch.bfloat16, out.data_ptr(), _strides(out), lse.data_ptr(),
-        kp.data_ptr(), vp.data_ptr(), keys * d, keys * dv,
-        batch, heads, kv_heads, nq, nk, d, dv, p.mask is not None, bm,
-        p.scale * math.log2(math.e),
+        batch, heads, kv_heads, nq, p.nk, d, dv, p.mask is not None,
+        _block_rows(heads // kv_heads, nq), p.scale * math.log2(math.e),
     )
-    # Costliest blocks first (the last queries under a causal mask), so the last items
-    # taken are the short ones.
-    items = torch.tensor([(b, g, m0) for m0 in reversed(range(0, nq, bm)) for b in range(batch)
-                          for g in range(kv_heads)], dtype=torch.int64)
-    _kernel(products, job, items)
+    _kernel(products_of(p), job)
     return Result(out, lse)
 
 
-def _kernel(products: str, job: _Job, items: Tensor) -> None:
-    """Pack K and V, then run the query blocks ``items`` (b, g, m0), on torch's threads."""
-    failed = _library(products).flash_attention(ctypes.byref(job), items.data_ptr(),
-                                                len(items), torch.get_num_threads())
-    if failed:
-        raise MemoryError("the flash engine could not allocate its scratch memory")
+def _kernel(products: str, job: _Job) -> None:
+    """Pack K and V, then run every query block, on torch's threads."""
+    if _library(products).flash_attention(ctypes.byref(job), torch.get_num_threads()):
+        raise MemoryError("the flash engine could not allocate its memory")
