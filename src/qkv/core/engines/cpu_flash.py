@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import subprocess
 from pathlib import Path
 
 import torch
@@ -66,11 +65,8 @@ def _library(products: str) -> ctypes.CDLL | None:
     reports that it has no kernel)."""
     if not native.amd_cpu():
         return None
-    try:
-        lib = native.compile_library(Path(__file__).with_suffix(".c").read_text(),
-                                     f"cpu_flash_{products}", _FLAGS[products])
-    except (OSError, subprocess.SubprocessError):
-        return None
+    lib = native.optional_library(Path(__file__).with_suffix(".c"), f"cpu_flash_{products}",
+                                  _FLAGS[products])
     if lib is None:
         return None
     lib.flash_available.restype = _I

@@ -143,6 +143,15 @@ def compile_library(source: str, stem: str,
     return ctypes.CDLL(str(_build(compiler, source.encode(), stem, extra_flags)))
 
 
+def optional_library(source: Path, stem: str, extra_flags: tuple[str, ...] = ()):
+    """``compile_library`` of the C file ``source`` for code that has a fallback: None also
+    when it does not build."""
+    try:
+        return compile_library(source.read_text(), stem, extra_flags)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _load() -> dict | None:
     """{(name, dtype): C function} and "vector_bytes" (the L1 gradient loop's vector width),
     built and loaded on the first call; None without them."""

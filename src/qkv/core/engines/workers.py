@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -84,13 +83,10 @@ _JOB = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
 @functools.cache
 def _team():
-    """``qkv_run_on_team`` (``workers_team.c``, built with -fopenmp), or None without a C
-    compiler; the thread pool serves then."""
-    try:
-        lib = native.compile_library(Path(__file__).with_name("workers_team.c").read_text(),
-                                     "workers_team", ("-fopenmp",))
-    except (OSError, subprocess.SubprocessError):
-        return None
+    """``qkv_run_on_team`` (``workers_team.c``, built with -fopenmp), or None where it does
+    not build; the thread pool serves then."""
+    lib = native.optional_library(Path(__file__).with_name("workers_team.c"), "workers_team",
+                                  ("-fopenmp",))
     if lib is None:
         return None
     lib.qkv_run_on_team.argtypes = [ctypes.c_int64, _JOB]
