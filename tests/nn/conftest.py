@@ -6,15 +6,20 @@ import torch
 from qkv.models import GPT, GPTConfig
 
 
-@pytest.fixture
-def small_gpt():
-    """A 2-layer LLaMA-shaped GPT (RMSNorm, SwiGLU, RoPE, grouped heads, no biases) in eval
-    mode, and token ids (2, 12) for it."""
+def llama_shaped_gpt(block_size: int = 32) -> GPT:
+    """A 2-layer LLaMA-shaped GPT (RMSNorm, SwiGLU, RoPE, grouped heads, no biases, 64
+    tokens) in eval mode, initialized from seed 0."""
     torch.manual_seed(0)
     block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
              "bias": False}
-    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, block=block,
-                          positions={"kind": "rope"})).eval()
+    return GPT(GPTConfig(vocab_size=64, block_size=block_size, n_layer=2, block=block,
+                         positions={"kind": "rope"})).eval()
+
+
+@pytest.fixture
+def small_gpt():
+    """``llama_shaped_gpt()`` and token ids (2, 12) for it."""
+    model = llama_shaped_gpt()
     return model, torch.randint(0, 64, (2, 12))
 
 

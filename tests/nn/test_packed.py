@@ -7,11 +7,10 @@ from torch import nn
 
 import qkv.nn.packed as packed_module
 from qkv.core.engines import cpu_flash
-from qkv.models import GPT, GPTConfig
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.packed import PackedLinear, pack_linears
 
-from .conftest import assert_float32_linear
+from .conftest import assert_float32_linear, llama_shaped_gpt
 
 
 def bf16_reference(x, linear):
@@ -80,11 +79,7 @@ def test_bf16_packing_lets_attention_products_round_to_bf16(small_gpt, dtype, pr
 @pytest.mark.skipif(not cpu_flash.available("bf16"),
                     reason="not an AMD CPU with AVX512-BF16 (or no C compiler)")
 def test_a_bf16_packed_prefill_multiplies_in_bf16_and_decoding_does_not(monkeypatch):
-    torch.manual_seed(0)
-    block = {"n_head": 4, "d_model": 64, "n_kv_head": 2, "norm": "rmsnorm", "ffn": "swiglu",
-             "bias": False}
-    model = GPT(GPTConfig(vocab_size=64, block_size=160, n_layer=2, block=block,
-                          positions={"kind": "rope"})).eval()
+    model = llama_shaped_gpt(block_size=160)
     # A prompt of 130 tokens: the flash engine takes 128 query rows or more.
     idx = torch.randint(0, 64, (2, 130), generator=torch.Generator().manual_seed(1))
     pack_linears(model)
