@@ -40,10 +40,14 @@ def test_mask_that_does_not_broadcast():
 
 
 def test_non_bool_mask():
-    with pytest.raises(TypeError, match="mask must be a bool tensor"):
-        qkv.attention(*qkv4(), mask=torch.ones(4, 4))
-    with pytest.raises(TypeError, match="mask must be None, a bool tensor or a qkv mask"):
+    with pytest.raises(TypeError, match="mask must be a bool or float tensor; got dtype "
+                                        "torch.int64"):
+        qkv.attention(*qkv4(), mask=torch.ones(4, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="mask must be None, a bool or float tensor, a qkv mask"):
         qkv.attention(*qkv4(), mask="causal")
+    with pytest.raises(TypeError, match="mask must be a bool tensor .* An additive float mask "
+                                        "goes to qkv.attention as attn_mask= or mask="):
+        qkv.causal() & torch.ones(4, 4)
 
 
 def test_unknown_similarity_lists_valid_ones():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.core import scores
 from qkv.core.engines import graph_gather, plan, tiles
 from qkv.core.problem import build_problem
 from qkv.core.similarity import SIMILARITIES as REGISTRY
@@ -16,7 +17,7 @@ from .conftest import mask_cases, rand_qkv, registered_similarities, rel_err
 B, H, HKV, NQ, NK, D, DV = 2, 4, 2, 37, 45, 8, 5
 SIMILARITIES = registered_similarities(D)
 MASKS = list(mask_cases(B, NQ, NK))
-MODS = ["none", "alibi_softcap", "relative_bias", "closure"]
+MODS = ["none", "alibi_softcap", "relative_bias", "closure", "additive_bias"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,6 +49,8 @@ def make_mod(kind, params):
         return [qkv.alibi(slopes=params["slopes"]), qkv.softcap(3.0)]
     if kind == "relative_bias":
         return qkv.relative_bias(params["table"], num_buckets=8, max_distance=16)
+    if kind == "additive_bias":  # SDPA's float attn_mask, as qkv.attention spells it
+        return scores.AdditiveBias(params["bias"])
     bias = params["bias"]  # captured by the closure: its gradient must come back too
 
     def closure_mod(score, b, h, q_idx, kv_idx):
@@ -177,8 +180,6 @@ def test_sparse_graph_takes_gather_path(monkeypatch):
 def test_modifier_cases_cover_every_modifier_kind():
     """The engine matrices iterate ``MODS``: a ScoreMod class defined in scores.py without a
     case there fails here."""
-    from qkv.core import scores
-
     defined = {cls for cls in vars(scores).values() if isinstance(cls, type)
                and issubclass(cls, scores.ScoreMod) and cls is not scores.ScoreMod}
     covered = set()

@@ -321,7 +321,7 @@ def run_lse_sinks_case(device="cpu") -> dict:
         problem = build_problem(*tensors, mask=qkv.causal(), score_mod=qkv.alibi(4),
                                 similarity="l1", needs_lse=True)
         result = runner(problem)
-        out, lse, _ = with_sinks(result.out, result.lse, None, sink)
+        out, lse, _ = with_sinks(result.out, result.lse, None, sink, problem.v)
         return out, lse, out.square().sum() + (lse * weight.to(lse)).sum()
 
     def triton_runner(problem):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
-from . import engines
+from . import engines, spellings
+from .masks import Mask
 from .problem import build_problem
 from .result import Result
+from .scores import as_score_mod
 from .similarity import Similarity
 
 
@@ -15,34 +19,58 @@ def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
     *,
     mask=None,
     score_mod=None,
     similarity: str | Similarity = "dot",
     scale=None,
-    dropout_p: float = 0.0,
+    enable_gqa: bool | None = None,
+    block_mask=None,
     return_weights: bool = False,
     return_lse: bool = False,
     sinks: Tensor | None = None,
     metric: Tensor | None = None,
     backend: str = "auto",
     fp32_precision: str = "ieee",
+    **unknown,
 ):
     """Attention softmax(score(q, k)) v with masks, score modifiers and pluggable similarity.
 
+    The first six arguments are SDPA's, in SDPA's order and with SDPA's meaning, so that
+    ``qkv.attention`` is a drop-in for ``F.scaled_dot_product_attention``; ``block_mask`` and
+    ``return_lse`` are FlexAttention's. Keywords of those APIs that qkv spells otherwise
+    (``need_weights``, ``key_padding_mask``, ...) get one line naming the qkv form.
+
     Args:
-        q: (B, H, Nq, D) queries.
+        q: (B, H, Nq, D) queries, or unbatched (H, Nq, D) (then k, v and the results are
+            unbatched too).
         k: (B, Hkv, Nk, D) keys; H must be a multiple of Hkv (grouped / multi-query heads).
         v: (B, Hkv, Nk, Dv) values.
-        mask: None, a bool tensor broadcastable to (B, H, Nq, Nk) (True = may attend), or a
-            qkv mask object (``qkv.causal()``, ``qkv.padding(...)``, ... combined with & and |).
+        attn_mask: SDPA's mask, broadcastable to (B, H, Nq, Nk): bool (True = may attend) or
+            float (added to the scores; -inf blocks). Anything ``mask`` takes works here too;
+            given both, both apply.
+        dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in
+            eval).
+        is_causal: SDPA's causal mask, top-left aligned: query i sees keys j <= i. (qkv's
+            ``mask=qkv.causal()`` is bottom-right aligned, as a KV cache needs; the two
+            agree when Nq == Nk.)
+        mask: None, a bool tensor broadcastable to (B, H, Nq, Nk) (True = may attend), a
+            float tensor (added to the scores, as SDPA's float ``attn_mask``), a qkv mask
+            object (``qkv.causal()``, ``qkv.padding(...)``, ... combined with & and |), a
+            FlexAttention ``BlockMask``, or a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``.
         score_mod: None, a callable ``score_mod(score, b, h, q_idx, kv_idx)``, a built-in
             modifier (``qkv.alibi``, ``qkv.relative_bias``, ``qkv.softcap``) or a list of them.
         similarity: "dot" | "cosine" | "l2" | "l1" | "mahalanobis", a name registered with
             ``qkv.register_similarity``, or a ``qkv.Similarity`` (a user's per-dimension term).
         scale: multiplies the similarity; a float or a tensor of shape () or (H,). Default
             1/√D, except cosine: √D.
-        dropout_p: dropout on the attention weights (applied whenever > 0; modules pass 0 in eval).
+        enable_gqa: SDPA's: False refuses H != Hkv, as SDPA does; None (default) and True
+            group query heads over key/value heads whenever H is a multiple of Hkv.
+        block_mask: FlexAttention's ``BlockMask``, with FlexAttention's meaning (its full
+            tiles are taken whole, its partial ones masked by its ``mask_mod``).
         return_weights: also return the weights (B, H, Nq, Nk) that multiplied v.
         return_lse: also return the log-sum-exp (B, H, Nq) of each softmax row (natural log,
             float32, float64 for float64 inputs; -inf on a row with no allowed key), as
@@ -70,6 +98,15 @@ def attention(
     call. Other rows are unaffected. Check with ``torch.isfinite`` where inputs may hold
     them; ``qkv train`` stops at the first non-finite loss.
     """
+    if unknown:
+        spellings.reject_keywords(unknown, KEYWORDS)
+    unbatched = spellings.unbatch(q, k, v)
+    if unbatched:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if not (attn_mask is None and block_mask is None and is_causal is False
+            and enable_gqa is None and (mask is None or isinstance(mask, Mask))):
+        mask, score_mod = _spelled_mask(q, k, attn_mask, mask, block_mask, is_causal,
+                                        enable_gqa, score_mod)
     problem = build_problem(
         q,
         k,
@@ -87,13 +124,38 @@ def attention(
     if sinks is not None:
         check_sinks(sinks, problem.heads)
     result = engines.plan(problem, backend).run()
-    if sinks is None and not (return_weights or return_lse):
+    if sinks is None and not (return_weights or return_lse or unbatched):
         return result.out
     out, lse, weights = result.out, result.lse, result.weights
     if sinks is not None:
-        out, lse, weights = with_sinks(out, lse, weights, sinks)
+        out, lse, weights = with_sinks(out, lse, weights, sinks, problem.v)
     extra = ([weights] if return_weights else []) + ([lse] if return_lse else [])
+    if unbatched:
+        out, extra = out.squeeze(0), [t.squeeze(0) for t in extra]
     return (out, *extra) if extra else out
+
+
+KEYWORDS = [name for name in inspect.signature(attention).parameters
+            if name not in ("q", "k", "v", "unknown")]
+
+
+def _spelled_mask(q, k, attn_mask, mask, block_mask, is_causal, enable_gqa, score_mod):
+    """SDPA's and FlexAttention's mask spellings -> (a qkv mask, the score modifier with any
+    additive bias applied last)."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4):
+        return mask, score_mod  # build_problem names what is wrong with q, k, v
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    spellings.check_gqa(enable_gqa, q.shape[1], k.shape[1])
+    if block_mask is not None and not spellings.is_block_mask(block_mask):
+        raise TypeError(f"block_mask must be a FlexAttention BlockMask; got "
+                        f"{type(block_mask).__name__}")
+    masks, biases = [spellings.sdpa_causal(is_causal, shape[2], shape[3])], []
+    for name, value in (("mask", mask), ("attn_mask", attn_mask), ("block_mask", block_mask)):
+        found, bias = spellings.split_mask(value, name, shape)
+        masks.append(found)
+        biases.append(bias)
+    mods = [m for m in [as_score_mod(score_mod), *biases] if m is not None]
+    return spellings.combine(masks), (mods[0] if len(mods) == 1 else mods or None)
 
 
 def attention_result(q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto",
@@ -113,14 +175,22 @@ def check_sinks(sinks, heads: int) -> None:
         raise ValueError(f"sinks must have shape (H,)=({heads},); got {tuple(sinks.shape)}")
 
 
-def with_sinks(out: Tensor, lse: Tensor, weights: Tensor | None, sinks: Tensor):
+def with_sinks(out: Tensor, lse: Tensor, weights: Tensor | None, sinks: Tensor, v: Tensor):
     """Add exp(sinks[h]) to each row's denominator: out and weights shrink by
     σ(lse - sink) = exp(lse - lse'), with lse' = logaddexp(lse, sink). A row with no allowed
-    key keeps out 0 and gets lse' = sink. Plain torch, so gradients reach the sinks."""
+    key keeps out 0 and gets lse' = sink. Plain torch, so gradients reach the sinks.
+
+    Weights that need gradients then multiply v (B, Hkv, Nk, Dv) themselves, so that they are
+    on the output's graph, as "the weights that multiplied v" are: attribution methods take
+    the gradient of the loss with respect to them."""
     sink = sinks.to(lse.dtype).view(1, -1, 1)
     new_lse = torch.logaddexp(lse, sink)
     keep = torch.sigmoid(lse - sink)
-    out = (out * keep.unsqueeze(-1).to(out.dtype))
-    if weights is not None:
-        weights = weights * keep.unsqueeze(-1).to(weights.dtype)
+    if weights is None:
+        return out * keep.unsqueeze(-1).to(out.dtype), new_lse, None
+    weights = weights * keep.unsqueeze(-1).to(weights.dtype)
+    if not weights.requires_grad:
+        return out * keep.unsqueeze(-1).to(out.dtype), new_lse, weights
+    group = weights.shape[1] // v.shape[1]
+    out = weights.to(v.dtype) @ v.repeat_interleave(group, dim=1)
     return out, new_lse, weights

@@ -115,7 +115,8 @@ def _check_qkv(q, k, v) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {layout}; got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor {layout}; got shape {_shape(t)}")
+            raise ValueError(f"{name} must be a 4-D tensor {layout}, or q, k and v all 3-D "
+                             f"(unbatched); got shape {_shape(t)}")
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be float64, float32, bfloat16 or float16; got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):

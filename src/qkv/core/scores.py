@@ -211,6 +211,28 @@ class UserScoreMod(ScoreMod):
         return f"score_mod({getattr(self.fn, '__name__', self.fn)!r})"
 
 
+class AdditiveBias(ScoreMod):
+    """score + bias[b, h, q_idx, kv_idx]: SDPA's additive float ``attn_mask``, added after
+    the scale and any other modifier, as a mask is applied last. ``bias`` is broadcastable to
+    (B, H, Nq, Nk); gradients reach it when it requires them, as in SDPA."""
+
+    def __init__(self, bias: Tensor):
+        while bias.dim() < 4:
+            bias = bias.unsqueeze(0)
+        self.bias = bias
+
+    def tensors(self):
+        return (self.bias,)
+
+    def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
+        a = self.bias
+        idx = [i if a.shape[d] > 1 else 0 for d, i in enumerate((b, h, q_idx, kv_idx))]
+        return score + a[idx[0], idx[1], idx[2], idx[3]]
+
+    def __repr__(self) -> str:
+        return f"additive_bias({tuple(self.bias.shape)})"
+
+
 def captured_tensors(fn: Callable) -> tuple[Tensor, ...]:
     """Tensors a callable reads through its closure, the module globals it names, defaults, or
     (for a Module) parameters."""

@@ -1,5 +1,8 @@
 """torch's scaled_dot_product_attention, for the cases it computes exactly as qkv defines them:
-the plain dot product with no mask, or causal attention with Nq <= Nk; on CUDA also cosine,
+the plain dot product with no mask, causal attention (bottom-right with Nq <= Nk, or
+top-left), or a dense bool mask and/or an additive float mask (SDPA's own ``attn_mask``) that
+leave every row a key (SDPA's answer for an empty row depends on its version and kernel,
+qkv's is zeros); on CUDA also cosine,
 the dot product of unit vectors, computed on those features (which run under torch autograd,
 as in every engine). There, SDPA's kernels were measured faster than qkv's Triton kernels on
 the same features (H100, bf16, D = 128, N = 8k: cosine forward+backward 8.66 ms in SDPA's
@@ -8,16 +11,21 @@ one (0.90-0.96x SDPA's plain time at N = 4096), so cosine stays there."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
+from ..masks import CausalMask, TensorMask
+from ..masks.rules import TopLeftCausalMask
 from ..problem import Problem
 from ..result import Result
+from ..scores import AdditiveBias
 from ..similarity import BUILTIN
+from ..structure import values_readable
 
 # enable_gqa arrived in torch 2.5; older versions get the heads repeated.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 _DOT, _COSINE = BUILTIN["dot"], BUILTIN["cosine"]
+# SDPA's float attn_mask is exactly qkv's additive bias (applied after the scale).
+_DENSE_MODS = (AdditiveBias,)
 
 
 def why_not(p: Problem) -> str | None:
@@ -27,18 +35,49 @@ def why_not(p: Problem) -> str | None:
         return "SDPA runs cosine on CUDA only: on CPU the fused engine is faster"
     if p.similarity is not _DOT and p.similarity is not _COSINE:
         return f"SDPA computes only the dot product, not similarity={p.similarity.name!r}"
-    if p.score_mod is not None:
-        return "SDPA has no score_mod"
+    if p.score_mod is not None and not isinstance(p.score_mod, _DENSE_MODS):
+        return "SDPA has no score_mod (only an additive float mask)"
     if p.return_weights:
         return "SDPA cannot return attention weights"
     if p.metric is not None or not isinstance(p.scale, float):
         return "SDPA needs a plain float scale"
-    if p.mask is not None:
-        if not p.is_causal_only:
-            return "SDPA runs only no mask or qkv.causal()"
+    if p.mask is None or isinstance(p.mask, TopLeftCausalMask):
+        return None
+    if p.is_causal_only and p.score_mod is None:
         if p.nq > p.nk:
             return "causal with Nq > Nk leaves rows with no key, which SDPA turns into NaN"
+        return None
+    if not isinstance(p.mask, TensorMask) and p.score_mod is None:
+        return "SDPA runs only no mask, a causal one or a dense tensor (the fused engines skip " \
+               "the empty tiles of structured masks)"
+    if not isinstance(p.mask, (TensorMask, CausalMask, TopLeftCausalMask)):
+        return "SDPA adds a float mask only to no mask, a causal one or a dense tensor"
+    if not values_readable():
+        return "SDPA needs the mask's values, unknown while torch.compile traces"
+    if not bool(p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device).any(-1).all()):
+        return "the mask leaves rows with no key, which SDPA turns into NaN"
     return None
+
+
+def plan(p: Problem):
+    """The runner, or the reason SDPA cannot run ``p``."""
+    reason = why_not(p)
+    return reason if reason is not None else (lambda: run(p))
+
+
+def _attn_mask(p: Problem):
+    """SDPA's (attn_mask, is_causal) for the mask and additive bias of ``p``."""
+    if p.score_mod is None:
+        if p.mask is None:
+            return None, False
+        if isinstance(p.mask, TopLeftCausalMask) or (p.is_causal_only and p.nq == p.nk):
+            return None, True
+    if p.mask is not None:
+        allowed = p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device)
+        if p.score_mod is None:
+            return allowed, False
+        return p.score_mod.bias.to(p.q.dtype).masked_fill(~allowed, float("-inf")), False
+    return p.score_mod.bias.to(p.q.dtype), False
 
 
 def run(p: Problem) -> Result:
@@ -49,12 +88,7 @@ def run(p: Problem) -> Result:
     if gqa and not _HAS_GQA:
         group = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
-    attn_mask, is_causal = None, False
-    if p.mask is not None:  # causal only (why_not)
-        if q.shape[2] == k.shape[2]:
-            is_causal = True
-        else:  # SDPA's is_causal is top-left aligned; qkv's causal is bottom-right.
-            attn_mask = torch.ones(p.nq, p.nk, dtype=torch.bool, device=q.device).tril(p.offset)
+    attn_mask, is_causal = _attn_mask(p)
     if gqa:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, p.dropout_p, is_causal,
                                              scale=p.scale, enable_gqa=True)

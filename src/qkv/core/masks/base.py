@@ -135,7 +135,7 @@ class TensorMask(Mask):
         if allowed.dtype != torch.bool:
             raise TypeError(
                 f"mask must be a bool tensor (True = may attend); got dtype {allowed.dtype}. "
-                "For an additive float bias use score_mod."
+                "An additive float mask goes to qkv.attention as attn_mask= or mask=."
             )
         if allowed.dim() > 4:
             raise ValueError(f"mask must have at most 4 dims (B, H, Nq, Nk); got {allowed.dim()}")

@@ -19,15 +19,43 @@ class CausalMask(Mask):
         return kv_idx <= q_idx + offset
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
-        return SlidingWindowMask(None, 0).tile_states(
-            batch, heads, nq, nk, block_q, block_k, device
-        )
+        return window_states(None, 0, nk - nq, nq, nk, block_q, block_k, device)
 
     def layout_key(self):
         return (type(self),)
 
     def __repr__(self) -> str:
         return "causal()"
+
+
+class TopLeftCausalMask(Mask):
+    """Query i may see keys j <= i, whatever Nq and Nk: top-left aligned, as SDPA's and
+    FlexAttention's ``is_causal``. It equals ``CausalMask`` when Nq == Nk."""
+
+    def mask_mod(self, b, h, q_idx, kv_idx, offset):
+        return kv_idx <= q_idx
+
+    def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
+        return window_states(None, 0, 0, nq, nk, block_q, block_k, device)
+
+    def layout_key(self):
+        return (type(self),)
+
+    def __repr__(self) -> str:
+        return "causal(align='top_left')"
+
+
+def window_states(left: int | None, right: int, offset: int, nq: int, nk: int, block_q: int,
+                  block_k: int, device) -> Tensor:
+    """Tile states of "query i sees keys in [i + offset - left, i + offset + right]"."""
+    q0, q1 = (t.view(-1, 1) + offset for t in tile_bounds(nq, block_q, device))
+    k0, k1 = (t.view(1, -1) for t in tile_bounds(nk, block_k, device))
+    full = k1 <= q0 + right
+    empty = k0 > q1 + right
+    if left is not None:
+        full = full & (k0 >= q1 - left)
+        empty = empty | (k1 < q0 - left)
+    return as_4d(states_from(full, empty))
 
 
 class SlidingWindowMask(Mask):
@@ -49,15 +77,7 @@ class SlidingWindowMask(Mask):
         return allowed
 
     def tile_states(self, batch, heads, nq, nk, block_q, block_k, device=None):
-        offset = nk - nq
-        q0, q1 = (t.view(-1, 1) + offset for t in tile_bounds(nq, block_q, device))
-        k0, k1 = (t.view(1, -1) for t in tile_bounds(nk, block_k, device))
-        full = k1 <= q0 + self.right
-        empty = k0 > q1 + self.right
-        if self.left is not None:
-            full = full & (k0 >= q1 - self.left)
-            empty = empty | (k1 < q0 - self.left)
-        return as_4d(states_from(full, empty))
+        return window_states(self.left, self.right, nk - nq, nq, nk, block_q, block_k, device)
 
     def layout_key(self):
         return (type(self), self.left, self.right)
@@ -270,9 +290,17 @@ class CustomMask(Mask):
                                    grid=batch * heads)
 
 
-def causal() -> Mask:
-    """Autoregressive mask, bottom-right aligned when Nq != Nk (query i sees j <= i + Nk - Nq)."""
-    return CausalMask()
+CAUSAL_ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def causal(align: str = "bottom_right") -> Mask:
+    """Autoregressive mask. ``align="bottom_right"`` (the default, what a KV cache needs):
+    query i sees keys j <= i + Nk - Nq, so the last query sees every key. ``"top_left"``
+    (SDPA's and FlexAttention's ``is_causal``): query i sees keys j <= i. The two agree when
+    Nq == Nk."""
+    if align not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal: align must be one of {CAUSAL_ALIGNMENTS}; got {align!r}")
+    return CausalMask() if align == "bottom_right" else TopLeftCausalMask()
 
 
 def sliding_window(left: int, right: int = 0) -> Mask:
