@@ -75,8 +75,8 @@ def test_what_qkv_cannot_honour_is_named():
         attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 2, 4, 4))
     with pytest.raises(ValueError, match="head_mask"):
         attention_forward(module, q, k, v, None, head_mask=torch.ones(2))
-    with pytest.raises(ValueError, match="attention_mask"):
-        attention_forward(module, q, k, v, torch.zeros(1, 1, 4, 4))
+    with pytest.raises(TypeError, match="attention_mask must be a bool or float tensor"):
+        attention_forward(module, q, k, v, torch.zeros(1, 1, 4, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="'dropout_p'"):
         register("bad", dropout_p=0.1)
 

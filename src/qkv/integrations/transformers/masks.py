@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import Tensor
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import masking_utils as hf
 
 from ...core import masks as qm
@@ -42,6 +43,25 @@ class Unmasked(qm.Mask):
 
     def __repr__(self) -> str:
         return "unmasked()"
+
+
+class Prepared(BlockMask):
+    """A qkv mask in the type transformers passes through as already prepared: a mask built
+    ahead of the forward (static-cache generation builds it in ``prepare_inputs_for_generation``)
+    comes back into the model's own mask creation, which keeps a ``BlockMask`` (or a 4-D
+    tensor) of shape (B, 1, Nq, Nk) as it is. Only the attention function reads ``mask``."""
+
+    def __init__(self, mask: qm.Mask, shape: tuple[int, int, int, int]):  # noqa: B027
+        self.mask, self._shape = mask, shape
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def __repr__(self) -> str:
+        return f"prepared({self.mask!r}, shape={self._shape})"
+
+    __str__ = __repr__
 
 
 class Shifted(qm.Mask):
@@ -277,7 +297,8 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
         kwargs: transformers' hints for its own backends (``allow_is_causal_skip``, ...).
 
     Returns:
-        A qkv mask for ``qkv.attention`` over (Nq, Nk); ``Unmasked()`` when every key is allowed.
+        A qkv mask for ``qkv.attention`` over (Nq, Nk) (``Unmasked()`` when every key is
+        allowed), as ``Prepared``, the type transformers keeps as it is when it comes back.
     """
     unknown = sorted(set(kwargs) - _HINTS)
     if unknown:
@@ -289,7 +310,7 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
         keys = keys_mask(padded[:, kv_offset:kv_offset + kv_length])
         mask = keys if mask is None else (mask if keys is None else mask & keys)
     if mask is None:
-        return Unmasked()
-    if q_offset - kv_offset != kv_length - q_length:
+        mask = Unmasked()
+    elif q_offset - kv_offset != kv_length - q_length:
         mask = Shifted(mask, q_offset - kv_offset)
-    return mask
+    return Prepared(mask, (batch_size, 1, q_length, kv_length))
