@@ -7,9 +7,23 @@ import torch
 from transformers import masking_utils as hf
 
 from qkv.core import masks as qm
-from qkv.integrations.transformers.masks import KeyMask, Shifted, Unmasked, mask_function
+from qkv.integrations.transformers.masks import (
+    KeyMask,
+    Prepared,
+    Shifted,
+    Unmasked,
+    mask_function,
+)
 
 B = 3
+
+
+def built(batch, nq, nk, *args, **kwargs):
+    """The qkv mask of ``mask_function``, which returns it as a prepared (B, 1, Nq, Nk)
+    BlockMask, the type transformers passes back unchanged."""
+    prepared = mask_function(batch, nq, nk, *args, **kwargs)
+    assert isinstance(prepared, Prepared) and prepared.shape == (batch, 1, nq, nk)
+    return prepared.mask
 
 
 def padding(kind: str, n: int) -> torch.Tensor:
@@ -67,7 +81,7 @@ def test_same_allowed_pairs_as_transformers(kind, pad, sizes):
                             kv_offset=kv_offset, mask_function=fn,
                             attention_mask=attention_mask, allow_is_causal_skip=False,
                             use_vmap=kind in ("custom", "blockwise", "chunked"))
-    mask = mask_function(B, nq, nk, q_offset, kv_offset, mask_function=fn,
+    mask = built(B, nq, nk, q_offset, kv_offset, mask_function=fn,
                          attention_mask=attention_mask, allow_is_causal_skip=True,
                          dtype=torch.float32, config=None, use_vmap=False, device="cpu")
     got = mask.materialize(B, 1, nq, nk).expand(B, 1, nq, nk)
@@ -82,21 +96,21 @@ def test_same_allowed_pairs_as_transformers(kind, pad, sizes):
 
 def test_structure_is_kept():
     left = padding("left", 10)
-    causal_left = mask_function(B, 10, 10, attention_mask=left)
+    causal_left = built(B, 10, 10, attention_mask=left)
     assert isinstance(causal_left, qm.AndMask) and isinstance(causal_left.a, qm.CausalMask)
     assert repr(causal_left) == "(causal() & ~padding([0, 2, 4]))"
-    window = mask_function(B, 10, 10, mask_function=hf.sliding_window_causal_mask_function(4))
+    window = built(B, 10, 10, mask_function=hf.sliding_window_causal_mask_function(4))
     assert repr(window) == "sliding_window(3, 0)"
-    assert repr(mask_function(B, 10, 10, attention_mask=padding("right", 10))) == (
+    assert repr(built(B, 10, 10, attention_mask=padding("right", 10))) == (
         "(causal() & padding([10, 8, 6]))")
-    assert isinstance(mask_function(B, 10, 10, attention_mask=padding("holes", 10)).b, KeyMask)
-    assert isinstance(mask_function(B, 10, 10, mask_function=hf.bidirectional_mask_function),
+    assert isinstance(built(B, 10, 10, attention_mask=padding("holes", 10)).b, KeyMask)
+    assert isinstance(built(B, 10, 10, mask_function=hf.bidirectional_mask_function),
                       Unmasked)
-    assert isinstance(mask_function(B, 2, 12, 5, 0), Shifted)
-    custom = mask_function(B, 10, 10, mask_function=function("custom", 10))
+    assert isinstance(built(B, 2, 12, 5, 0), Shifted)
+    custom = built(B, 10, 10, mask_function=function("custom", 10))
     assert isinstance(custom.a, qm.CausalMask) and isinstance(custom.b, qm.CustomMask)
 
 
 def test_unknown_argument_is_named():
     with pytest.raises(TypeError, match="'head_mask'"):
-        mask_function(B, 4, 4, head_mask=torch.ones(2))
+        built(B, 4, 4, head_mask=torch.ones(2))
