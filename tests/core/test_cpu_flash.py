@@ -2,6 +2,8 @@
 AVX-512 FMA): parity with float64 (for bf16 products, on the same bf16-rounded inputs), the
 rows and layouts it must handle, and when the dispatcher takes it."""
 
+import platform
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv.core import engines
-from qkv.core.engines import cpu_flash
+from qkv.core.engines import cpu_flash, native
 from qkv.core.problem import build_problem
 
 needs_bf16 = pytest.mark.skipif(not cpu_flash.available("bf16"),
@@ -151,10 +153,13 @@ def test_fp32_precision_is_checked():
         qkv.attention(q, k, v, fp32_precision="tf32")
 
 
-def test_forcing_it_where_it_cannot_run_says_why():
+def test_forcing_it_where_it_cannot_run_says_why(monkeypatch):
     q, k, v = _inputs(1, 2, 2, 128, 128, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="takes float32 or bf16 inputs"):
         qkv.attention(q.double(), k.double(), v.double(), backend="flash")
+    # The call's own reasons, as on a machine with both kernels: every call here is refused
+    # before a kernel would run.
+    monkeypatch.setattr(cpu_flash, "_library", lambda products: object())
     with torch.no_grad():
         with pytest.raises(ValueError, match="Dv a multiple of 16"):
             qkv.attention(q, k, v[..., :6], mask=qkv.causal(), backend="flash")
@@ -163,6 +168,47 @@ def test_forcing_it_where_it_cannot_run_says_why():
         with pytest.raises(ValueError, match="fewer than 128 query rows"):
             qkv.attention(q[:, :, :16], k, v, mask=qkv.causal(), fp32_precision="bf16",
                           backend="flash")
+
+
+@pytest.fixture
+def fresh_library():
+    """``cpu_flash._library`` decided again in the test, and after it."""
+    cpu_flash._library.cache_clear()
+    yield
+    cpu_flash._library.cache_clear()
+
+
+def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch, fresh_library):
+    """Measured on AMD only: elsewhere every call it could take says so, whatever else is
+    wrong with it, and the dispatcher goes on to SDPA."""
+    monkeypatch.setattr(native, "amd_cpu", lambda: False)
+    q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.float32)
+    with torch.no_grad():
+        for call in ({}, {"mask": qkv.causal()}, {"fp32_precision": "bf16"}):
+            with pytest.raises(ValueError, match="AMD CPUs only: it was measured there"):
+                qkv.attention(q[:, :, :16], k, v, backend="flash", **call)
+        assert _engine(q, k, v, mask=qkv.causal(), fp32_precision="bf16") == "sdpa"
+        assert _engine(*(t.bfloat16() for t in (q, k, v)), mask=qkv.causal()) == "sdpa"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not native.available(
+    torch.float32), reason="builds x86 targets with the C compiler")
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v4"])
+def test_a_build_target_without_the_instructions_says_so(monkeypatch, tmp_path,
+                                                          fresh_library, target):
+    """QKV_MARCH=x86-64-v3 has no AVX-512, x86-64-v4 no AVX512-BF16: the engine refuses
+    those products with the target's name (on an AMD CPU; the build alone decides)."""
+    if native.missing_features(target):
+        pytest.skip(f"this CPU does not run {target}")
+    monkeypatch.setattr(native, "amd_cpu", lambda: True)
+    monkeypatch.setenv("QKV_MARCH", target)
+    monkeypatch.setenv("QKV_CACHE", str(tmp_path))
+    q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.bfloat16)
+    with torch.no_grad(), pytest.raises(
+            ValueError, match=f"no bf16 kernel here: it needs AVX512-BF16, which -march={target}"):
+        qkv.attention(q, k, v, mask=qkv.causal(), backend="flash")
+    assert cpu_flash.available("fp32") == (target == "x86-64-v4")
+    assert len(list(tmp_path.glob("cpu_flash_*.so"))) == 2
 
 
 @needs_fp32

@@ -19,7 +19,7 @@
  * heads share the packed K and V), rows stacked head by head and padded to a multiple of 8.
  * The softmax is online, a block of BN keys at a time.
  *
- * Built with -march=native: without the instructions, flash_available() = 0.
+ * Built for native.march()'s target: without the instructions there, flash_available() = 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -73,6 +73,13 @@ typedef uint16_t elem;
 #define input_elem input_bf16
 #endif
 
+/* The kernels need the products' instructions; without them only the two functions at
+ * the end of the file are built, and flash_available() = 0. */
+#if defined(QKV_FP32_PRODUCTS) ? defined(__AVX512F__) : defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int64_t flash_available(void) { return 1; }
+
 /* K and V packed for the products, k_size and v_size elements per (batch, kv head):
  * k[key / 16][d / PAIR][16 keys][PAIR], v[key / PAIR][dv][PAIR], keys up to the next BN. */
 struct packed {
@@ -98,11 +105,6 @@ static void pack(const struct flash_job *J, const struct packed *P, int64_t b, i
             o[PAIR * c] = j < J->nk ? input_elem(J, J->v, v0 + j * J->v_st[2] + c) : 0;
     }
 }
-
-#if defined(QKV_FP32_PRODUCTS) ? defined(__AVX512F__) : defined(__AVX512BF16__)
-#include <immintrin.h>
-
-int64_t flash_available(void) { return 1; }
 
 #ifdef QKV_FP32_PRODUCTS
 typedef __m512 operand;

@@ -18,9 +18,10 @@ Which products:
 Scores, softmax and sums are float32 either way; the output has the inputs' dtype.
 
 Only on AMD processors, where it was measured; on Intel's, MKL and oneDNN run AVX-512 (and
-AMX) themselves. Plain or causal attention, no gradients (a call that needs them goes on to
-SDPA or the fused engine), and from 128 query rows (a prompt): on fewer, and in decoding,
-SDPA was faster than packing the keys.
+AMX) themselves, and the engine is not enabled there until measured (docs/portability.md).
+Plain or causal attention, no gradients (a call that needs them goes on to SDPA or the fused
+engine), and from 128 query rows (a prompt): on fewer, and in decoding, SDPA was faster than
+packing the keys.
 """
 
 from __future__ import annotations
@@ -58,20 +59,25 @@ class _Job(ctypes.Structure):  # struct flash_job in cpu_flash.c
     ]
 
 
+# What each kind of product needs of the build target.
+_NEEDS = {"bf16": "AVX512-BF16", "fp32": "AVX-512"}
+
+
 @functools.cache
-def _library(products: str) -> ctypes.CDLL | None:
-    """The kernel with ``products`` ("bf16" or "fp32"), or None: no compiler, not an AMD
-    CPU, or a CPU without the instructions (the source is built with -march=native and then
-    reports that it has no kernel)."""
+def _library(products: str) -> ctypes.CDLL | str:
+    """The kernel with ``products`` ("bf16" or "fp32"), or why this machine has none."""
     if not native.amd_cpu():
-        return None
+        return ("it runs on AMD CPUs only: it was measured there, and is not enabled on others "
+                "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves)")
+    if not native.available(torch.float32):
+        return "it needs the C kernels, which are off here (no C compiler, or QKV_NATIVE=0)"
     lib = native.optional_library(Path(__file__).with_suffix(".c"), f"cpu_flash_{products}",
                                   _FLAGS[products])
     if lib is None:
-        return None
+        return "cpu_flash.c did not build (it needs a compiler with -fopenmp)"
     lib.flash_available.restype = _I
     if not lib.flash_available():
-        return None
+        return f"it needs {_NEEDS[products]}, which -march={native.march()} does not have here"
     lib.flash_attention.argtypes = [_P, _I]
     lib.flash_attention.restype = _I
     return lib
@@ -79,8 +85,8 @@ def _library(products: str) -> ctypes.CDLL | None:
 
 def available(products: str) -> bool:
     """Whether this machine runs the engine with ``products`` ("bf16": an AMD CPU with
-    AVX512-BF16; "fp32": with AVX-512F; a C compiler either way)."""
-    return _library(products) is not None
+    AVX512-BF16; "fp32": with AVX-512F; a C compiler with OpenMP either way)."""
+    return not isinstance(_library(products), str)
 
 
 def products_of(p: Problem) -> str | None:
@@ -94,12 +100,18 @@ def products_of(p: Problem) -> str | None:
 
 
 def why_not(p: Problem) -> str | None:
-    # The device first: products_of may build the CPU kernels, which a CUDA call never needs.
+    # The device and eager mode first: products_of may build the CPU kernels, which a CUDA
+    # call never needs, and a traced call must not reach the C library.
     if p.q.device.type != "cpu":
         return f"the flash engine runs CPU tensors; got device {p.q.device}"
+    if torch.compiler.is_compiling() or not all(type(t) is Tensor for t in (p.q, p.k, p.v)):
+        return "the flash engine runs eager tensors only"
     products = products_of(p)
     if products is None:
         return f"the flash engine takes float32 or bf16 inputs; got {p.q.dtype}"
+    # The machine before the call: where there is no kernel, no change to the call helps.
+    if isinstance(lib := _library(products), str):
+        return f"the flash engine has no {products} kernel here: {lib}"
     if p.similarity is not _DOT:
         return f"the flash engine computes the dot product only, not {p.similarity.name!r}"
     if p.score_mod is not None or p.return_weights or p.dropout_p > 0:
@@ -120,13 +132,8 @@ def why_not(p: Problem) -> str | None:
     d, dv = p.q.shape[3], p.v.shape[3]
     if d % 2 or d > _MAX_D or dv % 16 or dv > _MAX_D:
         return f"the flash engine needs D even and Dv a multiple of 16, both <= {_MAX_D}"
-    if torch.compiler.is_compiling() or not all(type(t) is Tensor for t in (p.q, p.k, p.v)):
-        return "the flash engine runs eager tensors only"
     if any(t.stride(3) != 1 for t in (p.q, p.k, p.v)):
         return "the flash engine reads rows with unit column stride"
-    if not available(products):
-        return (f"this CPU has no {products} kernel here: it needs an AMD CPU with "
-                f"{'AVX512-BF16' if products == 'bf16' else 'AVX-512'} and a C compiler")
     return None
 
 
