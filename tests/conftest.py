@@ -5,6 +5,17 @@ import functools
 import pytest
 
 import qkv.models
+import qkv.threads
+
+
+@pytest.fixture(autouse=True, scope="session")
+def idle_machine():
+    """Commands run on fewer threads while other jobs load the machine, and say so on stderr
+    (qkv.threads). In-process tests see an idle machine, so that what a command prints does
+    not depend on the jobs beside it (tests/test_threads.py sets the load it tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qkv.threads, "load_average", lambda: 0.0)
+        yield
 
 
 @pytest.fixture(scope="module")

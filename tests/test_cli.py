@@ -149,6 +149,14 @@ def test_train_lm_eval_generate(lm_run, capsys):
     assert code == 0 and out.startswith("Return") and len(out.rstrip("\n")) >= 40
 
 
+def test_the_plan_gives_the_warm_up_the_run_has(tmp_path, capsys):
+    code, _, err = run(capsys, "train", "lm", "--preset", "tiny", "--run-dir",
+                       str(tmp_path / "r"), "--set", "train.steps=5", "--set", "train.warmup=100")
+    assert code == 0
+    assert " steps (train.steps as set) | warm-up 5 steps (train.warmup=100, cut to the run) | " \
+        in err.splitlines()[0]
+
+
 def test_train_vit_bf16_accumulated_and_eval(tmp_path_factory, capsys):
     run_dir = train_tiny(tmp_path_factory, "vit", "--set", "train.precision=bf16",
                          "--set", "train.accumulate=2")
@@ -229,14 +237,14 @@ def test_bad_overrides(tmp_path, capsys, item, expected):
 
 
 @pytest.mark.parametrize("task, item, expected", [
-    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, inf), got 0"),
-    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, inf), got 0"),
-    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, inf)"),
-    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, inf)"),
+    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, 1e9], got 0"),
+    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, 1e9], got 0"),
+    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, 1e9]"),
+    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, 1e9]"),
     ("lm", "model.block_size=0", "model.block_size: expected a value in [1, inf), got 0"),
     ("lm", "train.threads=-3", "train.threads: expected a value in [0, 4096], got -3"),
     ("vit", "train.label_smoothing=2", "train.label_smoothing: expected a value in [0, 1]"),
-    ("lm", "train.steps=-5", "train.steps: expected a value in [1, inf), got -5"),
+    ("lm", "train.steps=-5", "train.steps: expected a value in [1, 1e9], got -5"),
     ("translate", "eval.beam_size=0", "eval.beam_size: expected a value in [1, inf), got 0"),
     ("lm", "train.schedule=linear", "train.schedule: expected one of cosine, noam, constant"),
     ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),

@@ -36,6 +36,74 @@ def test_command_arguments_of_the_wrong_kind(tmp_path):
     assert list(tmp_path.iterdir()) == [a_file]  # nothing written
 
 
+def test_inputs_that_would_waste_the_work_are_refused_first(tmp_path):
+    """Each is one line naming the cause, before the slow part (a model loaded, a model built,
+    training) and before anything is written."""
+    tiny = ["train", "lm", "--preset", "tiny", "--run-dir", str(tmp_path / "r")]
+    assert qkv_error(*tiny, "--set", "train.steps=99999999999999999999999") == (
+        "qkv: error: train.steps: expected a value in [1, 1e9], got 99999999999999999999999\n")
+    # The tiny preset's text: 18,000 training characters, 2,000 held out.
+    assert qkv_error(*tiny, "--set", "model.block_size=10000000") == (
+        "qkv: error: model.block_size=10000000 is too long for the text: its training part has "
+        "18,000 tokens, and a window takes block_size + 1 (set model.block_size below 18,000 "
+        "or give a longer text)\n")
+    assert "its held-out part has 2,000 tokens" in qkv_error(*tiny, "--set",
+                                                             "model.block_size=5000")
+    assert qkv_error(*tiny, "--set", "eval.max_tokens=8") == (
+        "qkv: error: eval.max_tokens=8 is less than one window of model.block_size=16 tokens; "
+        "nothing would be scored\n")
+    huge = qkv_error(*tiny, "--set", "model.block.d_model=1048576")
+    assert huge.startswith("qkv: error: the model does not fit in memory: 13,194,267,459,584 "
+                           "parameters need about 211,108.3 GB to train (float32 weights, "
+                           "gradients and AdamW's two moments), and ")
+    assert huge.endswith(" GB is available on this machine; make the model smaller "
+                         "(model.block.d_model, model.n_layer, ...)\n")
+    assert not (tmp_path / "r").exists()
+    model = ["--model", "smollm2"]
+    assert qkv_error("generate", *model, "--prompt", "x", "--temperature", "nan") == (
+        "qkv: error: --temperature must be a finite number >= 0 (0 = greedy); got nan\n")
+    assert qkv_error("generate", *model, "--prompt", "x", "--temperature", "inf") == (
+        "qkv: error: --temperature must be a finite number >= 0 (0 = greedy); got inf\n")
+    assert qkv_error("generate", *model, "--prompt", "x", "--top-p", "nan") == (
+        "qkv: error: --top-p must be in (0, 1]; got nan\n")
+    assert qkv_error("generate", *model, "--prompt", "x", "--seed", str(2**64)) == (
+        f"qkv: error: --seed must be in [0, 4294967295]; got {2**64}\n")
+    assert qkv_error("generate", *model, "--prompt", "") == (
+        "qkv: error: --prompt is empty; give the text to continue\n")
+    assert qkv_error("chat", *model, "--message", "") == (
+        "qkv: error: --message is empty; nothing to answer\n")
+    assert qkv_error("chat", *model, "--message", "Hi", "--message", " ") == (
+        "qkv: error: --message is empty (message 2 of 2); nothing to answer\n")
+
+
+def test_viz_outputs_are_checked_before_the_work(tmp_path):
+    a_file = tmp_path / "pictures"
+    a_file.write_text("x")
+    viz = ["viz", "--model", "minilm", "--text", "a", "-o", str(tmp_path / "page.html")]
+    assert qkv_error(*viz, "--png", str(a_file)) == (
+        f"qkv: error: --png {str(a_file)!r}: {str(a_file)!r} is a file; expected a folder for "
+        "the pictures (a new or an existing one)\n")
+    assert qkv_error(*viz, "--png", str(a_file / "sub")) == (
+        f"qkv: error: --png {str(a_file / 'sub')!r}: {str(a_file)!r} is a file; expected a "
+        "folder for the pictures (a new or an existing one)\n")
+    inside = str(a_file / "page.html")
+    assert qkv_error("viz", "--model", "minilm", "--text", "a", "-o", inside) == (
+        f"qkv: error: -o/--output {inside!r} cannot be written: {str(a_file)!r} is a file, not "
+        "a folder\n")
+    assert sorted(tmp_path.iterdir()) == [a_file]  # no page written
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`qkv embed ... | head -1`: the reader is gone before the output comes; the command
+    stops as a Unix tool does (status 141, SIGPIPE's), with nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "qkv.cli", "embed", "--model", "minilm",
+                             "A cat sleeps.", "A dog barks."], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 141
+    assert proc.stderr.read() == b""
+
+
 def tiny_models():
     block = {"n_head": 2, "d_model": 8}
     gpt = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, block=block))

@@ -15,6 +15,7 @@ import functools
 import sys
 import time
 
+from . import threads
 from .model_commands import (
     _generate,
     add_model_option,
@@ -89,6 +90,11 @@ def terminal_turns(state: dict):
 def run(args: argparse.Namespace) -> int:
     """A conversation with a chat model: its chat template, replies streamed as they come."""
     check_sampling_flags(args)
+    for i, message in enumerate(args.message, 1):
+        if not message.strip():
+            where = f" (message {i} of {len(args.message)})" if len(args.message) > 1 else ""
+            raise ValueError(f"--message is empty{where}; nothing to answer")
+    threads.configure(args.threads)
     model, tokenizer = load(args.model, "decoder", "qkv chat", args.weights)
     if not tokenizer.chat_template:
         raise ValueError(f"{args.model!r} has no chat template; use `qkv generate`")

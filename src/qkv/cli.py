@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, chat, model_commands
+from . import __version__, chat, model_commands, threads
 from .train import config, distributed, run
 from .viz import command as viz_command
 
 USAGE_ERROR = 2
+SIGPIPE_EXIT = 128 + 13  # the status a shell reports for a process killed by SIGPIPE
 
 
 @dataclass
@@ -53,6 +54,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     task = run.get_task(args.task)
+    if args.threads:  # the run's train.threads, stored with the rest of its configuration
+        args.overrides = [*args.overrides, f"train.threads={args.threads}"]
     if args.init:
         args.overrides = [*args.overrides, f"train.init={json.dumps(args.init)}"]
     if args.resume:
@@ -129,6 +132,7 @@ def run_eval(args: argparse.Namespace) -> int:
                              "--window and --max-tokens")
         return model_commands.run_eval(args)
     task, cfg, data, model = run.load(args.run_dir, overrides=args.overrides)
+    threads.configure(args.threads)
     with torch.no_grad():
         result = task.evaluate(model, data, cfg, final=True)
     print(task.summary(result))
@@ -162,9 +166,11 @@ def run_generate(args: argparse.Namespace) -> int:
         return model_commands.run_generate(args)
     if args.weights != "fp32":
         raise ValueError("--weights applies to --model checkpoints, not to run directories")
+    model_commands.check_seed(args.seed)
 
     task, cfg, data, model = run.load(args.run_dir, task="lm",
                                       overrides=eval_overrides(args, GENERATE_FLAGS))
+    threads.configure(args.threads)
     write = model_commands.write
     write(args.prompt)
     try:  # the text streams; after Ctrl-C, what was printed stays, ended by a newline
@@ -218,6 +224,7 @@ def run_translate(args: argparse.Namespace) -> int:
     task, cfg, data, model = run.load(args.run_dir, task="translate",
                                       overrides=eval_overrides(args, ("beam_size",)))
     keep = screen_sources(texts, data.src_tok, from_stdin)
+    threads.configure(args.threads)
     kept = [t for t, k in zip(texts, keep, strict=True) if k]
     translated = iter(task.translate(model, data, cfg, kept, cfg.eval.beam_size) if kept else [])
     outputs = [next(translated) if k else "" for k in keep]
@@ -257,6 +264,7 @@ def run_bench(args: argparse.Namespace) -> int:
     script = BENCH_DIR / BENCHMARKS[args.name]
     if not script.is_file():
         raise FileNotFoundError(f"`qkv bench` needs a source checkout; {script} is missing")
+    threads.configure(args.threads)  # a script's own --threads, where it has one, comes after
     spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
@@ -332,7 +340,8 @@ COMMANDS: dict[str, Command] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkv", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="The attention mechanism and the Transformer, from one command.",
+        description="The attention mechanism and the Transformer, from one command.\n\n"
+                    + threads.SUMMARY,
         epilog="examples:\n" + "\n".join(c.examples.splitlines()[0] for c in COMMANDS.values()),
     )
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
@@ -342,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog="examples:\n" + command.examples,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_arguments(p)
+        threads.add_option(p)
         p.set_defaults(run=command.run)
     return parser
 
@@ -349,7 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        args.threads = threads.parse(args.threads)
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader stopped (`qkv embed ... | head`): stop quietly, as a Unix tool killed by
+        # SIGPIPE does. stdout goes to /dev/null so that the exit's flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
     except (ValueError, OSError) as e:
         if os.environ.get("QKV_DEBUG"):
             raise

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
 
-from . import models
+from . import models, threads
 from .data.docstrings import stdlib_docstrings
 from .data.text import read_text_file, split_text
 from .models import GPT
@@ -21,6 +22,7 @@ from .models.pretrained.usage import TextStream, cosine_matrix, embed_texts
 from .models.scoring import perplexity, token_nll
 from .nn.packed import pack_linears
 
+MAX_SEED = 2**32 - 1  # what numpy's and torch's generators all accept (train.seed)
 MODEL_HELP = ("a pretrained checkpoint: smollm2, minilm, a GPT-2 / LLaMA / BERT directory or "
               "a .gguf file")
 
@@ -55,14 +57,22 @@ def load(name: str, want: str, command: str, weights: str = "fp32"):
 def check_sampling_flags(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy); got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:  # NaN fails every comparison
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy); got "
+                         f"{args.temperature}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 = no top-k filter); got {args.top_k}")
     if not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1]; got {args.top_p}")
     if args.beam_size < 1:
         raise ValueError(f"--beam-size must be >= 1; got {args.beam_size}")
+    check_seed(args.seed)
+
+
+def check_seed(seed: int) -> None:
+    """--seed within what every generator accepts (train.seed's range)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed must be in [0, {MAX_SEED}]; got {seed}")
 
 
 def _generate(model, tokenizer, ids: list[int], args, write=None) -> list[int]:
@@ -93,6 +103,9 @@ def write(text: str) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     """Continue --prompt with a pretrained decoder, streaming the text."""
     check_sampling_flags(args)
+    if not args.prompt:
+        raise ValueError("--prompt is empty; give the text to continue")
+    threads.configure(args.threads)
     model, tokenizer = load(args.model, "decoder", "qkv generate", args.weights)
     ids = tokenizer.encode(args.prompt)
     if not ids:
@@ -130,6 +143,7 @@ def run_embed(args: argparse.Namespace) -> int:
         else args.text
     if not texts:
         raise ValueError("no text to embed (standard input was empty)")
+    threads.configure(args.threads)
     model, tokenizer = load(args.model, "encoder", "qkv embed")
     vectors = embed_texts(model, tokenizer, texts)
     if args.json:
@@ -152,6 +166,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--window must be at least 2 tokens; got {args.window}")
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens must be >= 0 (0: all); got {args.max_tokens}")
+    threads.configure(args.threads)
     model, tokenizer = load(args.model, "decoder", "qkv eval")
     if args.text:
         text, source = read_text_file(args.text), args.text

@@ -70,14 +70,14 @@ def test_config_file_for_another_task(lm, tmp_path):
 
 
 @pytest.mark.parametrize("task, item, expected", [
-    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, inf), got 0"),
-    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, inf)"),
-    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, inf)"),
-    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, inf)"),
+    ("lm", "train.batch_size=0", "train.batch_size: expected a value in [1, 1e9], got 0"),
+    ("lm", "train.accumulate=0", "train.accumulate: expected a value in [1, 1e9]"),
+    ("lm", "train.checkpoint_every=0", "train.checkpoint_every: expected a value in [1, 1e9]"),
+    ("lm", "train.keep_checkpoints=0", "train.keep_checkpoints: expected a value in [1, 1e9]"),
     ("lm", "model.block_size=0", "model.block_size: expected a value in [1, inf), got 0"),
     ("lm", "train.threads=-3", "train.threads: expected a value in [0, 4096], got -3"),
     ("lm", "train.label_smoothing=2", "train.label_smoothing: expected a value in [0, 1], got 2.0"),
-    ("lm", "train.steps=-5", "train.steps: expected a value in [1, inf), got -5"),
+    ("lm", "train.steps=-5", "train.steps: expected a value in [1, 1e9], got -5"),
     ("translate", "eval.beam_size=0", "eval.beam_size: expected a value in [1, inf), got 0"),
     ("lm", "train.schedule=linear", "train.schedule: expected one of cosine, noam, constant"),
     ("lm", "data.test_fraction=1.5", "data.test_fraction: expected a value in (0, 1), got 1.5"),

@@ -34,19 +34,23 @@ class ConfigError(ValueError):
 
 
 SEEDS = "[0, 4294967295]"  # what numpy's and torch's generators all accept
+# Counts of steps and examples: a billion steps is weeks at a millisecond each, so a larger
+# count is a typo (and an ETA in the billions of minutes).
+COUNT = "[1, 1e9]"
+COUNT_OR_0 = "[0, 1e9]"
 
 
 @dataclass
 class TrainConfig:
-    steps: int = limited(1000, "[1, inf)")
+    steps: int = limited(1000, COUNT)
     # The global batch: split across DDP ranks, summed over accumulation.
-    batch_size: int = limited(64, "[1, inf)")
-    accumulate: int = limited(1, "[1, inf)")  # micro-batches per optimizer step
+    batch_size: int = limited(64, COUNT)
+    accumulate: int = limited(1, COUNT)  # micro-batches per optimizer step
     # Peak learning rate; for schedule="noam" a multiplier of the paper's rate.
     lr: float = limited(1e-3, "(0, inf)")
     # "cosine" (warmup + cosine) | "noam" (the paper's) | "constant"
     schedule: str = limited("cosine", choices=("cosine", "noam", "constant"))
-    warmup: int = limited(100, "[0, inf)")
+    warmup: int = limited(100, COUNT_OR_0)
     # > 0: the warm-up is this fraction of train.steps instead of train.warmup steps.
     warmup_fraction: float = limited(0.0, "[0, 1)")
     min_lr_ratio: float = limited(0.1, "[0, 1]")  # cosine ends at lr * min_lr_ratio
@@ -58,17 +62,17 @@ class TrainConfig:
     precision: str = limited("fp32", choices=("fp32", "bf16"))  # bf16: autocast
     compile: bool = False  # torch.compile the model
     seed: int = limited(0, SEEDS)
-    eval_every: int = limited(0, "[0, inf)")  # 0: evaluate only at the end
-    checkpoint_every: int = limited(200, "[1, inf)")
-    keep_checkpoints: int = limited(2, "[1, inf)")
-    log_every: int = limited(20, "[1, inf)")
+    eval_every: int = limited(0, COUNT_OR_0)  # 0: evaluate only at the end
+    checkpoint_every: int = limited(200, COUNT)
+    keep_checkpoints: int = limited(2, COUNT)
+    log_every: int = limited(20, COUNT)
     device: str = limited("auto", choices=("auto", "cpu", "cuda"))
-    threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0 keeps torch's default
+    threads: int = limited(0, "[0, 4096]")  # torch CPU threads; 0: automatic (qkv.threads)
     # Recompute each block's activations in the backward pass instead of holding them.
     checkpointing: bool = False
     # lm only: split each sequence over this many ranks (ring attention); the processes form
     # a (P / context_parallel) x context_parallel mesh, data parallel across its rows.
-    context_parallel: int = limited(1, "[1, inf)")
+    context_parallel: int = limited(1, COUNT)
     context_layout: str = limited("zigzag", choices=("zigzag", "contiguous"))
     # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
     # whose weights and tokenizer the run starts from; empty: train from scratch.

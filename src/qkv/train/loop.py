@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import threads
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
 from ..nn.blocks import checkpoint_blocks
@@ -118,11 +119,11 @@ class Trainer:
         found = checkpoint.load_latest(self.run_dir) if resume else None
         if resume and found is None:
             raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
-        if t.threads:
-            torch.set_num_threads(t.threads)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         self.data = task.prepare(cfg, self.run_dir if resume else None, env)
+        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device)
+        threads.configure(t.threads)  # after the checks: a refused run prints one line
         self.model = task.build_model(cfg, self.data)
         if t.init and not resume:
             task.initialize(self.model, t.init)

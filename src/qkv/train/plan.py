@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import torch
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .progress import format_seconds
 from .schedule import warmup_steps
 
@@ -59,6 +60,57 @@ def fine_tune_sizes(cfg: RunConfig, train_tokens: int, params: int, tokens_per_s
     return dataclasses.replace(cfg, train=train, auto=frozenset()), note
 
 
+# The model config fields that count identical layers: each adds the same parameters.
+LAYER_COUNTS = ("n_layer", "n_encoder_layers", "n_decoder_layers")
+
+
+def count_parameters(task, cfg: RunConfig, data) -> int:
+    """The parameters of the model ``task`` builds for ``cfg``, counted on the meta device
+    (nothing is allocated). The model is built with one and with two of each kind of layer
+    and the count extrapolated, so a model of a million layers takes no longer to count."""
+    fields = {f.name: f.default for f in dataclasses.fields(task.schema.model_cls)}
+    layers = {name: cfg.model.get(name, fields[name]) for name in LAYER_COUNTS if name in fields}
+
+    def count(**counts) -> int:
+        with torch.device("meta"):
+            model = task.build_model(dataclasses.replace(cfg, model={**cfg.model, **counts}),
+                                     data)
+        return n_parameters(model)
+
+    ones = dict.fromkeys(layers, 1)
+    base = count(**ones)
+    return base + sum((count(**{**ones, name: 2}) - base) * (n - 1)
+                      for name, n in layers.items())
+
+
+def available_memory(device: torch.device) -> float:
+    """Bytes free for a new run: on a GPU its free memory, on Linux MemAvailable (what can
+    be allocated without swapping), elsewhere the free physical pages."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def check_fits(params: int, device: torch.device) -> None:
+    """Refuse a model whose weights, gradients and AdamW moments alone exceed the memory
+    available, before it is built: building it would fail (or swap) with a traceback."""
+    need, have = TRAIN_BYTES_PER_PARAM * params, available_memory(device)
+    if need > have:
+        where = "on the GPU" if device.type == "cuda" else "on this machine"
+        raise ConfigError(
+            f"the model does not fit in memory: {params:,} parameters need about "
+            f"{need / 1e9:,.1f} GB to train (float32 weights, gradients and AdamW's two "
+            f"moments), and {have / 1e9:,.1f} GB is available {where}; make the model smaller "
+            "(model.block.d_model, model.n_layer, ...)")
+
+
 def matmul_flops_per_second(d_model: int, seconds: float = 0.3) -> float:
     """The FLOP rate of a (1024, d) x (d, 4d) matmul on this machine now, with the threads
     training will use. Constant operands: drawing random ones would move the training RNG."""
@@ -96,8 +148,11 @@ def plan_line(cfg: RunConfig, model: torch.nn.Module, tokens_per_step: int, note
     memory = peak_memory(params, model.config, micro, t.checkpointing)
     threads = torch.get_num_threads()
     count = f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params:,}"
+    warmup = warmup_steps(t)
+    cut = f" (train.warmup={t.warmup}, cut to the run)" if warmup < t.warmup and \
+        not t.warmup_fraction else ""
     return (f"plan: {count} parameters | {tokens_per_step:,} tokens/step x "
-            f"{t.steps} steps ({note}) | warm-up {warmup_steps(t)} steps | "
+            f"{t.steps} steps ({note}) | warm-up {warmup} steps{cut} | "
             f"{threads} thread{'s' if threads > 1 else ''} | about {format_seconds(seconds)} | "
             f"peak about {memory / 1e9:.1f} GB"
             f"{' (activation checkpointing)' if t.checkpointing else ''}")

@@ -8,10 +8,12 @@ from .config import ConfigError, TrainConfig
 
 
 def warmup_steps(cfg: TrainConfig) -> int:
-    """``warmup_fraction`` of the steps when it is set, else ``warmup``."""
+    """``warmup_fraction`` of the steps when it is set, else ``warmup``; at most the run's
+    steps, so that a short run (``train.steps=5`` under a preset's 100-step warm-up) still
+    reaches its learning rate."""
     if cfg.warmup_fraction:
         return max(1, round(cfg.warmup_fraction * cfg.steps))
-    return cfg.warmup
+    return min(cfg.warmup, cfg.steps)
 
 
 def learning_rate(cfg: TrainConfig, step: int, d_model: int) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import threads
 from ..data.atomic import write_text_atomic
 from ..data.text import read_nonempty_text
 from ..data.tokenizers import BOS_ID, EOS_ID
@@ -240,16 +241,42 @@ def _scene(args) -> tuple[Scene, str]:
     return SCENES[loaded.task](loaded, args), f"qkv attention: {loaded.path.name}"
 
 
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The file (not a folder) at ``folder`` or at its nearest existing parent, which stops
+    ``folder`` from being created or written into; None when there is none."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return None if path.is_dir() else path
+    return None
+
+
+def check_outputs(args) -> None:
+    """Refuse outputs that cannot be written before any work is done."""
+    output = Path(args.output)
+    if output.is_dir():
+        raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
+                         f"such as {str(output / 'attention.html')!r}")
+    blocker = _file_in_the_way(output.parent)
+    if blocker is not None:
+        raise ValueError(f"-o/--output {args.output!r} cannot be written: {str(blocker)!r} is a "
+                         "file, not a folder")
+    blocker = _file_in_the_way(Path(args.png)) if args.png else None
+    if blocker is not None:
+        raise ValueError(f"--png {args.png!r}: {str(blocker)!r} is a file; expected a folder "
+                         "for the pictures (a new or an existing one)")
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.threshold < 1.0:
         raise ValueError(f"--threshold must be in (0, 1); got {args.threshold}")
     if args.max_per_row is not None and args.max_per_row < 1:
         raise ValueError(f"--max-per-row must be at least 1; got {args.max_per_row}")
-    if Path(args.output).is_dir():
-        raise ValueError(f"-o/--output {args.output!r} is a directory; expected a file name "
-                         f"such as {str(Path(args.output) / 'attention.html')!r}")
+    if args.generate < 0:
+        raise ValueError(f"--generate must be >= 0; got {args.generate}")
+    check_outputs(args)
     if args.text_file is not None:
         args.text = read_nonempty_text(args.text_file, "--text-file")
+    threads.configure(args.threads)
     scene, title = _scene(args)
     page = dict(mode=scene.mode, image=scene.image, threshold=args.threshold,
                 max_per_row=args.max_per_row, title=title)

@@ -41,8 +41,6 @@ def pretrained_scene(args) -> Scene:
                          "(tokenizer.json), so --text cannot be read")
     model.eval()
     is_gpt = isinstance(model, GPT)
-    if args.generate < 0:
-        raise ValueError(f"--generate must be >= 0; got {args.generate}")
     if args.generate and not is_gpt:
         raise ValueError(f"--generate needs a decoder (GPT) model; {args.model} is an encoder")
     text = args.text

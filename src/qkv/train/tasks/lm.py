@@ -121,6 +121,27 @@ FINE_TUNE_EVAL = {"max_tokens": 4096, "batch_size": 4}
 FINE_TUNE_AUTO = ("steps", "checkpoint_every")
 
 
+def too_long(block: int, part: str, tokens: int) -> ConfigError:
+    return ConfigError(
+        f"model.block_size={block} is too long for the text: its {part} part has {tokens:,} "
+        f"tokens, and a window takes block_size + 1 (set model.block_size below {tokens:,} "
+        "or give a longer text)")
+
+
+def scored_ids(data: TextData, cfg) -> torch.Tensor:
+    """The held-out ids the evaluation scores: whole windows of ``data.block`` tokens (and
+    the next token), within eval.max_tokens."""
+    ids, limit = data.test_ids, cfg.eval.max_tokens
+    if len(ids) <= data.block:
+        raise too_long(data.block, "held-out", len(ids))
+    if limit and limit < data.block:
+        raise ConfigError(f"eval.max_tokens={limit} is less than one window of "
+                          f"model.block_size={data.block} tokens; nothing would be scored")
+    if limit:
+        ids = ids[: limit + 1]
+    return ids[: (len(ids) - 1) // data.block * data.block + 1]
+
+
 class LMTask:
     name = "lm"
     presets = PRESETS
@@ -182,8 +203,13 @@ class LMTask:
         else:
             tok = run_tokenizer(run_dir, "tokenizer", env, cfg.data.tokenizer,
                                 lambda: [train_text], cfg.data.vocab_size, new_files)
-        return TextData(tok, train_text if train else "", test_text, cfg.model["block_size"],
+        data = TextData(tok, train_text if train else "", test_text, cfg.model["block_size"],
                         new_files)
+        if train:  # before the model is built and trained, not at the final evaluation
+            if data.train_size < 1:
+                raise too_long(data.block, "training", len(data.train_ids))
+            scored_ids(data, cfg)
+        return data
 
     def build_model(self, cfg, data: TextData):
         return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model)
@@ -198,14 +224,8 @@ class LMTask:
     def evaluate(self, model, data: TextData, cfg, final: bool) -> dict:
         """Held-out loss (nats/token), perplexity and bits per character over non-overlapping
         windows; for BPE, characters per token is the held-out text's average."""
-        ids = data.test_ids
-        if cfg.eval.max_tokens:
-            ids = ids[: cfg.eval.max_tokens + 1]
-        n_windows = (len(ids) - 1) // data.block
-        if n_windows == 0:
-            raise ValueError(f"the held-out text has fewer than {data.block + 1} tokens")
         device = next(model.parameters()).device
-        ids = ids[: n_windows * data.block + 1].to(device)  # whole windows only
+        ids = scored_ids(data, cfg).to(device)
         total, tokens = token_nll(model, ids, data.block, cfg.eval.batch_size)
         loss = total / tokens
         return {
