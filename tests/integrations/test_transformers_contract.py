@@ -9,7 +9,7 @@ import transformers as tf
 
 from qkv.integrations.transformers import attention_forward
 
-from .conftest import left_padded
+from .conftest import left_padded, tiny_bert
 from .test_transformers_models import build
 
 
@@ -113,3 +113,45 @@ def test_attention_weights_get_the_gradient_eager_gives_them(name):
         assert weights.grad is not None, implementation
         grads[implementation] = weights.grad
     assert (grads["qkv"] - grads["eager"]).abs().max() <= 1e-4 * grads["eager"].abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_a_causal_or_bidirectional_forward_compiles_without_graph_breaks(name):
+    """transformers' test_generate_compile_model_forward_fullgraph: the mask is traced with
+    the model (a window's or packed documents' parameters live in closures torch.compile
+    cannot read, so those compositions are still built eagerly: docs/transformers.md)."""
+    model = tiny_bert() if name == "bert" else build(name)
+    ids, mask = left_padded(n=8)
+    model.set_attn_implementation("qkv")
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, attention_mask=mask)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(input_ids=ids, attention_mask=mask)
+    ref = model(input_ids=ids, attention_mask=mask)
+    key = "last_hidden_state" if name == "bert" else "logits"
+    assert (out[key] - ref[key])[mask.bool()].abs().max() <= 1e-5
+
+
+def test_static_cache_compiled_generation_compiles_once():
+    """transformers' test_static_cache_no_recompile_with_smaller_length: the decoding forward,
+    compiled with fullgraph, takes every step and a second, shorter prompt without
+    recompiling (a static cache's offsets reach the mask as tensors)."""
+    model = build("llama")
+    model.set_attn_implementation("qkv")
+    config = tf.CompileConfig(fullgraph=True, backend="aot_eager")
+    config._compile_all_devices = True  # generate compiles on GPUs only unless told
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompts = [torch.randint(1, 50, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in (10, 6)]
+    outputs = [model.generate(p, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                              cache_implementation="static", compile_config=config)
+               for p in prompts]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    model.set_attn_implementation("eager")
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                             disable_compile=True)
+        assert torch.equal(out, ref)

@@ -119,6 +119,10 @@ def keys_mask(keep: Tensor) -> qm.Mask | None:
     """(B, Nk) bool keys to keep -> a qkv mask, or None when every key is kept. One run of kept
     keys per row (left or right padding) becomes ``~padding(starts) & padding(ends)``."""
     keep = keep.bool()
+    if torch.compiler.is_compiling():
+        # The runs below are read from the values, which branching on would break the graph;
+        # the per-key mask is exact for any padding.
+        return KeyMask(keep)
     if bool(keep.all()):
         return None
     nk = keep.shape[1]
@@ -160,6 +164,16 @@ def _code_of(factory: str, *args):
     return make(*args).__code__ if make is not None else None
 
 
+def _handler(fn):
+    """The handler of a masking_utils function, found by its code object. A search by
+    identity rather than a dict lookup: torch.compile traces the one, not the other."""
+    code = getattr(fn, "__code__", None)
+    for known, handler in _HANDLERS:
+        if code is known:
+            return handler
+    return None
+
+
 class _Context:
     """Sizes and offsets of one mask request; ``translate`` maps a mask function to a qkv mask
     (None = every key allowed)."""
@@ -173,11 +187,16 @@ class _Context:
         return ids.expand(self.batch, -1)[:, offset:offset + n]
 
     def translate(self, fn):
-        code = getattr(fn, "__code__", None)
-        handler = _HANDLERS.get(code) if code is not None else None
+        handler = _handler(fn)
         if handler is None:
             return qm.custom_mask(_Absolute(fn, self.q_offset, self.kv_offset))
         return handler(self, _cells(fn))
+
+    def causal(self, cells):
+        return qm.causal()
+
+    def bidirectional(self, cells):
+        return None
 
     def both(self, cells):
         parts = [self.translate(f) for f in cells["mask_functions"]]
@@ -260,11 +279,11 @@ def _same_segments(a, b) -> bool:
             and torch.equal(a.q_ids, b.q_ids) and torch.equal(a.kv_ids, b.kv_ids))
 
 
-_HANDLERS = {
-    code: handler
+_HANDLERS = [
+    (code, handler)
     for code, handler in (
-        (hf.causal_mask_function.__code__, lambda ctx, cells: qm.causal()),
-        (hf.bidirectional_mask_function.__code__, lambda ctx, cells: None),
+        (hf.causal_mask_function.__code__, _Context.causal),
+        (hf.bidirectional_mask_function.__code__, _Context.bidirectional),
         (_code_of("and_masks", hf.causal_mask_function), _Context.both),
         (_code_of("or_masks", hf.causal_mask_function), _Context.either),
         (_code_of("sliding_window_overlay", 1), _Context.window_overlay),
@@ -277,12 +296,21 @@ _HANDLERS = {
          _Context.remapped),
     )
     if code is not None
-}
+]
 
 
-# Host-side bookkeeping on the composition's closures (dicts keyed by code objects, per-row
-# padding runs): torch.compile runs it eagerly and gets back the mask, whose tensors it traces.
+# The handlers of the plain causal and bidirectional functions, which read no closure.
+_WITHOUT_CLOSURE = (_Context.causal, _Context.bidirectional)
+
+
+# A composition's parameters (windows, chunk sizes, packed ids) live in its closures, which
+# torch.compile cannot read: it runs this part eagerly (one graph break per mask built). The
+# plain causal and bidirectional masks, and padding, are traced.
 @torch.compiler.disable
+def _translated_eagerly(ctx: _Context, fn):
+    return ctx.translate(fn)
+
+
 def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                   kv_offset: int = 0, mask_function=hf.causal_mask_function,
                   attention_mask: Tensor | None = None, **kwargs) -> qm.Mask:
@@ -304,13 +332,20 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     if unknown:
         raise TypeError(f"qkv mask function: unsupported argument {unknown[0]!r}")
     ctx = _Context(batch_size, q_length, kv_length, q_offset, kv_offset)
-    mask = ctx.translate(mask_function)
+    if torch.compiler.is_compiling() and _handler(mask_function) not in _WITHOUT_CLOSURE:
+        mask = _translated_eagerly(ctx, mask_function)
+    else:
+        mask = ctx.translate(mask_function)
     if attention_mask is not None:
         padded = hf.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         keys = keys_mask(padded[:, kv_offset:kv_offset + kv_length])
         mask = keys if mask is None else (mask if keys is None else mask & keys)
     if mask is None:
         mask = Unmasked()
+    elif isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor):
+        # A static cache's offsets are tensors, so that a compiled forward neither reads them
+        # nor recompiles for each new one: the shift stays a tensor too.
+        mask = Shifted(mask, q_offset - kv_offset)
     elif q_offset - kv_offset != kv_length - q_length:
         mask = Shifted(mask, q_offset - kv_offset)
     return Prepared(mask, (batch_size, 1, q_length, kv_length))
