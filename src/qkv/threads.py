@@ -1,11 +1,11 @@
 """How many CPU threads torch runs on: ``--threads N``, or an automatic choice.
 
 torch's OpenMP threads wait on each other at the end of every parallel operation, so when
-another job holds a core, each operation waits for the thread that lost its core: SmolLM2's
-64-token prefill took 0.14 s on 2 threads of an idle 2-core machine and 0.4-5.2 s beside a
-busy job, against 0.23-0.25 s on 1 thread either way. The automatic choice therefore leaves
-out the cores the last minute's load average says are taken, and says so on stderr. An
-OMP_NUM_THREADS in the environment is a choice already made, and stands.
+another job holds a core, each operation waits for the thread that lost its core: beside a
+busy job on 2 cores, SmolLM2's 64-token prefill took 0.14-5.2 s on 2 threads and 0.23-0.25 s
+on 1 (docs/training.md, "Threads"). The automatic choice therefore leaves out the cores the
+last minute's load average says are taken, and says so on stderr. An OMP_NUM_THREADS in the
+environment is a choice already made, and stands.
 """
 
 from __future__ import annotations
