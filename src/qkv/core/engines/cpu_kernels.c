@@ -24,13 +24,16 @@
  * 8 x 256 x 256 tile). A constant -1 would be folded back into a subtraction. */
 static volatile double minus_one = -1.0;
 
-/* The gradient loop's vectors are the CPU's widest: 64 bytes with AVX-512, else 32 (with
- * AVX2's 16 registers, 64-byte vectors are pairs of registers and the loop spilled: 33 ms
- * against 3.8 ms per 8 x 256 x 256 tile on Zen 3). */
+/* The gradient loop's vectors are the target's widest: 64 bytes with AVX-512, 32 with AVX,
+ * else 16 (SSE, NEON). Wider vectors are pairs of registers and the loop spills: with AVX2's
+ * 16 registers 64-byte vectors took 33 ms against 3.8 ms per 8 x 256 x 256 tile (Zen 3); at
+ * -march=x86-64-v2 32-byte ones 22.6 ms against 6.4 (float; double 25 against 12.4, Zen 4). */
 #if defined(__AVX512F__)
 #define VBYTES 64
-#else
+#elif defined(__AVX__)
 #define VBYTES 32
+#else
+#define VBYTES 16
 #endif
 int64_t l1_vector_bytes(void) { return VBYTES; }
 
