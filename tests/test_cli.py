@@ -174,6 +174,11 @@ def test_bench_runs_the_scripts_main(tmp_path, monkeypatch, capsys):
     assert code == 0 and out == "bench ['--quick']\n"
     code, _, err = run(capsys, "bench", "train")
     assert code == 2 and "needs a source checkout" in err
+    (tmp_path / "generate_cpu.py").write_text("def main(argv):\n    import no_such_package\n")
+    code, _, err = run(capsys, "bench", "generate")
+    assert code == 2 and err == ("qkv: error: `qkv bench generate` needs the 'no_such_package' "
+                                 "package, which `make test` installs (pip install -e "
+                                 "'.[dev]')\n")
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "generate", "translate", "bench"])

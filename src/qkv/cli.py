@@ -268,8 +268,12 @@ def run_bench(args: argparse.Namespace) -> int:
     spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
-    spec.loader.exec_module(module)
-    return module.main(args.bench_args) or 0
+    try:
+        spec.loader.exec_module(module)
+        return module.main(args.bench_args) or 0
+    except ModuleNotFoundError as e:  # make demo installs qkv[train]; the references are dev's
+        raise ImportError(f"`qkv bench {args.name}` needs the {e.name!r} package, which "
+                          "`make test` installs (pip install -e '.[dev]')") from e
 
 
 COMMANDS: dict[str, Command] = {
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         # SIGPIPE does. stdout goes to /dev/null so that the exit's flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return SIGPIPE_EXIT
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         if os.environ.get("QKV_DEBUG"):
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
