@@ -39,10 +39,16 @@ def pretrained_scene(args) -> Scene:
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer "
                          "(tokenizer.json), so --text cannot be read")
+    return model_scene(model, tokenizer, args.model, args)
+
+
+def model_scene(model, tokenizer, label: str, args) -> Scene:
+    """The Scene of a loaded qkv model (a GPT or an Encoder) and its tokenizer, named
+    ``label``; ``args`` as ``qkv viz`` parses them (text, chat, generate, layers, heads, ...)."""
     model.eval()
     is_gpt = isinstance(model, GPT)
     if args.generate and not is_gpt:
-        raise ValueError(f"--generate needs a decoder (GPT) model; {args.model} is an encoder")
+        raise ValueError(f"--generate needs a decoder (GPT) model; {label} is an encoder")
     text = args.text
     if args.chat:
         if text is None:
@@ -51,7 +57,7 @@ def pretrained_scene(args) -> Scene:
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                  add_generation_prompt=True)
         except ValueError as e:
-            raise ValueError(f"--chat: {args.model}: {e}") from None
+            raise ValueError(f"--chat: {label}: {e}") from None
     limit = model.config.block_size if is_gpt else model.config.max_len
     ids = encode_text(tokenizer, text, limit, "--model", args.generate)
     everything = list(ids)
@@ -71,6 +77,6 @@ def pretrained_scene(args) -> Scene:
     first_generated = len(ids) if len(everything) > len(ids) else None
     if first_generated is not None:
         print("generated: " + tokenizer.decode(everything[len(ids):]))
-    name = f"{args.model}: " + ("causal self-attention" if is_gpt else "self-attention")
+    name = f"{label}: " + ("causal self-attention" if is_gpt else "self-attention")
     view = recorder.view(maps.select(), name, labels, labels, first_generated=first_generated)
     return Scene("gpt" if is_gpt else "encoder", [view])
