@@ -265,6 +265,31 @@ def _unwatch(module: nn.Module, observe) -> None:
 
 
 @contextlib.contextmanager
+def watch(model: nn.Module, on_call, *, layers=None) -> Iterator[list[CapturedMap]]:
+    """Hand every call of the chosen self- and cross-attention layers to
+    ``on_call(site, q, k, kwargs)`` (q, k detached, as the engine saw them; kwargs: the call's
+    mask, score_mod, similarity, scale, metric), computing no weights: what a caller keeps
+    of them (``qkv viz --serve`` keeps q and k on disk) is its own. Yields the watched sites."""
+    plan = _plan(model, layers, None, None, None)
+    observers = []
+
+    def observer(site):
+        def observe(module, q, k, lse, kwargs):
+            on_call(site, q.detach(), k.detach(), kwargs)
+        return observe
+
+    try:
+        for module, site in plan:
+            observe = observer(site)
+            _watch(module, observe)
+            observers.append((module, observe))
+        yield [site for _, site in plan]
+    finally:
+        for module, observe in observers:
+            _unwatch(module, observe)
+
+
+@contextlib.contextmanager
 def capture(
     model: nn.Module, *, layers: int | Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None, stacks: str | Sequence[str] | None = None,

@@ -39,6 +39,7 @@ from .pretrained import pretrained_scene
 from .record import NEURON_BUDGET
 from .rollout import patch_relevance
 from .scene import Scene, encode_text, record_maps, without_head
+from .serve import serve_command
 
 # The largest page written unless --max-per-row is given: a browser opens it in seconds.
 PAGE_BUDGET = 24 << 20
@@ -69,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the page stores and draws weights of at least this (default 0.01)")
     p.add_argument("--max-per-row", type=int, metavar="K",
                    help="store at most the K largest weights per query (default: no cap)")
+    p.add_argument("--serve", action="store_true",
+                   help="instead of a page file: a local server (127.0.0.1) that computes any "
+                   "row or window of any head when the browser asks (long texts)")
+    p.add_argument("--port", type=int, default=0,
+                   help="--serve: the port (default: a free one)")
+    p.add_argument("--no-open", dest="open", action="store_false",
+                   help="--serve: print the address without opening a browser")
     p.add_argument("--neuron-layers", type=_indices,
                    help="layers whose q and k the page keeps for the neuron view (default: "
                    f"the first layers that fit {NEURON_BUDGET >> 20} MB)")
@@ -273,10 +281,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-per-row must be at least 1; got {args.max_per_row}")
     if args.generate < 0:
         raise ValueError(f"--generate must be >= 0; got {args.generate}")
-    check_outputs(args)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535 (0: a free port); got {args.port}")
+    if not args.serve:
+        check_outputs(args)
     if args.text_file is not None:
         args.text = read_nonempty_text(args.text_file, "--text-file")
     threads.configure(args.threads)
+    if args.serve:
+        return serve_command(args)
     scene, title = _scene(args)
     page = dict(mode=scene.mode, image=scene.image, threshold=args.threshold,
                 max_per_row=args.max_per_row, title=title)
