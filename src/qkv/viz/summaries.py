@@ -97,7 +97,9 @@ class Summarizer:
         top = w.topk(min(self.top_k, nk), dim=-1)
         top_keys = torch.where(top.values > 0, top.indices, -1)
         for name, value in (("entropy", -torch.special.xlogy(w, w).sum(-1) / math.log(2)),
-                            ("distance", (w * gap).sum(-1)), ("sink", w[..., 0]),
+                            ("distance", (w * gap).sum(-1)),
+                            # A copy: a view would keep the whole block alive.
+                            ("sink", w[..., 0].clone()),
                             ("top_keys", top_keys), ("top_weights", top.values)):
             rows.parts[name].append(value)
         rows.receive(w.sum(1))
