@@ -157,14 +157,15 @@ def test_the_command_serves_and_stops_on_ctrl_c_leaving_no_files(tmp_path):
     env = {**os.environ, "TMPDIR": str(scratch), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "-m", "qkv.cli", "viz", str(run), "--serve", "--no-open",
-         "--text-file", str(text)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env)
+         "--text-file", str(text), "--generate", "3"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env)
     try:
+        assert process.stdout.readline().startswith("generated: ")
         line = process.stdout.readline()
-        assert line.startswith("serving 60 tokens"), (line, process.stderr.read())
+        assert line.startswith("serving 63 tokens"), (line, process.stderr.read())
         url = line.split(" at ")[1].split()[0]
         assert url.startswith("http://127.0.0.1:")
-        with urllib.request.urlopen(url + "api/row?layer=0&head=0&q=59", timeout=30) as reply:
+        with urllib.request.urlopen(url + "api/row?layer=0&head=0&q=62", timeout=30) as reply:
             assert abs(sum(json.loads(reply.read())["weights"][0]) - 1) <= 1e-5
         assert any(scratch.iterdir())  # q and k on disk while serving
         process.send_signal(signal.SIGINT)
@@ -177,12 +178,40 @@ def test_the_command_serves_and_stops_on_ctrl_c_leaving_no_files(tmp_path):
     assert not any(scratch.iterdir())
 
 
+def test_generated_rows_follow_the_prompt_without_recomputing_it(tmp_path):
+    """A prompt, then tokens through the KV cache: the store keeps the prompt's q and k from
+    the one prompt call and each generated row after it, equal to one pass over the whole
+    sequence."""
+    from qkv.viz.pretrained import greedy_with_rows
+
+    torch.manual_seed(3)
+    block = {"n_head": 2, "n_kv_head": 1, "d_model": 32, "dropout": 0.0}
+    model = GPT(GPTConfig(vocab_size=50, block_size=64, n_layer=2, block=block,
+                          positions={"kind": "rope"})).eval()
+    prompt = torch.randint(0, 50, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    tokens = []
+    store = QKStore.record(model, lambda: tokens.extend(greedy_with_rows(model, prompt, 5,
+                                                                         None)),
+                           tmp_path / "qk")
+    try:
+        assert store.layers[0].shape == (2, 45, 45)
+        whole = QKStore.record(model, lambda: model(torch.tensor([tokens])), tmp_path / "all")
+        for layer in range(2):
+            got = store.rows(layer, [0, 1], 38, 45)
+            want = whole.rows(layer, [0, 1], 38, 45)
+            assert (got - want).abs().max() <= 1e-3  # float16 q and k from two computations
+        whole.close()
+    finally:
+        store.close()
+    assert not (tmp_path / "qk").exists()
+
+
 def test_serve_refuses_what_it_cannot_show(tmp_path, capsys):
     from qkv.cli import main
 
     run = tmp_path / "run"
     make_lm_run(run)
-    for extra, message in ((["--generate", "2"], "--generate does not apply to --serve"),
+    for extra, message in ((["--png", "pics"], "--png does not apply to --serve"),
                            (["--port", "70000"], "--port must be in 0..65535")):
         start = time.perf_counter()
         assert main(["viz", str(run), "--serve", "--text", "the cat", *extra]) == 2

@@ -49,31 +49,36 @@ class QKStore:
     @classmethod
     def record(cls, model: torch.nn.Module, forward, folder: str | Path, *,
                dtype: torch.dtype = torch.float16) -> QKStore:
-        """Run ``forward()`` (one call of ``model``) and keep each layer's q and k in
-        ``folder`` (created; it must not exist) as ``dtype``."""
+        """Run ``forward()`` (a call of ``model``, or a prompt and then generated tokens
+        through its KV cache) and keep each layer's q and k in ``folder`` (created; it must
+        not exist) as ``dtype``. Each call's q rows follow the earlier calls' and its k holds
+        every key so far (the cache), so the store keeps all rows against the last call's
+        keys."""
         folder = Path(folder)
         folder.mkdir(parents=True)
-        layers: list[StoredLayer] = []
+        calls: dict[str, dict] = {}
 
         def keep(site, q: Tensor, k: Tensor, kwargs: dict) -> None:
-            if any(layer.site is site for layer in layers):
-                raise ValueError(f"{site.name} ran twice in one forward: the store keeps one "
-                                 "call per layer")
-            files = []
-            for name, t in (("q", q[0]), ("k", k[0])):
-                path = folder / f"{len(layers):03d}-{name}.bin"
-                stored = np.lib.format.open_memmap(path, mode="w+", shape=tuple(t.shape),
-                                                   dtype=_numpy(dtype))
-                stored[:] = t.to(dtype).cpu().numpy()
-                stored.flush()
-                files.append(np.load(path, mmap_mode="r"))
-            variant = {key: kwargs.get(key) for key in ("mask", "score_mod", "scale", "metric")}
-            variant["similarity"] = kwargs.get("similarity", "dot")
-            layers.append(StoredLayer(site, files[0], files[1], variant))
+            seen = calls.setdefault(site.name, {"site": site, "q": [], "rows": 0})
+            if seen["q"] and not _same_rule(seen["variant"]["mask"], kwargs.get("mask")):
+                raise ValueError(f"{site.name}: a later call's mask is not the same rule; the "
+                                 "store keeps one variant per layer")
+            if seen["rows"] + q.shape[2] != k.shape[2]:
+                raise ValueError(f"{site.name}: a call's queries do not follow the earlier "
+                                 "calls' (the store keeps self-attention through a KV cache)")
+            seen["q"].append(q[0].to(dtype).cpu())
+            seen["rows"] += q.shape[2]
+            seen["k"] = k[0].to(dtype).cpu()
+            seen["variant"] = {key: kwargs.get(key) for key in ("mask", "score_mod", "scale",
+                                                                 "metric")}
+            seen["variant"]["similarity"] = kwargs.get("similarity", "dot")
 
         try:
             with watch(model, keep), torch.no_grad():
                 forward()
+            layers = [StoredLayer(c["site"], _write(folder, i, "q", torch.cat(c["q"], 1)),
+                                  _write(folder, i, "k", c["k"]), c["variant"])
+                      for i, c in enumerate(calls.values())]
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -126,6 +131,23 @@ def _pool(w: Tensor, factor: int, dim: int) -> Tensor:
     view = [1] * w.dim()
     view[dim] = blocks
     return padded.reshape(shape).sum(dim + 1) / counts.view(view)
+
+
+def _same_rule(a, b) -> bool:
+    """Whether two masks are the same rule for every shape (None, or equal layout keys)."""
+    if a is None or b is None:
+        return a is b
+    return a.layout_key() is not None and a.layout_key() == b.layout_key()
+
+
+def _write(folder: Path, index: int, name: str, t: Tensor) -> np.memmap:
+    path = folder / f"{index:03d}-{name}.npy"
+    stored = np.lib.format.open_memmap(path, mode="w+", shape=tuple(t.shape),
+                                       dtype=_numpy(t.dtype))
+    stored[:] = t.numpy()
+    stored.flush()
+    del stored
+    return np.load(path, mmap_mode="r")
 
 
 def _numpy(dtype: torch.dtype):

@@ -27,6 +27,7 @@ import torch
 from .. import models
 from ..train.rundir import load_run
 from .labels import token_labels
+from .pretrained import greedy_with_rows
 from .qk_store import QKStore
 from .scene import encode_text, without_head
 
@@ -196,21 +197,34 @@ def _source(args):
 def serve_command(args) -> int:
     """``qkv viz --serve``: one forward pass, then the server until Ctrl-C; q and k live in a
     temporary folder that is removed on the way out, however the server stops."""
-    for flag, given in (("--generate", args.generate), ("--png", args.png),
-                        ("--chat", args.chat)):
+    for flag, given in (("--png", args.png), ("--chat", args.chat)):
         if given:
             raise ValueError(f"{flag} does not apply to --serve")
     model, tokenizer, title = _source(args)
     model.eval()
-    limit = getattr(model.config, "block_size", None) or model.config.max_len
-    ids = encode_text(tokenizer, args.text, limit, "--serve")
+    is_gpt = isinstance(model, models.GPT)
+    if args.generate and not is_gpt:
+        raise ValueError("--generate needs a decoder (GPT) model")
+    limit = model.config.block_size if is_gpt else model.config.max_len
+    ids = encode_text(tokenizer, args.text, limit, "--serve", args.generate)
+    everything = list(ids)
+
+    def forward():
+        if args.generate:  # the prompt once, then one row per token through the cache
+            everything[:] = greedy_with_rows(model, ids, args.generate,
+                                             getattr(tokenizer, "eos_id", None))
+        else:
+            with without_head(model):
+                model(torch.tensor([ids]))
+
     folder = Path(tempfile.mkdtemp(prefix="qkv-serve-"))
     store = None
     try:
-        with without_head(model):
-            store = QKStore.record(model, lambda: model(torch.tensor([ids])), folder / "qk")
-        server = Server(Viewer(store, token_labels(tokenizer, ids), title), args.port)
-        print(f"serving {len(ids)} tokens, {len(store.layers)} layers at {server.url} "
+        store = QKStore.record(model, forward, folder / "qk")
+        if args.generate:
+            print("generated: " + tokenizer.decode(everything[len(ids):]), flush=True)
+        server = Server(Viewer(store, token_labels(tokenizer, everything), title), args.port)
+        print(f"serving {len(everything)} tokens, {len(store.layers)} layers at {server.url} "
               "(Ctrl-C stops)", flush=True)
         if args.open:
             webbrowser.open(server.url)
