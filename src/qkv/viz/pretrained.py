@@ -31,14 +31,21 @@ def greedy_with_rows(model, ids: list[int], count: int, eos_id: int | None) -> l
     return out
 
 
-def pretrained_scene(args) -> Scene:
-    """The Scene of ``args.model``."""
+def load_with_tokenizer(args):
+    """(model, tokenizer) of ``args.model``, refusing a run directory beside it and a
+    checkpoint without a tokenizer."""
     if args.run_dir is not None:
         raise ValueError("give a run directory or --model, not both")
     model, tokenizer = models.load_pretrained(args.model)
     if tokenizer is None:
         raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer "
                          "(tokenizer.json), so --text cannot be read")
+    return model, tokenizer
+
+
+def pretrained_scene(args) -> Scene:
+    """The Scene of ``args.model``."""
+    model, tokenizer = load_with_tokenizer(args)
     return model_scene(model, tokenizer, args.model, args)
 
 

@@ -27,7 +27,7 @@ import torch
 from .. import models
 from ..train.rundir import load_run
 from .labels import token_labels
-from .pretrained import greedy_with_rows
+from .pretrained import greedy_with_rows, load_with_tokenizer
 from .qk_store import QKStore
 from .scene import encode_text, without_head
 
@@ -178,12 +178,7 @@ class Server:
 def _source(args):
     """(model, tokenizer, title) of ``args``: a pretrained checkpoint or an lm run."""
     if args.model is not None:
-        if args.run_dir is not None:
-            raise ValueError("give a run directory or --model, not both")
-        model, tokenizer = models.load_pretrained(args.model)
-        if tokenizer is None:
-            raise ValueError(f"--model {args.model}: the checkpoint has no tokenizer "
-                             "(tokenizer.json), so --text cannot be read")
+        model, tokenizer = load_with_tokenizer(args)
         return model, tokenizer, f"qkv attention: {args.model}"
     if args.run_dir is None:
         raise ValueError("give a run directory (from `qkv train lm`) or --model NAME_OR_PATH")
