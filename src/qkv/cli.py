@@ -76,13 +76,14 @@ def run_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
     trainer = run.start(cfg, run_dir, args.resume, quiet=args.quiet)
     result = trainer.run()
+    model = trainer.whole_model()
     if trainer.env.is_main:
         print(f"run directory: {run_dir}")
         print(trainer.time_report())
         print(task.summary(result))
         from .viz.heatmap import cross_attention_png  # matplotlib, an optional dependency
 
-        task.report(trainer.model, trainer.data, cfg, run_dir, sys.stdout,
+        task.report(model, trainer.data, cfg, run_dir, sys.stdout,
                     heatmap=cross_attention_png)
     distributed.teardown(trainer.env)
     return 0

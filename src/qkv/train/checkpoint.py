@@ -2,9 +2,13 @@
 
 ``RUN/checkpoints/step-000200/`` holds ``model.safetensors`` (weights), ``trainer.pt``
 (optimizer, schedule step, RNG states, data position) and ``manifest.json`` (the SHA-256 of
-each file). A checkpoint is written into a temporary folder, each file atomically, then the
-folder is renamed into place: a kill at any moment leaves the previous checkpoint intact. On
-load the hashes are checked; a corrupt checkpoint is named and the previous one is used.
+each file). A sharded checkpoint (``train.fsdp``) holds ``state/`` instead, where each rank
+writes its shards of the weights and the optimizer state with ``torch.distributed.checkpoint``
+(DCP), and ``trainer.pt`` has the rest; DCP reads it back at any number of ranks, or in one
+process without a process group. A checkpoint is written into a temporary folder, each file
+atomically, then the folder is renamed into place: a kill at any moment leaves the previous
+checkpoint intact. On load the hashes are checked; a corrupt checkpoint is named and the
+previous one is used.
 """
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
 
 FILES = ("model.safetensors", "trainer.pt")
+SHARDED_FILES = ("state/.metadata", "trainer.pt")
 
 
 class CheckpointError(ValueError):
@@ -35,8 +44,37 @@ class Checkpoint:
     step: int
     trainer_state: dict
 
+    @property
+    def sharded(self) -> bool:
+        return (self.path / "state").is_dir()
+
+    def load_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """A sharded checkpoint's weights and optimizer state into ``model`` and ``optimizer``,
+        sharded or not, at any number of ranks (collective when a process group exists)."""
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        self._read(state)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def _read(self, state: dict) -> None:
+        single = not (dist.is_available() and dist.is_initialized())
+        try:
+            with warnings.catch_warnings():  # one process reading it all is what is meant
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=self.path / "state", no_dist=single)
+        except (RuntimeError, ValueError) as e:  # DCP names a missing key or a wrong shape
+            detail = " ".join(str(e).split())[:300]
+            raise CheckpointError(f"checkpoint {self.path} does not fit the model: {detail}"
+                                  ) from None
+
     def load_weights(self, model: torch.nn.Module) -> None:
         """Copy the saved weights into ``model`` (tied weights are restored as tied)."""
+        if self.sharded:  # into the model's own tensors: every key, every shape checked
+            state = {"model": model.state_dict()}
+            self._read(state)
+            model.load_state_dict(state["model"])
+            return
         device = next(model.parameters()).device
         try:
             load_model(model, self.path / "model.safetensors", strict=True, device=str(device))
@@ -71,14 +109,45 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, trainer_state: 
     temp.mkdir(parents=True)
     write_atomic(temp / "model.safetensors", lambda p: save_model(model, p))
     write_atomic(temp / "trainer.pt", lambda p: torch.save(trainer_state, p))
-    manifest = {"step": step, "sha256": {name: sha256(temp / name) for name in FILES}}
+    return finish(temp, final, step, keep)
+
+
+def finish(temp: Path, final: Path, step: int, keep: int) -> Path:
+    """Hash every file written into ``temp``, move it to ``final``, prune to ``keep``."""
+    names = sorted(p.relative_to(temp).as_posix() for p in temp.rglob("*") if p.is_file())
+    manifest = {"step": step, "sha256": {name: sha256(temp / name) for name in names}}
     write_json_atomic(temp / "manifest.json", manifest)
     if final.exists():
         shutil.rmtree(final)
     os.replace(temp, final)
-    fsync_dir(root)
-    for old in list_checkpoints(run_dir)[keep:]:
+    fsync_dir(final.parent)
+    for old in list_checkpoints(final.parent.parent)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_sharded(run_dir: str | Path, step: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int, env) -> Path:
+    """Every rank writes its shards into rank 0's temporary folder (one folder every rank
+    can reach: on several machines, a shared file system); rank 0 adds ``trainer_state``,
+    the manifest, and renames the folder into place."""
+    from . import distributed
+
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint being written); got {keep}")
+    root = checkpoint_root(run_dir)
+    final = root / f"step-{step:06d}"
+    temp = distributed.broadcast_object(env, root / f".step-{step:06d}.partial-{os.getpid()}")
+    if env.is_main:
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir(parents=True)
+    distributed.barrier(env)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temp / "state")
+    if env.is_main:  # dcp.save returns once every rank's files and the metadata are written
+        write_atomic(temp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+        finish(temp, final, step, keep)
+    distributed.barrier(env)
     return final
 
 
@@ -121,7 +190,10 @@ def problem_with(path: Path) -> str | None:
         expected = manifest["sha256"]
     except (OSError, ValueError, KeyError):
         return "manifest.json is missing or unreadable"
-    for name in FILES:
+    for name in SHARDED_FILES if (path / "state").is_dir() else FILES:
+        if name not in expected:
+            return f"manifest.json does not list {name}"
+    for name in expected:
         if not (path / name).is_file():
             return f"{name} is missing"
         if sha256(path / name) != expected.get(name):

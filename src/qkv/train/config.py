@@ -74,6 +74,13 @@ class TrainConfig:
     # a (P / context_parallel) x context_parallel mesh, data parallel across its rows.
     context_parallel: int = limited(1, COUNT)
     context_layout: str = limited("zigzag", choices=("zigzag", "contiguous"))
+    # Under torchrun: shard parameters, gradients and optimizer state over the data-parallel
+    # ranks (FSDP2's fully_shard) instead of replicating them (DDP); checkpoints are sharded.
+    fsdp: bool = False
+    # With train.fsdp: the dtype blocks compute in, and the one gradients are reduced in
+    # (the sharded weights and the optimizer stay float32).
+    param_dtype: str = limited("float32", choices=("float32", "bfloat16"))
+    reduce_dtype: str = limited("float32", choices=("float32", "bfloat16"))
     # lm only: a pretrained checkpoint (smollm2, a GPT-2 / LLaMA directory, a .gguf file)
     # whose weights and tokenizer the run starts from; empty: train from scratch.
     init: str = ""

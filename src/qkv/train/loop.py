@@ -27,12 +27,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from .. import threads
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
 from ..nn.blocks import checkpoint_blocks
-from . import checkpoint, distributed, plan
+from . import checkpoint, distributed, plan, sharding
 from .config import RunConfig
 from .interrupt import Interrupted, StopOnSignal
 from .progress import MetricsLog, Progress
@@ -115,6 +117,7 @@ class Trainer:
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
+        sharding.check(t, env)
         # The checkpoint first: a run without one fails before any data is read.
         found = checkpoint.load_latest(self.run_dir) if resume else None
         if resume and found is None:
@@ -139,6 +142,8 @@ class Trainer:
         if t.context_parallel > 1 and not hasattr(self.data, "shard"):
             raise ValueError("train.context_parallel applies to the lm task only")
         self.mesh = distributed.mesh(env, t.context_parallel)
+        if t.fsdp:  # before the optimizer, which then holds each rank's shards
+            sharding.shard(self.model, env, t)
         self.optimizer = make_optimizer(self.model, t)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
@@ -159,9 +164,16 @@ class Trainer:
         return t.batch_size * t.accumulate * self.data.block
 
     def resume(self, found: checkpoint.Checkpoint) -> None:
-        found.load_weights(self.model)
         state = found.trainer_state
-        self.optimizer.load_state_dict(state["optimizer"])
+        if found.sharded:  # DCP reshards: any number of ranks, with or without train.fsdp
+            found.load_state(self.model, self.optimizer)
+        elif self.cfg.train.fsdp:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {found.path} was written without train.fsdp; resume it without "
+                "train.fsdp (sharded checkpoints resume either way)")
+        else:
+            found.load_weights(self.model)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.micro_step = state["step"], state["micro_step"]
         self.first_step, self.earlier_seconds = self.step, state.get("seconds", 0.0)
         rngs = state["rng"]
@@ -185,33 +197,48 @@ class Trainer:
 
     def save(self) -> None:
         rngs = distributed.gather_objects(self.env, rng_state())
-        if self.env.is_main:
-            state = {
-                "optimizer": self.optimizer.state_dict(),
-                "step": self.step,
-                "micro_step": self.micro_step,
-                "rng": rngs,
-                "seconds": self.earlier_seconds + time.perf_counter() - self.started,
-            }
-            checkpoint.save(
-                self.run_dir, self.step, self.model, state,
-                self.cfg.train.keep_checkpoints,
-            )
+        state = {"step": self.step, "micro_step": self.micro_step, "rng": rngs,
+                 "seconds": self.earlier_seconds + time.perf_counter() - self.started}
+        keep = self.cfg.train.keep_checkpoints
+        if self.cfg.train.fsdp:
+            checkpoint.save_sharded(self.run_dir, self.step, self.model, self.optimizer, state,
+                                    keep, self.env)
+        elif self.env.is_main:
+            state["optimizer"] = self.optimizer.state_dict()
+            checkpoint.save(self.run_dir, self.step, self.model, state, keep)
         distributed.barrier(self.env)
 
     def evaluate(self, final: bool) -> dict | None:
         result = None
-        if self.env.is_main:
+        # A sharded model's forward gathers each unit's weights from every rank: all ranks
+        # evaluate (the same data, the same result) and rank 0 writes.
+        if self.env.is_main or self.cfg.train.fsdp:
             self.model.eval()
             with torch.no_grad(), autocast(self.cfg.train, self.env.device):
                 result = self.task.evaluate(self.model, self.data, self.cfg, final=final)
             self.model.train()
+        if self.env.is_main:
             self.metrics.write({"step": self.step, "eval": result})
         distributed.barrier(self.env)
         return result
 
+    def whole_model(self) -> torch.nn.Module | None:
+        """The trained model with all its weights on rank 0 (None on the other ranks): the
+        model itself, or under train.fsdp an unsharded copy (gathering it is collective)."""
+        if not self.cfg.train.fsdp:
+            return self.model if self.env.is_main else None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(self.model, options=options)
+        if not self.env.is_main:
+            return None
+        model = self.task.build_model(self.cfg, self.data)
+        model.load_state_dict(weights)
+        return model.to(self.env.device).eval()
+
     def wrapped_model(self) -> torch.nn.Module:
         model = self.model
+        if self.cfg.train.fsdp:  # sharded in place; its blocks compiled one by one
+            return model
         if self.env.distributed:
             ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -238,7 +265,11 @@ class Trainer:
                 local = self.data.shard(local, env.rank % t.context_parallel,
                                         t.context_parallel, t.context_layout)
             last = m == len(batches) - 1
-            sync = contextlib.nullcontext() if last or not env.distributed else model.no_sync()
+            sync = contextlib.nullcontext()
+            if t.fsdp:  # reduce-scatter the gradients once, after the last micro-batch
+                model.set_requires_gradient_sync(last)
+            elif not last and env.distributed:
+                sync = model.no_sync()
             with sync:
                 with autocast(t, env.device), split:
                     loss_sum = self.task.loss_sum(model, local, t)
@@ -248,8 +279,10 @@ class Trainer:
         loss = distributed.all_sum(env, total).item() / weight
         # Always measured (an infinite limit clips nothing), so a non-finite gradient stops
         # the run before it reaches the weights and, from there, a checkpoint.
-        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                    t.clip_grad or math.inf))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad or math.inf)
+        if isinstance(norm, DTensor):  # the norm of sharded gradients, summed over the ranks
+            norm = norm.full_tensor()
+        norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             self.stop_diverged(loss, norm)
         return loss, units

@@ -1,0 +1,58 @@
+"""FSDP (``train.fsdp``): parameters, gradients and optimizer state sharded over the ranks.
+
+Every ``TransformerBlock`` is one FSDP unit (compiled first with ``train.compile``, as
+torchtitan does: each block is one graph and FSDP's gathers stay outside it); the root unit
+holds the rest (embeddings, positions, final norm, head, tied or not). A unit's weights are
+all-gathered just before its forward and backward and freed after; its gradients are
+reduce-scattered, so each rank keeps 1/D of them and its optimizer updates that 1/D.
+
+With ``train.context_parallel`` = C the ranks of a context group read different tokens of
+the same sequences and need the same weights: the mesh is (context, data), FSDP shards over
+"data" and replicates over "context" (HSDP), so each context group holds the same shard and
+its gradients are summed over the group as well.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ..nn.blocks import TransformerBlock
+from .distributed import Env
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def check(t, env: Env) -> None:
+    """One line for settings FSDP cannot use; every rank reaches the same verdict."""
+    if not t.fsdp:
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(t, key) != "float32":
+                raise ValueError(f"train.{key} applies with train.fsdp=true only")
+        return
+    if not env.distributed:
+        raise ValueError("train.fsdp shards the model over torchrun's processes; this run has "
+                         "one (WORLD_SIZE=1): start it with torchrun --nproc_per_node=N, N >= 2")
+
+
+def fsdp_mesh(env: Env, context_parallel: int) -> DeviceMesh:
+    """The ranks FSDP shards over ("data") and, with context parallelism, replicates over
+    ("context"): the rank grid of ``distributed.mesh``, whose rows are context groups."""
+    if context_parallel == 1:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("data",))
+    grid = torch.arange(env.world_size).reshape(-1, context_parallel).T
+    return DeviceMesh(env.device.type, grid, mesh_dim_names=("context", "data"))
+
+
+def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
+    """Shard ``model`` in place (its parameters become DTensors) and return it."""
+    mesh = fsdp_mesh(env, t.context_parallel)
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.param_dtype],
+                                  reduce_dtype=DTYPES[t.reduce_dtype])
+    for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
+        if t.compile:
+            block.compile()  # in place: the state dict keeps its names
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model

@@ -1,0 +1,76 @@
+"""``train.fsdp``: two gloo ranks under torchrun follow one process, and their sharded
+checkpoints resume in one process and load for inference there."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkv.cli import main
+from qkv.train import checkpoint, run
+from qkv.train.rundir import load_run
+
+from ..train.conftest import losses, private_cache, tiny_lm  # noqa: F401  (a fixture)
+
+
+def torchrun(ranks: int, argv: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={ranks}", "-m", "qkv.cli", *argv],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_same_losses(a, b, rel: float = 1e-5) -> None:
+    assert [s for s, _, _ in a] == [s for s, _, _ in b]
+    for (_, x, _), (_, y, _) in zip(a, b, strict=True):
+        assert y == pytest.approx(x, rel=rel)
+
+
+@pytest.mark.slow
+def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
+    args = ["--set", "train.checkpoint_every=4", "--set", "train.keep_checkpoints=3",
+            "--set", "train.accumulate=2"]
+    assert main(tiny_lm(tmp_path / "one", 8, *args)) == 0
+    torchrun(2, tiny_lm(tmp_path / "two", 8, *args, "--set", "train.fsdp=true"))
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
+    newest = checkpoint.list_checkpoints(tmp_path / "two")[0]
+    assert sorted(p.name for p in (newest / "state").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    # Resumed at one rank from step 4 (as after a crash): the same steps 5 to 8.
+    shutil.copytree(tmp_path / "two", tmp_path / "resumed")
+    shutil.rmtree(checkpoint.list_checkpoints(tmp_path / "resumed")[0])
+    assert main(tiny_lm(tmp_path / "resumed", 8, *args, "--resume",
+                        "--set", "train.fsdp=false")) == 0
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "resumed"))
+
+    # One process reads the sharded run: the weights of the one-process run.
+    plain = run.load(tmp_path / "one")[3].state_dict()
+    for loaded in (run.load(tmp_path / "two")[3], load_run(tmp_path / "two").model):
+        for name, tensor in loaded.state_dict().items():
+            torch.testing.assert_close(tensor, plain[name], rtol=1e-4, atol=1e-5)
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "two"), "--prompt", "Return"]) == 0
+    assert capsys.readouterr().out.startswith("Return")
+
+    # A shard that no longer matches the manifest: the previous checkpoint is used.
+    shard = newest / "state" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    found = checkpoint.load_latest(tmp_path / "two")
+    assert found.step == 4 and "__1_0.distcp does not match" in capsys.readouterr().err
+
+
+def test_fsdp_needs_torchrun(tmp_path, capsys):
+    assert main(tiny_lm(tmp_path / "run", 2, "--set", "train.fsdp=true")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error: train.fsdp ") and "WORLD_SIZE=1" in err
+    assert main(tiny_lm(tmp_path / "run", 2, "--set", "train.param_dtype=bfloat16")) == 2
+    assert "train.param_dtype applies with train.fsdp=true only" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
