@@ -1,7 +1,8 @@
-"""Without the C library: the engine runs the same algorithm on torch operations, and a
-build that fails warns once and falls back. The library is built once per cache directory.
-These run whether or not this machine has a C compiler."""
+"""Without the C library: the engines run the same algorithm on torch operations, and a
+build that fails, a missing compiler or QKV_NATIVE=0 warns once and falls back. The library
+is built once per cache directory. These run whether or not this machine has a C compiler."""
 
+import json
 import os
 import subprocess
 import sys
@@ -44,11 +45,61 @@ def test_built_once_per_cache_directory(tmp_path):
 
 
 def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
-    ok, warned, err = _probe(tmp_path, CC=str(tmp_path / "no-such-compiler"))
+    ok, warned, err = _probe(tmp_path, CC=str(tmp_path / "no-such-compiler"), QKV_NATIVE="1")
     assert not ok and warned and err < 1e-12
     assert not list(tmp_path.glob("*.so"))
     ok, warned, err = _probe(tmp_path, QKV_NATIVE="0")
     assert not ok and not warned and err < 1e-12
+
+
+# Every engine a CPU call can reach, with the C kernels' users (the fused engine's tiles and
+# blocks, generated terms and modifiers, the graph engine's edges, the flash engine): the
+# reference's results, and one warning in all.
+_WITHOUT = """
+import json, warnings, torch, qkv
+from qkv.core import engines
+from qkv.core.problem import build_problem
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as seen:
+    g = torch.Generator().manual_seed(4)
+    n = 130
+    edges = torch.randint(0, n, (2, 3 * n), generator=g)
+    user = qkv.Similarity(lambda q, k: -(q - k).abs() * 0.7)
+    used = []
+    for dtype, similarity, mask, mod in [
+            (torch.float32, "dot", qkv.causal(), None), (torch.float64, "l1", qkv.causal(), None),
+            (torch.float64, user, None, qkv.softcap(4.0)),
+            (torch.float64, "l2", qkv.graph(edges, num_nodes=n), None)]:
+        q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=dtype) for _ in range(3))
+        kw = {"similarity": similarity, "mask": mask, "score_mod": mod}
+        with torch.no_grad():
+            used.append(engines.plan(build_problem(q, k, v, **kw)).engine)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        outs = [qkv.attention(q, k, v, backend=b, **kw) for b in ("auto", "reference")]
+        grads = [torch.autograd.grad(out.square().sum(), (q, k, v)) for out in outs]
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+        torch.testing.assert_close(outs[0], outs[1], **tol)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, **tol)
+print(json.dumps({"engines": used, "warnings": [str(w.message) for w in seen]}))
+"""
+
+
+@pytest.mark.parametrize("how,reason", [
+    ({"QKV_NATIVE": "0"}, "QKV_NATIVE=0"),
+    ({"PATH": "", "QKV_NATIVE": "1"}, "no C compiler (set CC, or install cc or gcc)"),
+])
+def test_without_c_every_engine_runs_on_torch_with_one_warning(tmp_path, how, reason):
+    env = {**os.environ, "QKV_CACHE": str(tmp_path), **how}
+    env.pop("CC", None)
+    done = subprocess.run([sys.executable, "-c", _WITHOUT], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout)
+    assert found["engines"] == ["sdpa", "fused", "fused", "graph"]
+    assert found["warnings"] == [f"qkv: {reason}; the CPU engines use torch operations (the "
+                                 "same results, slower)"]
+    assert not list(tmp_path.glob("*.so"))
 
 
 @pytest.mark.parametrize("similarity", ["dot", "l2", "l1", "laplacian", "p3"])
