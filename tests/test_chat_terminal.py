@@ -14,6 +14,11 @@ import pytest
 pytestmark = pytest.mark.slow  # loads SmolLM2 in a subprocess
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+# How long a screen may take to appear. On an idle 2-core machine the model loads and a reply
+# runs within seconds; with two other heavy jobs on the same cores, several times as long,
+# and 120 s is not enough. A wait ends as soon as its screen shows: only a failing test waits
+# this long.
+PATIENCE = 600.0
 
 if shutil.which("tmux") is None:
     if os.environ.get("CI"):
@@ -46,7 +51,7 @@ class Terminal:
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", self.name)
 
-    def wait_for(self, predicate, timeout: float = 120.0) -> str:
+    def wait_for(self, predicate, timeout: float = PATIENCE) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.screen()
@@ -97,7 +102,7 @@ def test_chat_in_a_terminal(chat):
     term.keys("C-c")
     term.wait_for(lambda s: s.count("(Ctrl-C again or Ctrl-D ends the chat)") == 2)
     term.keys("C-c")
-    assert "EXIT=0" in term.wait_for(lambda s: "EXIT=" in s, timeout=20)
+    assert "EXIT=0" in term.wait_for(lambda s: "EXIT=" in s)
 
 
 def test_ctrl_d_ends_the_chat(chat):
@@ -106,4 +111,4 @@ def test_ctrl_d_ends_the_chat(chat):
     term.keys("Hi", "Enter")
     term.wait_for(lambda s: prompts(s) == 2)
     term.keys("C-d")
-    assert "EXIT=0" in term.wait_for(lambda s: "EXIT=" in s, timeout=20)
+    assert "EXIT=0" in term.wait_for(lambda s: "EXIT=" in s)
