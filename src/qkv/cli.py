@@ -249,6 +249,26 @@ def run_viz(args: argparse.Namespace) -> int:
     return viz_command.run(args)
 
 
+# ----------------------------------------------------------------------------- export
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    add_run_dir(p)
+    p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """The run's newest weights (a sharded checkpoint read in this one process, or a plain
+    one) as one safetensors file, written atomically."""
+    from safetensors.torch import save_model
+
+    from .data.atomic import write_atomic
+    from .train.rundir import load_run
+
+    model = load_run(args.run_dir).model
+    write_atomic(args.output, lambda path: save_model(model, path))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 # ----------------------------------------------------------------------------- bench
 BENCHMARKS = {"attention": "attention_cpu.py", "generate": "generate_cpu.py",
               "train": "train_cpu.py"}
@@ -333,6 +353,11 @@ COMMANDS: dict[str, Command] = {
         '  qkv viz --model smollm2 --chat --text "Name three colours." --generate 12\n'
         '  qkv viz --model minilm --text "The cat sat on the mat."',
         add_viz_arguments, run_viz,
+    ),
+    "export": Command(
+        "write a run's newest weights (sharded by train.fsdp or not) to one safetensors file",
+        "  qkv export runs/lm -o model.safetensors",
+        add_export_arguments, run_export,
     ),
     "bench": Command(
         "run a benchmark script from the source checkout",

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qkv.cli import main
 from qkv.train import checkpoint, run
@@ -57,6 +58,11 @@ def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "two"), "--prompt", "Return"]) == 0
     assert capsys.readouterr().out.startswith("Return")
+    assert main(["export", str(tmp_path / "two"), "-o", str(tmp_path / "model.safetensors")]) == 0
+    exported = load_file(tmp_path / "model.safetensors")
+    assert exported.keys() <= plain.keys() and "lm_head.weight" in plain
+    for name, tensor in exported.items():
+        torch.testing.assert_close(tensor, plain[name], rtol=1e-4, atol=1e-5)
 
     # A shard that no longer matches the manifest: the previous checkpoint is used.
     shard = newest / "state" / "__1_0.distcp"
