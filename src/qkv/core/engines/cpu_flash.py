@@ -70,7 +70,8 @@ def _library(products: str) -> ctypes.CDLL | str:
         return ("it runs on AMD CPUs only: it was measured there, and is not enabled on others "
                 "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves)")
     if not native.available(torch.float32):
-        return "it needs the C kernels, which are off here (no C compiler, or QKV_NATIVE=0)"
+        return ("the C kernels are off here (QKV_NATIVE=0, no C compiler, a failed build or a "
+                "QKV_MARCH this CPU lacks: qkv's warning said which)")
     lib = native.optional_library(Path(__file__).with_suffix(".c"), f"cpu_flash_{products}",
                                   _FLAGS[products])
     if lib is None:
