@@ -72,7 +72,9 @@ def runs(tmp_path_factory):
     """Each build's outputs: aarch64 under qemu, and this machine's."""
     out = tmp_path_factory.mktemp("aarch64")
     arm = _build([CROSS], out / "harness_arm", *WARNINGS)
-    here = _build(native._compiler(), out / "harness_here", f"-march={native.march()}")
+    # gcc where there is one: $CC may lack -fopenmp (Debian's clang without libomp-dev)
+    here = _build([shutil.which("gcc")] if shutil.which("gcc") else native._compiler(),
+                  out / "harness_here", f"-march={native.march()}")
     return _outputs(_on_arm(arm)), _outputs([str(here)])
 
 
