@@ -1,6 +1,7 @@
 """``train.fsdp``: two gloo ranks under torchrun follow one process, and their sharded
 checkpoints resume in one process and load for inference there."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -11,10 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from qkv.cli import main
+from qkv.nn.blocks import TransformerBlock
 from qkv.train import checkpoint, run
+from qkv.train.config import resolve
 from qkv.train.rundir import load_run
+from qkv.train.tasks import TASKS
 
 from ..train.conftest import losses, private_cache, tiny_lm  # noqa: F401  (a fixture)
+from .launch import run_ranks, values
 
 
 def torchrun(ranks: int, argv: list[str]) -> None:
@@ -80,3 +85,33 @@ def test_fsdp_needs_torchrun(tmp_path, capsys):
     assert main(tiny_lm(tmp_path / "run", 2, "--set", "train.param_dtype=bfloat16")) == 2
     assert "train.param_dtype applies with train.fsdp=true only" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_with_context_parallelism_follows_one_process(tmp_path):
+    """Four ranks: FSDP over the two data rows, each context pair holding the same shard."""
+    assert main(tiny_lm(tmp_path / "one", 4)) == 0
+    torchrun(4, tiny_lm(tmp_path / "four", 4, "--set", "train.fsdp=true",
+                        "--set", "train.context_parallel=2"))
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "four"))
+
+
+def compiled_run(rank: int, world: int, run_dir) -> int:
+    """A compiled FSDP run on this gloo rank, every compile on the aot_eager backend
+    (inductor needs a C++ compiler and minutes); returns (blocks, compiled blocks)."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    cfg = resolve(TASKS["lm"].schema, "lm", TASKS["lm"].presets["tiny"], None, [
+        "train.steps=4", "train.threads=1", "train.fsdp=true", "train.compile=true"])
+    trainer = run.start(cfg, run_dir, resume=False, quiet=True)
+    trainer.run()
+    blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
+    return len(blocks), sum(block._compiled_call_impl is not None for block in blocks)
+
+
+@pytest.mark.slow
+def test_fsdp_compiles_each_block_and_follows_one_process(tmp_path):
+    assert main(tiny_lm(tmp_path / "one", 4)) == 0
+    for blocks, compiled in values(run_ranks(compiled_run, 2, tmp_path / "two", timeout=240)):
+        assert blocks == compiled > 0
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
