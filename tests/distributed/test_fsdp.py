@@ -115,3 +115,25 @@ def test_fsdp_compiles_each_block_and_follows_one_process(tmp_path):
     for blocks, compiled in values(run_ranks(compiled_run, 2, tmp_path / "two", timeout=240)):
         assert blocks == compiled > 0
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
+
+
+def sharded_beam_search(rank: int, world: int) -> bool:
+    """Whether a sharded translation model's beam search (which reads the embeddings outside
+    forward) writes what the unsharded model writes."""
+    from qkv.models import Transformer, TransformerConfig
+    from qkv.train.config import TrainConfig
+    from qkv.train.distributed import Env
+    from qkv.train.sharding import shard
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(
+        src_vocab_size=13, tgt_vocab_size=11, n_encoder_layers=1, n_decoder_layers=1,
+        block={"d_model": 16, "n_head": 2, "d_ff": 32, "dropout": 0.0})).eval()
+    src = torch.randint(4, 13, (2, 5))
+    whole = model.generate(src, max_new_tokens=6, beam_size=2)
+    shard(model, Env(rank, world, torch.device("cpu")), TrainConfig(fsdp=True))
+    return torch.equal(model.generate(src, max_new_tokens=6, beam_size=2), whole)
+
+
+def test_a_sharded_translation_model_decodes_as_the_whole_one():
+    assert values(run_ranks(sharded_beam_search, 2, timeout=120)) == [True, True]

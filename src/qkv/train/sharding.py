@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from ..nn.blocks import TransformerBlock
 from .distributed import Env
@@ -55,4 +55,8 @@ def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
             block.compile()  # in place: the state dict keeps its names
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if hasattr(model, "generate"):  # evaluation decodes through it, not through forward:
+        # its call gathers the root unit's weights (the translate model's encode and
+        # decode read its embeddings directly)
+        register_fsdp_forward_method(model, "generate")
     return model
