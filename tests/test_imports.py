@@ -14,15 +14,17 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Package -> the qkv packages it may import (besides itself). Top-level modules count as
 # packages of their own name.
 MAY_IMPORT = {
-    "cache": set(), "bars": set(), "limits": set(),
+    "cache": set(), "bars": set(), "limits": set(), "threads": set(),
     "core": {"cache"},
     "distributed": {"core"},
     "integrations": {"core"},
     "data": {"cache", "limits"},
     "nn": {"core", "distributed", "limits"},
     "models": {"nn", "core", "distributed", "data", "bars", "cache", "limits"},
-    "train": {"models", "nn", "core", "distributed", "data", "bars", "cache", "limits"},
-    "viz": {"train", "models", "nn", "core", "distributed", "data", "bars", "cache", "limits"},
+    "train": {"models", "nn", "core", "distributed", "data", "bars", "cache", "limits",
+              "threads"},
+    "viz": {"train", "models", "nn", "core", "distributed", "data", "bars", "cache", "limits",
+            "threads"},
 }
 COMMANDS = {"cli", "model_commands", "chat", "__main__"}  # may import everything
 # Modules that import an optional dependency when they load: the only qkv modules another
