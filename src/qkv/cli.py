@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_model
 
 from . import __version__, chat, model_commands, threads
+from .data.atomic import write_atomic
 from .train import config, distributed, run
+from .train.rundir import load_run
 from .viz import command as viz_command
 
 USAGE_ERROR = 2
@@ -258,11 +261,6 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 def run_export(args: argparse.Namespace) -> int:
     """The run's newest weights (a sharded checkpoint read in this one process, or a plain
     one) as one safetensors file, written atomically."""
-    from safetensors.torch import save_model
-
-    from .data.atomic import write_atomic
-    from .train.rundir import load_run
-
     model = load_run(args.run_dir).model
     write_atomic(args.output, lambda path: save_model(model, path))
     print(f"wrote {args.output}", file=sys.stderr)
