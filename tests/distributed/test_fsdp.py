@@ -137,3 +137,19 @@ def sharded_beam_search(rank: int, world: int) -> bool:
 
 def test_a_sharded_translation_model_decodes_as_the_whole_one():
     assert values(run_ranks(sharded_beam_search, 2, timeout=120)) == [True, True]
+
+
+def test_the_memory_check_counts_a_rank_s_shard(monkeypatch):
+    """10G parameters with 100 GB: 160 GB unsharded, 40 + 160/2 GB at two shards, and
+    40 + 160/4 = 80 GB at four, which fits."""
+    from qkv.train import plan
+    from qkv.train.config import ConfigError
+
+    monkeypatch.setattr(plan, "available_memory", lambda device: 100e9)
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"about 160.0 GB to train \(float32 weights"):
+        plan.check_fits(10**10, cpu)
+    with pytest.raises(ConfigError, match=r"about 120.0 GB to train \(the whole float32 "
+                                          r"weights, then 1/2 of them"):
+        plan.check_fits(10**10, cpu, shards=2)
+    plan.check_fits(10**10, cpu, shards=4)

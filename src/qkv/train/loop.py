@@ -125,7 +125,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         self.data = task.prepare(cfg, self.run_dir if resume else None, env)
-        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device)
+        shards = env.world_size // t.context_parallel if t.fsdp else 1
+        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device, shards)
         threads.configure(t.threads)  # after the checks: a refused run prints one line
         self.model = task.build_model(cfg, self.data)
         if t.init and not resume:
