@@ -4,6 +4,8 @@ steps every source shares: encoding the text within the context, and recording t
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,28 @@ from .record import NEURON_BUDGET, Recorder, neuron_layers_within
 # float32 weights computed at once per captured layer: SmolLM2's 9 heads at 8k keys take 227
 # query rows a block.
 ROW_BYTES = 64 << 20
+
+
+# glibc's mallopt parameter: allocations of at least this many bytes are mapped pages.
+_M_MMAP_THRESHOLD = -3
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapped
+    pages, returned to the system when freed. Maps are computed a block of rows at a time:
+    glibc otherwise raises its threshold to 32 MB after the first large free, carves the
+    blocks from the heap, and the small tensors kept between them (per-row summaries, compact
+    rows) pin the freed space: SmolLM2 at 8,192 tokens grew by 270-540 MB a layer, and by
+    under 10 MB with the threshold fixed (docs/viz.md, "Long texts"). Elsewhere than glibc
+    this does nothing."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return
+    if mallopt is not None:
+        mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 @dataclass
@@ -84,6 +108,7 @@ def record_maps(model, args, forward, *, layer_count: int, tokens: int,
     """Run ``forward`` under capture, streaming every call into a Recorder, with a progress bar
     over the rows of every captured layer. Without a rollout (which needs whole maps), a
     long call's weights come ``ROW_BYTES`` at a time: memory stays bounded at any length."""
+    map_large_allocations()
     recorder = Recorder(args.threshold, args.max_per_row,
                         _neuron_layers(args, model, layer_count, tokens),
                         rollout_stacks if args.layers is None else ())

@@ -29,7 +29,7 @@ from ..train.rundir import load_run
 from .labels import token_labels
 from .pretrained import greedy_with_rows, load_with_tokenizer
 from .qk_store import QKStore
-from .scene import encode_text, without_head
+from .scene import encode_text, map_large_allocations, without_head
 
 # The largest pooled grid a window request may ask for (cells per side).
 MAX_WINDOW = 1024
@@ -197,6 +197,7 @@ def serve_command(args) -> int:
             raise ValueError(f"{flag} does not apply to --serve")
     model, tokenizer, title = _source(args)
     model.eval()
+    map_large_allocations()  # every window is computed a block of rows at a time
     is_gpt = isinstance(model, models.GPT)
     if args.generate and not is_gpt:
         raise ValueError("--generate needs a decoder (GPT) model")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .capture import CapturedMap, ObservedCall, capture
+from .scene import map_large_allocations
 
 TOP_K = 8
 
@@ -112,6 +113,7 @@ def summarize(model: torch.nn.Module, forward, *, layers=None, heads=None, top_k
               row_bytes: int = 64 << 20) -> dict[str, HeadStats]:
     """Run ``forward()`` (a call of ``model``) under ``capture`` and return each captured
     layer's ``HeadStats``; at most ``row_bytes`` of float32 weights exist at once."""
+    map_large_allocations()
     summarizer = Summarizer(top_k)
     with capture(model, layers=layers, heads=heads, on_weights=summarizer,
                  row_bytes=row_bytes), torch.no_grad():
