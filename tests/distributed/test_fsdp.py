@@ -88,11 +88,15 @@ def test_fsdp_needs_torchrun(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_fsdp_with_context_parallelism_follows_one_process(tmp_path):
-    """Four ranks: FSDP over the two data rows, each context pair holding the same shard."""
-    assert main(tiny_lm(tmp_path / "one", 4)) == 0
-    torchrun(4, tiny_lm(tmp_path / "four", 4, "--set", "train.fsdp=true",
+def test_a_run_continued_with_fsdp_and_context_parallelism_follows_one_process(tmp_path):
+    """A one-process run resumed from its step-2 checkpoint at four ranks, FSDP over the two
+    data rows with each context pair holding the same shard, gives the same steps 3 and 4."""
+    assert main(tiny_lm(tmp_path / "one", 4, "--set", "train.checkpoint_every=2")) == 0
+    shutil.copytree(tmp_path / "one", tmp_path / "four")
+    shutil.rmtree(checkpoint.list_checkpoints(tmp_path / "four")[0])
+    torchrun(4, tiny_lm(tmp_path / "four", 4, "--resume", "--set", "train.fsdp=true",
                         "--set", "train.context_parallel=2"))
+    assert checkpoint.list_checkpoints(tmp_path / "four")[0].joinpath("state").is_dir()
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "four"))
 
 

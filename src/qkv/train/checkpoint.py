@@ -26,7 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
 
@@ -56,6 +60,14 @@ class Checkpoint:
         self._read(state)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+
+    def load_unsharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """A single-file checkpoint's weights into the unsharded ``model`` and its optimizer
+        state into ``optimizer``; returns that state keyed by parameter names, the form that
+        ``set_optimizer_state_dict`` shards once the model is."""
+        self.load_weights(model)
+        optimizer.load_state_dict(self.trainer_state["optimizer"])
+        return get_optimizer_state_dict(model, optimizer)
 
     def _read(self, state: dict) -> None:
         single = not (dist.is_available() and dist.is_initialized())

@@ -27,7 +27,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from .. import threads
@@ -143,9 +147,15 @@ class Trainer:
         if t.context_parallel > 1 and not hasattr(self.data, "shard"):
             raise ValueError("train.context_parallel applies to the lm task only")
         self.mesh = distributed.mesh(env, t.context_parallel)
+        carried = None
         if t.fsdp:  # before the optimizer, which then holds each rank's shards
+            if found is not None and not found.sharded:  # a DDP run continued sharded
+                carried = found.load_unsharded(self.model, make_optimizer(self.model, t))
             sharding.shard(self.model, env, t)
         self.optimizer = make_optimizer(self.model, t)
+        if carried is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, carried,
+                                     options=StateDictOptions(full_state_dict=True))
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
         self.micro_step = 0  # the data position: micro-batches drawn from the stream so far
@@ -168,11 +178,7 @@ class Trainer:
         state = found.trainer_state
         if found.sharded:  # DCP reshards: any number of ranks, with or without train.fsdp
             found.load_state(self.model, self.optimizer)
-        elif self.cfg.train.fsdp:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {found.path} was written without train.fsdp; resume it without "
-                "train.fsdp (sharded checkpoints resume either way)")
-        else:
+        elif not self.cfg.train.fsdp:  # (with it, loaded before the model was sharded)
             found.load_weights(self.model)
             self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.micro_step = state["step"], state["micro_step"]
