@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
+from . import distributed
 
 FILES = ("model.safetensors", "trainer.pt")
 SHARDED_FILES = ("state/.metadata", "trainer.pt")
@@ -139,12 +140,11 @@ def finish(temp: Path, final: Path, step: int, keep: int) -> Path:
 
 
 def save_sharded(run_dir: str | Path, step: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int, env) -> Path:
+                 optimizer: torch.optim.Optimizer, trainer_state: dict, keep: int,
+                 env: distributed.Env) -> Path:
     """Every rank writes its shards into rank 0's temporary folder (one folder every rank
     can reach: on several machines, a shared file system); rank 0 adds ``trainer_state``,
     the manifest, and renames the folder into place."""
-    from . import distributed
-
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint being written); got {keep}")
     root = checkpoint_root(run_dir)
