@@ -157,3 +157,16 @@ def test_the_memory_check_counts_a_rank_s_shard(monkeypatch):
                                           r"weights, then 1/2 of them"):
         plan.check_fits(10**10, cpu, shards=2)
     plan.check_fits(10**10, cpu, shards=4)
+
+
+def test_a_context_parallel_degree_that_does_not_divide_the_ranks_is_refused_first(tmp_path):
+    """Checked before the data, the memory check and any collective: every rank of the two
+    says so and stops."""
+    from qkv.train.distributed import Env
+    from qkv.train.loop import Trainer
+
+    cfg = resolve(TASKS["lm"].schema, "lm", TASKS["lm"].presets["tiny"], None,
+                  ["train.fsdp=true", "train.context_parallel=3"])
+    with pytest.raises(ValueError, match=r"^train.context_parallel=3 must divide the number "
+                                         r"of processes \(2\)$"):
+        Trainer(TASKS["lm"], cfg, tmp_path / "run", Env(1, 2, torch.device("cpu")))

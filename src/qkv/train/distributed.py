@@ -59,11 +59,15 @@ class Mesh:
     context_group: dist.ProcessGroup | None
 
 
-def mesh(env: Env, context_parallel: int) -> Mesh:
-    """Rows of ``context_parallel`` consecutive ranks split one batch slice's sequences."""
+def check_context_parallel(env: Env, context_parallel: int) -> None:
     if env.world_size % context_parallel:
         raise ValueError(f"train.context_parallel={context_parallel} must divide the number of "
                          f"processes ({env.world_size})")
+
+
+def mesh(env: Env, context_parallel: int) -> Mesh:
+    """Rows of ``context_parallel`` consecutive ranks split one batch slice's sequences."""
+    check_context_parallel(env, context_parallel)
     if context_parallel == 1:
         return Mesh(env.rank, env.world_size, None)
     grid = init_device_mesh(env.device.type, (env.world_size // context_parallel,

@@ -122,6 +122,7 @@ class Trainer:
         self.verbose = env.is_main and not quiet
         t = cfg.train
         sharding.check(t, env)
+        distributed.check_context_parallel(env, t.context_parallel)
         # The checkpoint first: a run without one fails before any data is read.
         found = checkpoint.load_latest(self.run_dir) if resume else None
         if resume and found is None:
