@@ -14,6 +14,10 @@ Context parallelism (``train.context_parallel`` = C): the slice is per row of th
 runs the model inside ``qkv.distributed.context_parallel``. DDP still averages over every
 rank: each rank's loss covers its own tokens, so the same scaling holds, and the attention
 leaves the gradients of the tensors it reads to DDP (``sum_extra_grads=False``).
+
+FSDP (``train.fsdp``, ``sharding``): the model is sharded in place before the optimizer is
+made, in place of DDP; its gradient reduction averages over every rank as DDP's does, so the
+same scaling holds, and its checkpoints are sharded (``checkpoint.save_sharded``).
 """
 
 from __future__ import annotations
