@@ -91,8 +91,9 @@ class QKStore:
     def rows(self, layer: int, heads: list[int], start: int, stop: int) -> Tensor:
         """(len(heads), stop - start, Nk) float32 weights of query rows start..stop-1."""
         stored = self.layers[layer]
-        q = torch.from_numpy(np.asarray(stored.q)).float()[None]
-        k = torch.from_numpy(np.asarray(stored.k)).float()[None]
+        # astype reads the mapped file into a float32 copy (writable, as torch wants).
+        q = torch.from_numpy(stored.q.astype(np.float32))[None]
+        k = torch.from_numpy(stored.k.astype(np.float32))[None]
         v = stored.variant
         return head_weights(q, k, heads, mask=v["mask"], score_mod=v["score_mod"],
                             similarity=v["similarity"], scale=v["scale"], metric=v["metric"],
