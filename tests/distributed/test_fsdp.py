@@ -4,6 +4,7 @@ checkpoints resume in one process and load for inference there."""
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -172,3 +173,36 @@ def test_a_context_parallel_degree_that_does_not_divide_the_ranks_is_refused_fir
     with pytest.raises(ValueError, match=r"^train.context_parallel=3 must divide the number "
                                          r"of processes \(2\)$"):
         Trainer(TASKS["lm"], cfg, tmp_path / "run", Env(1, 2, torch.device("cpu")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_launchers_meet_as_two_nodes_and_follow_one_process(tmp_path):
+    """docs/distributed.md's two-machine command line, as two torchrun launchers of one rank
+    each on this machine, meeting through a c10d rendezvous on 127.0.0.1."""
+    assert main(tiny_lm(tmp_path / "one", 4)) == 0
+    endpoint = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+               "--rdzv_id", "two-nodes", "-m", "qkv.cli",
+               *tiny_lm(tmp_path / "two", 4, "--set", "train.fsdp=true")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (_, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
+    newest = checkpoint.list_checkpoints(tmp_path / "two")[0]
+    assert sorted(p.name for p in (newest / "state").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
