@@ -6,7 +6,6 @@ for a pretrained name and a Hugging Face model running on qkv."""
 from __future__ import annotations
 
 import html
-import os
 import re
 
 import numpy as np
@@ -91,8 +90,7 @@ def test_a_notebook_renders_the_page_inline(tmp_path, browser):
     notebook = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS])
     NotebookClient(notebook, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}},
-                   env={**os.environ, "PYTHONUNBUFFERED": "1"}).execute()
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = notebook.cells[-1].outputs
     assert [o["output_type"] for o in outputs] == ["execute_result"]
     frame = outputs[0]["data"]["text/html"]

@@ -54,8 +54,8 @@ def fetch(server, path, **params):
 
 def exact(store, layer):
     """The layer's whole (H, N, N) weights from qkv.attention on the stored q and k."""
-    q = torch.from_numpy(np.asarray(store.layers[layer].q)).float()[None]
-    k = torch.from_numpy(np.asarray(store.layers[layer].k)).float()[None]
+    q = torch.from_numpy(store.layers[layer].q.astype(np.float32))[None]
+    k = torch.from_numpy(store.layers[layer].k.astype(np.float32))[None]
     _, weights = qkv.attention(q, k, k, mask=qkv.causal(), return_weights=True)
     return weights[0]
 
