@@ -93,14 +93,23 @@ def test_fsdp_needs_torchrun(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_run_continued_with_fsdp_and_context_parallelism_follows_one_process(tmp_path):
     """A one-process run resumed from its step-2 checkpoint at four ranks, FSDP over the two
-    data rows with each context pair holding the same shard, gives the same steps 3 and 4."""
-    assert main(tiny_lm(tmp_path / "one", 4, "--set", "train.checkpoint_every=2")) == 0
+    data rows with each context pair holding the same shard, gives the same steps 3 to 6; the
+    four ranks' sharded step-4 checkpoint, resumed at two ranks, the same steps 5 and 6."""
+    args = ["--set", "train.checkpoint_every=2", "--set", "train.keep_checkpoints=3"]
+    assert main(tiny_lm(tmp_path / "one", 6, *args)) == 0
     shutil.copytree(tmp_path / "one", tmp_path / "four")
-    shutil.rmtree(checkpoint.list_checkpoints(tmp_path / "four")[0])
-    torchrun(4, tiny_lm(tmp_path / "four", 4, "--resume", "--set", "train.fsdp=true",
+    for newer in checkpoint.list_checkpoints(tmp_path / "four")[:2]:  # steps 6 and 4
+        shutil.rmtree(newer)
+    torchrun(4, tiny_lm(tmp_path / "four", 6, *args, "--resume", "--set", "train.fsdp=true",
                         "--set", "train.context_parallel=2"))
     assert checkpoint.list_checkpoints(tmp_path / "four")[0].joinpath("state").is_dir()
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "four"))
+    shutil.copytree(tmp_path / "four", tmp_path / "two")
+    shutil.rmtree(checkpoint.list_checkpoints(tmp_path / "two")[0])  # back to step 4
+    step4 = checkpoint.list_checkpoints(tmp_path / "two")[0]
+    assert len(list((step4 / "state").glob("*.distcp"))) == 4  # written by the four ranks
+    torchrun(2, tiny_lm(tmp_path / "two", 6, *args, "--resume", "--set", "train.fsdp=true"))
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
 
 
 def compiled_run(rank: int, world: int, run_dir) -> int:
