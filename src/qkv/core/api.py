@@ -100,7 +100,8 @@ def attention(
     """
     if unknown:
         spellings.reject_keywords(unknown, KEYWORDS)
-    unbatched = spellings.unbatch(q, k, v)
+    # The 4-D call, the common one, pays one attribute read here.
+    unbatched = getattr(q, "ndim", 4) == 3 and spellings.unbatch(q, k, v)
     if unbatched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     if not (attn_mask is None and block_mask is None and is_causal is False
