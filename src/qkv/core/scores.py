@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .masks.base import as_4d, broadcast_index
 from .pointwise import pointwise
 from .structure import Node, reads, values_readable
 
@@ -217,17 +218,13 @@ class AdditiveBias(ScoreMod):
     (B, H, Nq, Nk); gradients reach it when it requires them, as in SDPA."""
 
     def __init__(self, bias: Tensor):
-        while bias.dim() < 4:
-            bias = bias.unsqueeze(0)
-        self.bias = bias
+        self.bias = as_4d(bias)
 
     def tensors(self):
         return (self.bias,)
 
     def __call__(self, score, b, h, q_idx, kv_idx, offset=0):
-        a = self.bias
-        idx = [i if a.shape[d] > 1 else 0 for d, i in enumerate((b, h, q_idx, kv_idx))]
-        return score + a[idx[0], idx[1], idx[2], idx[3]]
+        return score + broadcast_index(self.bias, b, h, q_idx, kv_idx)
 
     def __repr__(self) -> str:
         return f"additive_bias({tuple(self.bias.shape)})"

@@ -31,6 +31,13 @@ def as_4d(t: Tensor) -> Tensor:
     return t
 
 
+def broadcast_index(t: Tensor, b, h, q_idx, kv_idx):
+    """``t[b, h, q_idx, kv_idx]`` for a 4-D ``t`` broadcastable to (B, H, Nq, Nk): a dimension
+    of size 1 is read at 0 whatever its index."""
+    idx = [i if t.shape[d] > 1 else 0 for d, i in enumerate((b, h, q_idx, kv_idx))]
+    return t[idx[0], idx[1], idx[2], idx[3]]
+
+
 def block_count(n: int, block: int) -> int:
     return (n + block - 1) // block
 
@@ -153,9 +160,7 @@ class TensorMask(Mask):
             )
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
-        a = self.allowed.to(q_idx.device)
-        idx = [i if a.shape[d] > 1 else 0 for d, i in enumerate((b, h, q_idx, kv_idx))]
-        return a[idx[0], idx[1], idx[2], idx[3]]
+        return broadcast_index(self.allowed.to(q_idx.device), b, h, q_idx, kv_idx)
 
     def materialize(self, batch, heads, nq, nk, device=None):
         self.check(batch, heads, nq, nk)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ..pointwise import pointwise
-from .base import EMPTY, FULL, PARTIAL, Mask, block_count
+from .base import EMPTY, FULL, PARTIAL, Mask, block_count, broadcast_index
 
 
 def is_block_mask(value) -> bool:
@@ -65,10 +65,8 @@ class FlexBlockMask(Mask):
                                  f"{name}={n} (make it with {name}=None to broadcast)")
 
     def _tile(self, table: Tensor, b, h, q_idx, kv_idx):
-        t = table.to(q_idx.device)
-        bi = b if t.shape[0] > 1 else 0
-        hi = h if t.shape[1] > 1 else 0
-        return t[bi, hi, q_idx // self.block_size[0], kv_idx // self.block_size[1]]
+        return broadcast_index(table.to(q_idx.device), b, h, q_idx // self.block_size[0],
+                               kv_idx // self.block_size[1])
 
     def mask_mod(self, b, h, q_idx, kv_idx, offset):
         partial = self._tile(self.partial, b, h, q_idx, kv_idx)
