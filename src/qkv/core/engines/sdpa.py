@@ -54,33 +54,48 @@ def why_not(p: Problem) -> str | None:
         return "SDPA adds a float mask only to no mask, a causal one or a dense tensor"
     if not values_readable():
         return "SDPA needs the mask's values, unknown while torch.compile traces"
-    if not bool(p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device).any(-1).all()):
-        return "the mask leaves rows with no key, which SDPA turns into NaN"
     return None
 
 
 def plan(p: Problem):
-    """The runner, or the reason SDPA cannot run ``p``."""
+    """The runner, or the reason SDPA cannot run ``p``. A dense mask, or any mask under an
+    additive bias, is materialized once, here: to see that it leaves every row a key, and as
+    the mask SDPA receives."""
     reason = why_not(p)
-    return reason if reason is not None else (lambda: run(p))
+    if reason is not None:
+        return reason
+    allowed = _allowed(p)
+    # A causal mask without a bias leaves no row empty (why_not checked Nq <= Nk).
+    if (allowed is not None and not (p.is_causal_only and p.score_mod is None)
+            and not bool(allowed.any(-1).all())):
+        return "the mask leaves rows with no key, which SDPA turns into NaN"
+    return lambda: run(p, allowed)
 
 
-def _attn_mask(p: Problem):
-    """SDPA's (attn_mask, is_causal) for the mask and additive bias of ``p``."""
+def _allowed(p: Problem):
+    """The mask as the bool tensor SDPA receives, or None where it receives none (no mask, or
+    a causal mask it spells ``is_causal=True``)."""
+    if p.mask is None:
+        return None
+    if p.score_mod is None and (isinstance(p.mask, TopLeftCausalMask)
+                                or (p.is_causal_only and p.nq == p.nk)):
+        return None
+    return p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device)
+
+
+def _attn_mask(p: Problem, allowed):
+    """SDPA's (attn_mask, is_causal) for the mask (``allowed``, from ``_allowed``) and the
+    additive bias of ``p``."""
     if p.score_mod is None:
-        if p.mask is None:
-            return None, False
-        if isinstance(p.mask, TopLeftCausalMask) or (p.is_causal_only and p.nq == p.nk):
-            return None, True
-    if p.mask is not None:
-        allowed = p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device)
-        if p.score_mod is None:
-            return allowed, False
-        return p.score_mod.bias.to(p.q.dtype).masked_fill(~allowed, float("-inf")), False
-    return p.score_mod.bias.to(p.q.dtype), False
+        return (allowed, False) if allowed is not None else (None, p.mask is not None)
+    bias = p.score_mod.bias.to(p.q.dtype)
+    return (bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))), False
 
 
-def run(p: Problem) -> Result:
+def run(p: Problem, allowed=None) -> Result:
+    """SDPA on ``p``; ``allowed``: its mask as ``plan`` materialized it (None: made here)."""
+    if allowed is None:
+        allowed = _allowed(p)
     q, k, v = p.q, p.k, p.v
     if p.similarity is _COSINE:  # the dot product of unit vectors
         q, k = p.similarity.features(q, k, p.metric)
@@ -88,7 +103,7 @@ def run(p: Problem) -> Result:
     if gqa and not _HAS_GQA:
         group = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False
-    attn_mask, is_causal = _attn_mask(p)
+    attn_mask, is_causal = _attn_mask(p, allowed)
     if gqa:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, p.dropout_p, is_causal,
                                              scale=p.scale, enable_gqa=True)
