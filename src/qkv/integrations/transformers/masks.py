@@ -51,7 +51,7 @@ class Prepared(BlockMask):
     comes back into the model's own mask creation, which keeps a ``BlockMask`` (or a 4-D
     tensor) of shape (B, 1, Nq, Nk) as it is. Only the attention function reads ``mask``."""
 
-    def __init__(self, mask: qm.Mask, shape: tuple[int, int, int, int]):  # noqa: B027
+    def __init__(self, mask: qm.Mask, shape: tuple[int, int, int, int]):
         self.mask, self._shape = mask, shape
 
     @property
@@ -340,12 +340,11 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
         padded = hf.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         keys = keys_mask(padded[:, kv_offset:kv_offset + kv_length])
         mask = keys if mask is None else (mask if keys is None else mask & keys)
+    # A static cache's offsets are tensors, so that a compiled forward neither reads them nor
+    # recompiles for each new one: they are never compared, and the shift stays a tensor.
+    offsets_traced = isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor)
     if mask is None:
         mask = Unmasked()
-    elif isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor):
-        # A static cache's offsets are tensors, so that a compiled forward neither reads them
-        # nor recompiles for each new one: the shift stays a tensor too.
-        mask = Shifted(mask, q_offset - kv_offset)
-    elif q_offset - kv_offset != kv_length - q_length:
+    elif offsets_traced or q_offset - kv_offset != kv_length - q_length:
         mask = Shifted(mask, q_offset - kv_offset)
     return Prepared(mask, (batch_size, 1, q_length, kv_length))
