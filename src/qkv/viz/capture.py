@@ -265,28 +265,35 @@ def _unwatch(module: nn.Module, observe) -> None:
 
 
 @contextlib.contextmanager
+def _watching(observed: list[tuple[nn.Module, object]]) -> Iterator[None]:
+    """Each (layer, observe) pair watched for the block, and unwatched after it, also when
+    the block raises (a layer is watched by then or not at all)."""
+    watched = []
+    try:
+        for module, observe in observed:
+            _watch(module, observe)
+            watched.append((module, observe))
+        yield
+    finally:
+        for module, observe in watched:
+            _unwatch(module, observe)
+
+
+@contextlib.contextmanager
 def watch(model: nn.Module, on_call, *, layers=None) -> Iterator[list[CapturedMap]]:
     """Hand every call of the chosen self- and cross-attention layers to
     ``on_call(site, q, k, kwargs)`` (q, k detached, as the engine saw them; kwargs: the call's
     mask, score_mod, similarity, scale, metric), computing no weights: what a caller keeps
     of them (``qkv viz --serve`` keeps q and k on disk) is its own. Yields the watched sites."""
     plan = _plan(model, layers, None, None, None)
-    observers = []
 
     def observer(site):
         def observe(module, q, k, lse, kwargs):
             on_call(site, q.detach(), k.detach(), kwargs)
         return observe
 
-    try:
-        for module, site in plan:
-            observe = observer(site)
-            _watch(module, observe)
-            observers.append((module, observe))
+    with _watching([(module, observer(site)) for module, site in plan]):
         yield [site for _, site in plan]
-    finally:
-        for module, observe in observers:
-            _unwatch(module, observe)
 
 
 @contextlib.contextmanager
@@ -317,14 +324,6 @@ def capture(
     Yields:
         AttentionMaps, filled as the model runs.
     """
-    plan = [(module, site, _observer(site, on_weights, row_bytes))
-            for module, site in _plan(model, layers, heads, stacks, cross)]
-    watched = []
-    try:
-        for module, _, observe in plan:
-            _watch(module, observe)
-            watched.append((module, observe))
-        yield AttentionMaps([site for _, site, _ in plan])
-    finally:
-        for module, observe in watched:
-            _unwatch(module, observe)
+    plan = _plan(model, layers, heads, stacks, cross)
+    with _watching([(module, _observer(site, on_weights, row_bytes)) for module, site in plan]):
+        yield AttentionMaps([site for _, site in plan])
