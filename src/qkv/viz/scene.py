@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,19 +24,18 @@ ROW_BYTES = 64 << 20
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
 def map_large_allocations(threshold: int = 1 << 20) -> None:
     """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapped
     pages, returned to the system when freed. Maps are computed a block of rows at a time:
     glibc otherwise raises its threshold to 32 MB after the first large free, carves the
     blocks from the heap, and the small tensors kept between them (per-row summaries, compact
     rows) pin the freed space: SmolLM2 at 8,192 tokens grew by 270-540 MB a layer, and by
-    under 10 MB with the threshold fixed (docs/viz.md, "Long texts"). Elsewhere than glibc
-    this does nothing."""
-    name = ctypes.util.find_library("c")
+    under 10 MB with the threshold fixed (docs/viz.md, "Long texts"). Once per process;
+    elsewhere than glibc this does nothing."""
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
+    except (OSError, TypeError):  # Windows has no CDLL(None)
         return
     if mallopt is not None:
         mallopt(_M_MMAP_THRESHOLD, threshold)
