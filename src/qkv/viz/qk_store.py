@@ -88,16 +88,23 @@ class QKStore:
         self.layers = []
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def rows(self, layer: int, heads: list[int], start: int, stop: int) -> Tensor:
-        """(len(heads), stop - start, Nk) float32 weights of query rows start..stop-1."""
+    def _float32(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's q (1, H, Nq, D) and k (1, Hkv, Nk, D): float32 copies read from the
+        mapped files (writable, as torch wants), once per request."""
         stored = self.layers[layer]
-        # astype reads the mapped file into a float32 copy (writable, as torch wants).
-        q = torch.from_numpy(stored.q.astype(np.float32))[None]
-        k = torch.from_numpy(stored.k.astype(np.float32))[None]
-        v = stored.variant
+        return (torch.from_numpy(stored.q.astype(np.float32))[None],
+                torch.from_numpy(stored.k.astype(np.float32))[None])
+
+    def _weights(self, layer: int, q: Tensor, k: Tensor, heads: list[int], start: int,
+                 stop: int) -> Tensor:
+        v = self.layers[layer].variant
         return head_weights(q, k, heads, mask=v["mask"], score_mod=v["score_mod"],
                             similarity=v["similarity"], scale=v["scale"], metric=v["metric"],
                             rows=(start, stop))[0].float()
+
+    def rows(self, layer: int, heads: list[int], start: int, stop: int) -> Tensor:
+        """(len(heads), stop - start, Nk) float32 weights of query rows start..stop-1."""
+        return self._weights(layer, *self._float32(layer), heads, start, stop)
 
     def window(self, layer: int, head: int, q_range: tuple[int, int],
                k_range: tuple[int, int], size: int) -> tuple[Tensor, tuple[int, int]]:
@@ -109,9 +116,10 @@ class QKStore:
         fq, fk = math.ceil((q1 - q0) / size), math.ceil((k1 - k0) / size)
         nk = self.layers[layer].shape[2]
         block = max(fq, (WINDOW_ELEMENTS // max(1, nk)) // fq * fq)
+        q, k = self._float32(layer)
         cells = []
         for start in range(q0, q1, block):
-            w = self.rows(layer, [head], start, min(q1, start + block))[0][:, k0:k1]
+            w = self._weights(layer, q, k, [head], start, min(q1, start + block))[0][:, k0:k1]
             cells.append(_pool(_pool(w, fq, 0), fk, 1))
         return torch.cat(cells, 0), (fq, fk)
 
