@@ -67,8 +67,8 @@ static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v);
 # sign(x), 0 for NaN and -0 as torch.sign: 1.0 carrying x's sign bit where x is neither,
 # which (x < 0) | (x > 0) tells (GCC writes it as one ordered not-equal comparison): 3 vector
 # operations with AVX-512, 4 with AVX2, where the two selects took 5. With AVX2 in float,
-# vpsignd of that comparison's mask and a convert: 3 (a user's L1 gradient loop on Zen 3:
-# docs/benchmarks.md, eleventh session).
+# vpsignd of that comparison's mask and a convert: 3 (measured on a user's L1 gradient loop
+# on Zen 3, docs/benchmarks.md).
 _SIGN_BITS = """static inline qkv_v qkv_vsign(qkv_v x) {
     const qkv_vi neither = (x < QV(0)) | (x > QV(0));
     return (qkv_v)(((qkv_vi)QV(1) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & neither);
