@@ -268,8 +268,8 @@ def _qkv(kwargs, backend="auto"):
 
 
 def _engine(kwargs, n: int, backend: str) -> str:
-    from qkv.core.engines import plan
     from qkv.core.problem import build_problem
+    from qkv.engines import plan
 
     q, k, v = _inputs(n)
     args = {"mask": None, "score_mod": None, "similarity": "dot", "scale": None, "metric": None,

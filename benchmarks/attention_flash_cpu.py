@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core.engines import cpu_flash
-from qkv.core.engines.native import cpuinfo_line
+from qkv.engines.cpu import cpu_flash
+from qkv.engines.cpu.native import cpuinfo_line
 
 COLUMNS = ("qkv fp32", "qkv fp32, bf16 products", "qkv bf16", "SDPA fp32", "SDPA bf16")
 

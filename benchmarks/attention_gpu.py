@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core.engines import triton as triton_engine
 from qkv.core.problem import build_problem
+from qkv.engines import triton as triton_engine
 
 WINDOW, SOFTCAP, DOC_LEN, GRAPH_DEGREE, GRAPH_SPAN = 512, 20.0, 1024, 32, 512
 VARIANTS = ["dot", "causal", "alibi", "window", "softcap", "segments", "cosine", "cosine_causal",

@@ -96,9 +96,9 @@ def make_case(kind: str, n: int, args):
 
     engine = "-"
     if kind in QUADRATIC or mask is not None:
-        from qkv.core import engines
-        from qkv.core.engines.tiles import block_sizes
+        from qkv import engines
         from qkv.core.problem import build_problem
+        from qkv.engines.cpu.tiles import block_sizes
 
         problem = build_problem(q, k, v, mask=mask, score_mod=None, similarity="dot",
                                 scale=None, metric=None, dropout_p=0.0, return_weights=False)

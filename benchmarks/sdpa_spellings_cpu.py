@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core import engines
-from qkv.core.api import _spelled_mask
+from qkv import engines
 from qkv.core.problem import build_problem
+from qkv.engines.api import _spelled_mask
 
 B, H, D = 1, 8, 64
 

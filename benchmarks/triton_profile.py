@@ -25,7 +25,7 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 import qkv
-from qkv.core.engines.triton.function import choose_tiling
+from qkv.engines.triton.function import choose_tiling
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def host_us(fn, reps: int = 50) -> float:
 
 def forward_launch(q, k, v, mask):
     """The launch of qkv's forward kernel alone, replayed with the arguments of one call."""
-    from qkv.core.engines.triton import kernels
+    from qkv.engines.triton import kernels
 
     real, launches = kernels.fwd_kernel, []
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core.engines.triton import function
-from qkv.core.engines.triton.function import Tiles, Tiling
+from qkv.engines.triton import function
+from qkv.engines.triton.function import Tiles, Tiling
 from triton_profile import compiled_flex, kernel_ms, problem  # beside this script
 
 # (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)

@@ -16,15 +16,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MAY_IMPORT = {
     "cache": set(), "bars": set(), "limits": set(), "threads": set(),
     "core": {"cache"},
-    "distributed": {"core"},
-    "integrations": {"core"},
+    "engines": {"core", "cache"},
+    "distributed": {"engines", "core"},
+    "integrations": {"engines", "core"},
     "data": {"cache", "limits"},
-    "nn": {"core", "distributed", "limits"},
-    "models": {"nn", "core", "distributed", "data", "bars", "cache", "limits"},
-    "train": {"models", "nn", "core", "distributed", "data", "bars", "cache", "limits",
-              "threads"},
-    "viz": {"train", "models", "nn", "core", "distributed", "data", "bars", "cache", "limits",
-            "threads"},
+    "nn": {"engines", "core", "distributed", "limits"},
+    "models": {"nn", "engines", "core", "distributed", "data", "bars", "cache", "limits"},
+    "train": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
+              "limits", "threads"},
+    "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
+            "limits", "threads"},
 }
 COMMANDS = {"cli", "model_commands", "chat", "__main__"}  # may import everything
 # Modules that import an optional dependency when they load: the only qkv modules another
@@ -32,7 +33,7 @@ COMMANDS = {"cli", "model_commands", "chat", "__main__"}  # may import everythin
 OPTIONAL = {
     "qkv.viz.plots": "matplotlib",
     "qkv.viz.heatmap": "matplotlib",
-    "qkv.core.engines.triton.function": "triton",
+    "qkv.engines.triton.function": "triton",
 }
 
 
@@ -181,7 +182,7 @@ def test_the_checker_finds_circles_and_resolves_relative_imports():
     node = ast.parse("from ..core import masks, attention").body[0]
     assert _targets("qkv.nn.attention", False, node) == ["qkv.core.masks", "qkv.core"]
     node = ast.parse("from . import ops").body[0]
-    assert _targets("qkv.core.engines", True, node) == ["qkv.core.engines.ops"]
+    assert _targets("qkv.engines", True, node) == ["qkv.engines.ops"]
     tree = ast.parse("import qkv.cache\ndef f():\n    from ..core import masks\n")
     assert _imports_of("qkv.nn", True, tree) == [("qkv.cache", False, 1),
                                                  ("qkv.core.masks", True, 3)]

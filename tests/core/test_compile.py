@@ -14,7 +14,7 @@ import torch
 import torch._dynamo.testing
 
 import qkv
-from qkv.core import engines
+from qkv import engines
 
 B, H, HKV, N, D = 2, 4, 2, 24, 8
 OUT_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4

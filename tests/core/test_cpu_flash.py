@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qkv
-from qkv.core import engines
-from qkv.core.engines import cpu_flash, native
+from qkv import engines
 from qkv.core.problem import build_problem
+from qkv.engines.cpu import cpu_flash, native
 
 needs_bf16 = pytest.mark.skipif(not cpu_flash.available("bf16"),
                                 reason="no bf16 kernel here (the flash engine's refusal says why)")

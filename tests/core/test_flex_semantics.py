@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import graph_gather, tiles
+from qkv.engines.cpu import graph_gather, tiles
 
 from .conftest import rand_qkv, rel_err
 

@@ -8,9 +8,10 @@ import torch
 
 import qkv
 from qkv.core import scores
-from qkv.core.engines import graph_gather, plan, tiles
 from qkv.core.problem import build_problem
 from qkv.core.similarity import SIMILARITIES as REGISTRY
+from qkv.engines import plan
+from qkv.engines.cpu import graph_gather, tiles
 
 from .conftest import mask_cases, rand_qkv, registered_similarities, rel_err
 

@@ -12,10 +12,11 @@ import torch
 
 import qkv
 from qkv.core import EMPTY, FULL
-from qkv.core.engines import fused_cpu, graph_gather, native_blocks, plan, tiles, workers
-from qkv.core.engines.tiles import TileSpec, block_sizes, tile_plan
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
+from qkv.engines import plan
+from qkv.engines.cpu import fused_cpu, graph_gather, native_blocks, tiles, workers
+from qkv.engines.cpu.tiles import TileSpec, block_sizes, tile_plan
 
 from .conftest import rand_qkv, rel_err
 
@@ -220,7 +221,7 @@ def test_dropout_gradients_match_finite_differences():
 
 
 def test_gather_path_dropout_gradients_match_finite_differences(monkeypatch):
-    from qkv.core.engines import graph_gather
+    from qkv.engines.cpu import graph_gather
 
     monkeypatch.setattr(graph_gather, "_GATHER_COST", 0)
     monkeypatch.setattr(graph_gather, "_CHUNK_EDGES", 5)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native
-from qkv.core.engines.kernelgen import c_mod, c_text
 from qkv.core.scores import UserScoreMod
+from qkv.engines.cpu import native
+from qkv.engines.kernelgen import c_mod, c_text
 
 # The modifier's C loops exist only where the C kernels build; without them it runs on torch
 # (test_native_fallback.py).

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native, native_blocks
 from qkv.core.similarity import PAIRWISE
+from qkv.engines.cpu import native, native_blocks
 
 pytestmark = pytest.mark.skipif(
     not native.available(torch.float32), reason="no C compiler on this machine"

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkv.core.engines import cpu_flash, native
-from qkv.core.engines.kernelgen import c as c_target
-from qkv.core.engines.kernelgen import c_mod
-from qkv.core.engines.kernelgen.graph import Graph
-from qkv.core.engines.kernelgen.trace import trace_score_mod, trace_term
 from qkv.core.scores import UserScoreMod
+from qkv.engines.cpu import cpu_flash, native
+from qkv.engines.kernelgen import c as c_target
+from qkv.engines.kernelgen import c_mod
+from qkv.engines.kernelgen.graph import Graph
+from qkv.engines.kernelgen.trace import trace_score_mod, trace_term
 
 from .test_traced_functions import mod, term
 

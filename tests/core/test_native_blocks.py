@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native, native_blocks
-from qkv.core.engines.fused_cpu import _spec
-from qkv.core.engines.ops import Variant
 from qkv.core.problem import build_problem
+from qkv.engines.cpu import native, native_blocks
+from qkv.engines.cpu.fused_cpu import _spec
+from qkv.engines.ops import Variant
 
 from .conftest import rand_qkv, rel_err
 
@@ -93,8 +93,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_blocks_agree_with_the_reference_and_the_tiles(case, dtype, block_runs, monkeypatch):
-    monkeypatch.setattr("qkv.core.engines.tiles.BLOCK_Q", 16)  # several blocks and spans
-    monkeypatch.setattr("qkv.core.engines.tiles.DENSE", 16)
+    monkeypatch.setattr("qkv.engines.cpu.tiles.BLOCK_Q", 16)  # several blocks and spans
+    monkeypatch.setattr("qkv.engines.cpu.tiles.DENSE", 16)
     shape, kwargs = CASES[case]["shape"], CASES[case]["kwargs"]
     q, k, v = rand_qkv(*shape, dtype=torch.float64, seed=3)
     ref = _out_and_grads(q, k, v, backend="reference", **kwargs)
@@ -152,8 +152,8 @@ def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs
 
 
 def test_why_not_names_extra_gradients_and_dtypes():
-    from qkv.core.engines.tiles import TileSpec
     from qkv.core.similarity import DOT
+    from qkv.engines.cpu.tiles import TileSpec
     spec = TileSpec(DOT, None, None, None, 1, 2, 10, 10, 0.0, 0, 16, 16)
     q = torch.zeros(1, 2, 10, 8)
     assert native_blocks.why_not(spec, q) is None

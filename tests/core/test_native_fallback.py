@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native
+from qkv.engines.cpu import native
 
 _PROBE = """
 import warnings, torch, qkv
-from qkv.core.engines import native
+from qkv.engines.cpu import native
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     ok = native.available(torch.float32)
@@ -57,7 +57,7 @@ def test_without_a_compiler_the_engine_falls_back_to_cdist(tmp_path):
 # reference's results, and one warning in all.
 _WITHOUT = """
 import json, warnings, torch, qkv
-from qkv.core import engines
+from qkv import engines
 from qkv.core.problem import build_problem
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as seen:
@@ -106,7 +106,7 @@ def test_without_c_every_engine_runs_on_torch_with_one_warning(tmp_path, how, re
 @pytest.mark.parametrize("gather", [False, True])
 def test_torch_fallback_without_the_c_library(monkeypatch, similarity, gather):
     """What a machine without a compiler runs: the same engine on torch operations."""
-    from qkv.core.engines import graph_gather, tiles
+    from qkv.engines.cpu import graph_gather, tiles
 
     monkeypatch.setattr(native, "_functions", None)
     monkeypatch.setattr(native, "_tried", True)

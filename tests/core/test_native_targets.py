@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from qkv.core.engines import native
+from qkv.engines.cpu import native
 
 pytestmark = [
     pytest.mark.slow,  # a process and a build per case, about 10 s each
@@ -27,7 +27,7 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # float64 against the reference; the L1 tile loops in float32 against torch.cdist.
 _PROBE = """
 import json, warnings, torch, qkv
-from qkv.core.engines import cpu_flash, native, workers
+from qkv.engines.cpu import cpu_flash, native, workers
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as seen:
     ok = native.available(torch.float32)

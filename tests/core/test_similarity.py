@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.core.engines import sdpa as sdpa_engine
-from qkv.core.engines import tiles
 from qkv.core.problem import build_problem
 from qkv.core.similarity import PAIRWISE, pairwise_sum
+from qkv.engines import sdpa as sdpa_engine
+from qkv.engines.cpu import tiles
 
 from .conftest import rand_qkv
 

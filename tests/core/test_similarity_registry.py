@@ -9,9 +9,9 @@ import torch
 
 import qkv
 from qkv.core import similarity as similarity_module
-from qkv.core.engines import graph_gather, native, tiles
-from qkv.core.engines.kernelgen import c as c_target
 from qkv.core.similarity import BUILTIN, SIMILARITIES
+from qkv.engines.cpu import graph_gather, native, tiles
+from qkv.engines.kernelgen import c as c_target
 
 from .conftest import (
     EXAMPLE_D,

@@ -181,7 +181,7 @@ def test_bad_inputs():
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_patterns_compile_for_the_triton_engine(name):
     """Every rule is plain index arithmetic the Triton tracer compiles (no kernel launch)."""
-    from qkv.core.engines.triton import unsupported
+    from qkv.engines.triton import unsupported
 
     q = torch.zeros(1, 2, 16, 16)
     problem = build_problem(q, q, q, mask=PATTERNS[name][0], score_mod=None, similarity="dot",

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 import qkv
-from qkv.core import engines
-from qkv.core.api import _spelled_mask
+from qkv import engines
 from qkv.core.problem import build_problem
+from qkv.engines.api import _spelled_mask
 
 from .conftest import rel_err
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native
-from qkv.core.engines.kernelgen import c as c_target
-from qkv.core.engines.kernelgen import c_vec
-from qkv.core.engines.kernelgen.derivative import derivative
-from qkv.core.engines.kernelgen.graph import CompileError, Graph
-from qkv.core.engines.kernelgen.trace import trace_term
+from qkv.engines.cpu import native
+from qkv.engines.kernelgen import c as c_target
+from qkv.engines.kernelgen import c_vec
+from qkv.engines.kernelgen.derivative import derivative
+from qkv.engines.kernelgen.graph import CompileError, Graph
+from qkv.engines.kernelgen.trace import trace_term
 
 from .conftest import rand_qkv, rel_err
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines import native
-from qkv.core.engines.kernelgen import c_mod, memo
-from qkv.core.engines.triton import variant as triton_variant
 from qkv.core.scores import Alibi, as_score_mod
 from qkv.core.similarity import BUILTIN
+from qkv.engines.cpu import native
+from qkv.engines.kernelgen import c_mod, memo
+from qkv.engines.triton import variant as triton_variant
 
 from .conftest import rel_err
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import and_masks, noop_mask, or_masks
 
 import qkv
-from qkv.core.engines import native
-from qkv.core.engines.kernelgen import c as c_target
-from qkv.core.engines.kernelgen import c_mod
-from qkv.core.engines.kernelgen.graph import CompileError, Graph
-from qkv.core.engines.kernelgen.trace import trace_mask, trace_term
 from qkv.core.scores import UserScoreMod
+from qkv.engines.cpu import native
+from qkv.engines.kernelgen import c as c_target
+from qkv.engines.kernelgen import c_mod
+from qkv.engines.kernelgen.graph import CompileError, Graph
+from qkv.engines.kernelgen.trace import trace_mask, trace_term
 
 from .conftest import rand_qkv, rel_err
 

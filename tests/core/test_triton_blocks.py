@@ -6,16 +6,16 @@ import pytest
 import torch
 
 import qkv
-from qkv.core.engines.kept import Kept
-from qkv.core.engines.triton import blocks
-from qkv.core.engines.triton.blocks import (
+from qkv.core.masks import EMPTY, FULL, PARTIAL, states_from
+from qkv.engines.kept import Kept
+from qkv.engines.triton import blocks
+from qkv.engines.triton.blocks import (
     block_layout,
     classify,
     coarsen,
     column_table,
     row_table,
 )
-from qkv.core.masks import EMPTY, FULL, PARTIAL, states_from
 
 from .test_triton_engine import _edges
 

@@ -36,8 +36,8 @@ class _Recorder:
 
 
 def _record_launches(monkeypatch, problem):
-    from qkv.core.engines import triton as triton_engine
-    from qkv.core.engines.triton import backward, function, kernels
+    from qkv.engines import triton as triton_engine
+    from qkv.engines.triton import backward, function, kernels
 
     choose = function.choose_tiling
     monkeypatch.setattr(function, "choose_tiling",

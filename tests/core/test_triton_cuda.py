@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.core import engines
+from qkv import engines
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
 

@@ -22,14 +22,14 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, or_masks
 
 import qkv
-from qkv.core.engines import engine_names
-from qkv.core.engines import triton as triton_engine
-from qkv.core.engines.triton.blocks import classify
 from qkv.core.masks import FULL
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
 from qkv.core.scores import as_score_mod
 from qkv.core.similarity import SIMILARITIES
+from qkv.engines import engine_names
+from qkv.engines import triton as triton_engine
+from qkv.engines.triton.blocks import classify
 
 from .conftest import EXAMPLE_D, registered_similarities
 from .test_compile import GRAD_TOLERANCE as COMPILE_GRAD_TOLERANCE
@@ -309,7 +309,7 @@ def run_dropout_case(device="cpu") -> dict:
 def run_lse_sinks_case(device="cpu") -> dict:
     """Runs in the interpreter subprocess (or on CUDA): the kernels' lse (natural units, -inf
     on rows with no key) and sinks applied on it, with gradients through both, vs float64."""
-    from qkv.core.api import with_sinks
+    from qkv.engines.api import with_sinks
 
     g = torch.Generator().manual_seed(3)
     base = [torch.randn(2, h, n, 40, generator=g).to(device)
@@ -396,7 +396,7 @@ def run_integer_positions_case(device="cpu", dtype=torch.float32) -> dict:
     """Runs in the interpreter subprocess (or on CUDA): learned ALiBi with positions past the
     bound up to which the kernels compute |q - k| in float (lowered here to 16 of the case's
     40), so the integer form of the generated code runs."""
-    from qkv.core.engines.triton import variant
+    from qkv.engines.triton import variant
 
     limit = variant.POSITION_LIMIT
     variant.POSITION_LIMIT = 16
@@ -415,8 +415,8 @@ def test_position_arithmetic_is_float_below_the_bound_only():
     """ALiBi's |q - k| in float from the position vectors below POSITION_LIMIT; above it, in
     integers (float32 holds every integer only up to 2**24). Index arithmetic that is not a
     sum of positions (a floor division, the head index) stays integer."""
-    from qkv.core.engines.kernelgen.triton import POSITION_LIMIT
-    from qkv.core.engines.triton.variant import trace_variant
+    from qkv.engines.kernelgen.triton import POSITION_LIMIT
+    from qkv.engines.triton.variant import trace_variant
 
     pair, cpu = SIMILARITIES["dot"].pairwise, torch.device("cpu")
     short = trace_variant(pair, qkv.causal(), qkv.alibi(4), cpu, 64, POSITION_LIMIT).source
@@ -531,7 +531,7 @@ def test_too_many_captured_tensors_is_a_clear_error():
 def run_compile_case(name: str) -> dict:
     """Runs in the interpreter subprocess: test_compile's case ``name`` with only the Triton
     engine in the dispatch list, eager against torch.compile(fullgraph=True)."""
-    from qkv.core import engines
+    from qkv import engines
 
     from .test_compile import compile_errors
 

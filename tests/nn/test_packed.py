@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import qkv.nn.packed as packed_module
-from qkv.core.engines import cpu_flash
+from qkv.engines.cpu import cpu_flash
 from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.packed import PackedLinear, pack_linears
 

@@ -5,9 +5,9 @@ import importlib
 import torch
 
 import qkv
-from qkv.core.api import attention_result
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
+from qkv.engines.api import attention_result
 from qkv.nn import MultiHeadAttention
 from qkv.viz import capture
 

@@ -1,6 +1,6 @@
-"""The functional core: ``attention``, masks, score modifiers, similarities and engines."""
+"""The math of attention: masks, score modifiers, similarities, the request, the reference;
+linear attention, retention and block-sparse patterns. It imports no engine."""
 
-from .api import attention
 from .linear import (
     LinearState,
     draw_orthogonal_features,
@@ -47,7 +47,6 @@ __all__ = [
     "ScoreMod",
     "Similarity",
     "alibi",
-    "attention",
     "causal",
     "custom_mask",
     "graph",

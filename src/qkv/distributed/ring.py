@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from qkv.core.api import attention
 from qkv.core.masks import EMPTY, FULL, Mask
 from qkv.core.reference import accumulation_dtype
 from qkv.core.scores import ScoreMod
+from qkv.engines.api import attention
 
 from .layout import chunks
 from .shift import ShiftedScoreMod, shift_mask

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..core.api import attention
 from ..core.similarity import Similarity, get_similarity
 from ..distributed.context import active as active_context_parallel
+from ..engines.api import attention
 from .linear import Linear
 from .positions import RotaryEmbedding, last_positions
 

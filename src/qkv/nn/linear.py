@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.engines.native import amd_cpu
+from ..engines.cpu.native import amd_cpu
 
 
 @functools.cache

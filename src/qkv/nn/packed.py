@@ -100,7 +100,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Mo
     "bf16"``: their float32 q, k, v and softmax weights may be rounded to bf16 for the two
     products, as the linear layers round their inputs. On AMD CPUs with AVX512-BF16 a
     prompt's attention then multiplies in bf16 (the flash engine,
-    ``qkv.core.engines.cpu_flash``); decoding's few query rows keep float32.
+    ``qkv.engines.cpu.cpu_flash``); decoding's few query rows keep float32.
 
     Tied weights (a GPT's lm_head and token embedding) are untied: the embedding keeps its
     float32 table, the head gets its own packed copy."""

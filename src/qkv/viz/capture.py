@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..core.api import attention_result
+from ..engines.api import attention_result
 from ..nn.attention import MultiHeadAttention
 from .weights import check_heads, head_weights
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...core import api, scores, spellings
 from ...core import masks as qm
+from ...core import scores, spellings
+from ...engines import api
 from .masks import Prepared, Unmasked
 
 # Keyword arguments of other layers' (T5's, ...) that change attention, which qkv cannot

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...cache import cache_dir
-from ..similarity import DOT, NEG_L1, NEG_SQDIST
+from ...core.similarity import DOT, NEG_L1, NEG_SQDIST
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_blocks.c")]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...masks import EMPTY, FULL, PARTIAL, Mask
+from ...core.masks import EMPTY, FULL, PARTIAL, Mask
 from ..kept import Kept
 
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..masks import EMPTY, FULL, Mask
-from ..problem import Problem
-from ..reference import accumulation_dtype
-from ..scores import ScoreMod, modified_scores
-from ..similarity import Pairwise
-from . import native, ops
-from .kept import Kept
+from ...core.masks import EMPTY, FULL, Mask
+from ...core.problem import Problem
+from ...core.reference import accumulation_dtype
+from ...core.scores import ScoreMod, modified_scores
+from ...core.similarity import Pairwise
+from .. import ops
+from ..kept import Kept
+from . import native
 
 BLOCK_Q = 128
 # Masks are classified in key blocks of BLOCK_K; runs of visited blocks are then merged into

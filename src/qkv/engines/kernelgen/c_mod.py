@@ -25,7 +25,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from .. import native
+from ..cpu import native
 from . import memo
 from .c import _C_TYPES, CEmitter, flat_offset, load_functions
 from .c_text import HEADER

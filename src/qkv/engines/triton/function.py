@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...problem import Problem
-from ...reference import expand_kv_heads
-from ...result import Result
-from ...similarity import NEG_SQDIST
+from ...core.problem import Problem
+from ...core.reference import expand_kv_heads
+from ...core.result import Result
+from ...core.similarity import NEG_SQDIST
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module

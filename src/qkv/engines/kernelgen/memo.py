@@ -19,7 +19,7 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from ...structure import Node
+from ...core.structure import Node
 from ..kept import Kept
 from .graph import Graph
 

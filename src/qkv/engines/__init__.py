@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .. import reference
-from ..problem import Problem
-from ..result import Result
-from . import cpu_flash, fused_cpu, graph_gather, sdpa, triton
+from ..core import reference
+from ..core.problem import Problem
+from ..core.result import Result
+from . import sdpa, triton
+from .cpu import cpu_flash, fused_cpu, graph_gather
 
 
 class Plan(NamedTuple):

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..problem import Problem
-from ..result import Result
-from ..similarity import BUILTIN
+from ...core.problem import Problem
+from ...core.result import Result
+from ...core.similarity import BUILTIN
 from . import native
 
 _DOT = BUILTIN["dot"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...similarity import DOT, NEG_L1, NEG_SQDIST
+from ...core.similarity import DOT, NEG_L1, NEG_SQDIST
 
 MAX_HEAD_DIM = 256
 # The pairwise terms the kernels have code of their own for, by definition

@@ -7,12 +7,13 @@ import inspect
 import torch
 from torch import Tensor
 
-from . import engines, spellings
-from .masks import Mask
-from .problem import build_problem
-from .result import Result
-from .scores import as_score_mod
-from .similarity import Similarity
+from .. import engines
+from ..core import spellings
+from ..core.masks import Mask
+from ..core.problem import build_problem
+from ..core.result import Result
+from ..core.scores import as_score_mod
+from ..core.similarity import Similarity
 
 
 def attention(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..similarity import DOT, NEG_L1, NEG_SQDIST
+from ...core.similarity import DOT, NEG_L1, NEG_SQDIST
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..problem import Problem
-from ..result import Result
-from . import native, native_blocks, ops
-from .kernelgen import c as c_target
-from .kernelgen import c_mod
+from ...core.problem import Problem
+from ...core.result import Result
+from .. import ops
+from ..kernelgen import c as c_target
+from ..kernelgen import c_mod
+from . import native, native_blocks
 from .tiles import (
     TileSpec,
     add_grads,

@@ -28,12 +28,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import GraphMask
-from ..result import Result
-from ..scores import modified_scores
-from ..similarity import DOT
-from . import native, ops
-from .kernelgen import c as c_target
+from ...core.masks import GraphMask
+from ...core.result import Result
+from ...core.scores import modified_scores
+from ...core.similarity import DOT
+from .. import ops
+from ..kernelgen import c as c_target
+from . import native
 from .tiles import (
     TileSpec,
     add_grads,

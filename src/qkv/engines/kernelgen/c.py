@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .. import native
+from ..cpu import native
 from . import c_vec
 from .c_text import HEADER, TERM_EDGES, TERM_LOOPS, TERM_ROW, TRANSPOSE
 from .derivative import depends_on, derivative, loads_in

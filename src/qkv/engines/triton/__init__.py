@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from ...problem import Problem
+from ...core.problem import Problem
 from ..kernelgen.graph import CompileError
 from .terms import MAX_HEAD_DIM, kernel_id
 from .variant import trace_variant

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from ..masks import CausalMask, TensorMask
-from ..masks.rules import TopLeftCausalMask
-from ..problem import Problem
-from ..result import Result
-from ..scores import AdditiveBias
-from ..similarity import BUILTIN
-from ..structure import values_readable
+from ..core.masks import CausalMask, TensorMask
+from ..core.masks.rules import TopLeftCausalMask
+from ..core.problem import Problem
+from ..core.result import Result
+from ..core.scores import AdditiveBias
+from ..core.similarity import BUILTIN
+from ..core.structure import values_readable
 
 # enable_gqa arrived in torch 2.5; older versions get the heads repeated.
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ..structure import Node, floats_as_scalars, scalars_as_floats
+from ..core.structure import Node, floats_as_scalars, scalars_as_floats
 
 
 class Variant(Node):
