@@ -190,12 +190,14 @@ def _halved(source: str) -> bool:
 def test_the_halved_sign_is_written_for_plain_inputs_only(dtype):
     q, k = torch.randn(1, 2, 9, D), torch.randn(1, 2, 11, D)
     root = trace_term(HALVED["l1"], Graph("cpu", D))
-    assert _halved(c_target._source(root, dtype, (q, k)))
+    assert c_target.plain_values(q, k)
+    assert _halved(c_target._source(root, dtype, plain=True))
     assert not _halved(c_target._source(root, dtype))  # the forward's: no inputs
     other = trace_term(NOT_HALVED["times_q"], Graph("cpu", D))
-    assert not _halved(c_target._source(other, dtype, (q, k)))
+    assert not _halved(c_target._source(other, dtype, plain=True))
     k[0, 1, 4, 7] = -0.0
-    assert not _halved(c_target._source(root, dtype, (q, k)))
+    assert not c_target.plain_values(q, k)
+    assert not _halved(c_target._source(root, dtype, plain=False))
 
 
 @pytest.mark.parametrize("name", ["l1", "squared", "reversed_scaled", "plus_q_sign"])

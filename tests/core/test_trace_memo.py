@@ -1,6 +1,6 @@
-"""Traces kept between calls (``kernelgen.memo``): qkv's own masks and modifiers are traced
-once per structure, a hit reads this call's tensors, and a user's callable is traced on
-every call (it may read values no key sees)."""
+"""Traces kept between calls (``kernelgen.memo``): masks, modifiers and terms, qkv's own and
+a user's, are traced once per structure; a hit reads this call's tensors; a callable that
+reads a value no key stands for is traced on every call."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import qkv
 from qkv.core.scores import Alibi, as_score_mod
 from qkv.core.similarity import BUILTIN
 from qkv.engines.cpu import native
+from qkv.engines.kernelgen import c as c_target
 from qkv.engines.kernelgen import c_mod, memo
 from qkv.engines.triton import variant as triton_variant
 
@@ -68,9 +69,33 @@ def test_key_says_which_places_share_a_tensor(monkeypatch):
     assert len(twice.slots) == 2 and twice.slots[0] is a and twice.slots[1] is b
 
 
-def test_user_callables_and_outside_subclasses_have_no_key():
-    assert memo.variant_key(qkv.causal(), as_score_mod(lambda s, b, h, q, k: s)) is None
-    assert memo.variant_key(qkv.custom_mask(lambda b, h, q, k: q >= k)) is None
+def test_user_callables_are_keyed_by_code_and_what_they_read():
+    scale = torch.ones(4)
+
+    def by_head(s, b, h, q, k):
+        return s * scale[h]
+
+    key, tensors = memo.variant_key(qkv.causal(), as_score_mod(by_head))
+    assert tensors == [scale]
+    assert memo.variant_key(qkv.causal(), as_score_mod(by_head))[0] == key
+    scale = torch.zeros(4)  # new values, same metadata: the same key, this tensor read
+    again, tensors = memo.variant_key(qkv.causal(), as_score_mod(by_head))
+    assert again == key and tensors[0] is scale
+    scale = torch.zeros(8)
+    assert memo.variant_key(qkv.causal(), as_score_mod(by_head))[0] != key
+
+    def capped(cap):
+        return as_score_mod(lambda s, b, h, q, k: cap * torch.tanh(s / cap))
+
+    assert memo.variant_key(capped(2.0))[0] == memo.variant_key(capped(2.0))[0]
+    assert memo.variant_key(capped(2.0))[0] != memo.variant_key(capped(3.0))[0]
+    assert memo.variant_key(as_score_mod(lambda s, b, h, q, k: s))[0] != memo.variant_key(
+        as_score_mod(lambda s, b, h, q, k: s * 1))[0]  # another code object
+
+
+def test_values_no_key_stands_for_and_outside_subclasses_have_no_key():
+    table = {"cap": 2.0}
+    assert memo.variant_key(as_score_mod(lambda s, b, h, q, k: s * table["cap"])) is None
 
     class Shifted(Alibi):  # defined outside qkv: its __call__ may read anything
         pass
@@ -103,13 +128,66 @@ def test_triton_trace_follows_requires_grad(monkeypatch):
     assert len(calls) == 3
 
 
-def test_user_score_mod_is_traced_every_call(monkeypatch):
+def test_user_score_mod_is_traced_once(monkeypatch):
     calls = _count_traces(monkeypatch, triton_variant)
-    doubled = as_score_mod(lambda s, b, h, q, k: s * 2)
     for _ in range(3):
-        triton_variant.trace_variant(DOT, None, doubled, CPU, 16, 64)
-    assert len(calls) == 3
-    assert len(triton_variant._TRACES) == 0
+        triton_variant.trace_variant(DOT, None, as_score_mod(lambda s, b, h, q, k: s * 2), CPU,
+                                     16, 64)
+    assert len(calls) == 1
+    assert len(triton_variant._TRACES) == 1
+
+
+def test_a_trace_that_may_have_read_values_is_not_kept(monkeypatch):
+    """A tensor the trace read without making it a slot (``.item()``) may be baked into the
+    code: such a trace is made again on every call."""
+    calls = _count_traces(monkeypatch, c_mod)
+    weight = torch.tensor(2.0)
+    baked = as_score_mod(lambda s, b, h, q, k: s * weight.item())
+    q, k, v = _inputs()
+    for value in (2.0, 3.0):
+        weight.fill_(value)
+        with torch.no_grad():
+            out = qkv.attention(q, k, v, score_mod=baked, backend="fused")
+        ref = qkv.attention(q.double(), k.double(), v.double(), scale=value / 4,
+                            backend="reference")
+        assert rel_err(out, ref) < 1e-5
+    assert len(c_mod._TRACES) == 0
+    assert len(calls) == (2 if native.available(torch.float32) else 0)
+
+
+def _times_head_weight(weight):
+    return lambda s, b, h, q_idx, kv_idx: s * weight[h]
+
+
+def test_user_closure_over_a_changing_tensor_reads_each_steps_values(monkeypatch):
+    """A user's modifier closing over a learnable tensor is traced once, reads the values of
+    each step, and its gradient reaches the tensor."""
+    calls = _count_traces(monkeypatch, c_mod)
+    bias = torch.rand(4, requires_grad=True)
+
+    def per_head(s, b, h, q_idx, kv_idx):
+        return s * bias[h]
+
+    q, k, v = _inputs()
+    for step in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = qkv.attention(*leaves, mask=qkv.causal(), score_mod=per_head, backend="fused")
+        got = torch.autograd.grad(out.square().sum(), [*leaves, bias])
+        ref_bias = bias.detach().double().requires_grad_()
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = qkv.attention(*ref_leaves, mask=qkv.causal(),
+                            score_mod=_times_head_weight(ref_bias),
+                            backend="reference")
+        want = torch.autograd.grad(ref.square().sum(), [*ref_leaves, ref_bias])
+        assert rel_err(out, ref) < 1e-5
+        for g, w in zip(got, want, strict=True):
+            assert rel_err(g, w) < 1e-4
+        with torch.no_grad():
+            bias.add_(0.5 * (step + 1))
+        if step == 0:
+            traced_first = len(calls)
+    # One trace per pass (the forward's without grad mode, the backward's with it), then none.
+    assert len(calls) == traced_first == (2 if native.available(torch.float32) else 0)
 
 
 def _inputs(heads=4, kv_heads=2, nq=7, nk=19, d=16):
@@ -160,3 +238,20 @@ def test_fused_cpu_engine_in_place_update_and_gradient():
             assert rel_err(got, want) < 1e-4
         with torch.no_grad():
             slopes.add_(0.25 * (step + 1))
+
+
+def test_user_similarity_term_is_traced_once():
+    """A user's pairwise term keeps its C loops (CPU) and its Triton trace between calls."""
+    c_target._TRACES.clear()
+    weight = torch.rand(16)
+    sim = qkv.Similarity(lambda a, b: -(a - b).abs() * weight)
+    for _ in range(3):
+        triton_variant.trace_variant(sim.pairwise, None, None, CPU, 16, 64)
+        c_target.traced_loops(sim.pairwise, torch.float32, 16)
+    assert len(triton_variant._TRACES) == 1
+    assert len(c_target._TRACES) == (1 if native.available(torch.float32) else 0)
+    q, k, v = _inputs()
+    out = qkv.attention(q, k, v, similarity=sim, backend="fused")
+    ref = qkv.attention(q.double(), k.double(), v.double(), backend="reference",
+                        similarity=qkv.Similarity(lambda a, b: -(a - b).abs() * weight.double()))
+    assert rel_err(out, ref) < 1e-5

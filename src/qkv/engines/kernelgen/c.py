@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..cpu import native
-from . import c_vec
+from . import c_vec, memo
 from .c_text import HEADER, TERM_EDGES, TERM_LOOPS, TERM_ROW, TRANSPOSE
 from .derivative import depends_on, derivative, loads_in
 from .emit import COMMON_OPS, Emitter
@@ -195,10 +195,10 @@ def plain_values(*tensors: Tensor) -> bool:
     return True
 
 
-def _source(root: Sym, dtype: torch.dtype, inputs: tuple[Tensor, Tensor] | None = None) -> str:
-    """The C loops of one traced term in one dtype; ``inputs``: the q and k that the
-    gradient loops will read, which may let them write a sign in a shorter form
-    (``c_vec.halved_sign``)."""
+def _source(root: Sym, dtype: torch.dtype, plain: bool | None = None) -> str:
+    """The C loops of one traced term in one dtype; ``plain``: whether the q and k that the
+    gradient loops will read hold only plain values (``plain_values``), which lets them
+    write a sign in a shorter form (``c_vec.halved_sign``); None when they are not known."""
     ctype, fsuffix = _C_TYPES[dtype]
     graph = root.graph
     pq, pk = graph.leaf(TERM_ARGS[0], FLOAT), graph.leaf(TERM_ARGS[1], FLOAT)
@@ -232,9 +232,7 @@ def _source(root: Sym, dtype: torch.dtype, inputs: tuple[Tensor, Tensor] | None 
     vector_groups = ""
     if not updates:  # the vector loops keep no tensor's gradient sums
         try:
-            halved = None if inputs is None else c_vec.halved_sign(d_q, d_k)
-            if halved is not None and not plain_values(*inputs):
-                halved = None
+            halved = c_vec.halved_sign(d_q, d_k) if plain else None
             functions, vector_groups = c_vec.vector_groups(
                 d_q, d_k, graph.leaf(TERM_ARGS[2], INT), ctype, slots, halved)
             parts.append(functions)
@@ -293,17 +291,30 @@ def _warn_untraced(pair, error: Exception) -> None:
                       stacklevel=2)
 
 
+_TRACES = memo.Traces()
+
+
 def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
                  inputs: tuple[Tensor, Tensor] | None = None) -> native.TileLoops | None:
     """C loops for ``pair`` (a ``similarity.Pairwise`` without C loops of its own) in
-    ``dtype`` with head dim ``head_dim``, traced from its term now (so they read the tensors
-    the term captures as they are now), or None when it does not trace or nothing builds.
-    The tile loops' scores and gradients are those of ``scale`` times the term; the edge
-    loops' are the term's (the graph engine scales each edge's score with its modifier).
-    ``inputs``: the q and k (B, H, N, D) the tile gradient loops will read, when they are
-    known (the backward pass); loops built for them must not be given others."""
+    ``dtype`` with head dim ``head_dim``, traced from its term now or found traced
+    (``memo``), reading the tensors the term captures as they are now; or None when it does
+    not trace or nothing builds. The tile loops' scores and gradients are those of ``scale``
+    times the term; the edge loops' are the term's (the graph engine scales each edge's
+    score with its modifier). ``inputs``: the q and k (B, H, N, D) the tile gradient loops
+    will read, when they are known (the backward pass); loops built for them must not be
+    given others."""
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
+    keyed = memo.variant_key(pair.term)
+    # The backward's code depends on whether its inputs hold only plain values (c_vec).
+    plain = None if inputs is None else plain_values(*inputs)
+    if keyed is not None:
+        key = (keyed[0], dtype, head_dim, plain)
+        found = _TRACES.lookup(key, keyed[1], "cpu")
+        if found is not None:
+            functions, slots = found
+            return _loops(functions, tuple(slots), dtype, scale)
     graph = Graph("cpu", head_dim)
     try:
         root = trace_term(pair.term, graph)
@@ -313,13 +324,21 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
     if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
         return None
     try:
-        source = _source(root, dtype, inputs)
+        source = _source(root, dtype, plain)
     except CompileError:
         return None
     functions = load_functions(source, "similarity_term", _TERM_SIGNATURES)
     if functions is None:
         return None
-    slots = tuple(graph.slots)  # autograd sees these: their gradients flow to what they came from
+    if keyed is not None:
+        _TRACES.store(key, keyed[1], functions, graph)
+    return _loops(functions, tuple(graph.slots), dtype, scale)
+
+
+def _loops(functions, slots: tuple[Tensor, ...], dtype: torch.dtype,
+           scale: float) -> native.TileLoops:
+    """The C functions bound to this call's slots (autograd sees these: their gradients flow
+    to what they came from)."""
     values = [t.detach().to(dtype).contiguous() for t in slots]
     *loops, c_term = _bind(functions, values, dtype, scale)
     return native.TileLoops(*loops, tensors=slots, c_term=c_term)

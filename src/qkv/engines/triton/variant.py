@@ -47,7 +47,7 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
     what cannot be compiled."""
     kernel = kernel_id(pair)
     float_positions = positions <= POSITION_LIMIT
-    keyed = None if kernel is None else memo.variant_key(mask, score_mod)
+    keyed = memo.variant_key(pair.term if kernel is None else None, mask, score_mod)
     if keyed is not None:
         key = (kernel, keyed[0], device, head_dim, float_positions, torch.is_grad_enabled())
         found = _TRACES.lookup(key, keyed[1], device)
