@@ -4,6 +4,7 @@ tokenizers.
 
     model, tokenizer = qkv.models.load_pretrained("smollm2")   # or "minilm", or a path
     GPT.from_pretrained("path/to/llama-dir")                    # the model alone
+    load_gpt_weights(model, "smollm2")                          # into a model, in place
     load_tokenizer("path/to/model.gguf")                        # the tokenizer alone
 
 ``gpt_from_pretrained`` and ``encoder_from_pretrained`` are what ``GPT.from_pretrained`` and
@@ -23,17 +24,20 @@ from .files import (
     SHORT_NAMES,
     CheckpointError,
     TensorSource,
+    built_on_meta,
     built_to_load,
     check_filled,
     read_config,
     read_safetensors,
     resolve,
+    safetensors_readers,
 )
 from .gguf import GGUFFile
 from .tokenizer import PretrainedTokenizer, from_directory, from_gguf
 
-__all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "encoder_from_pretrained",
-           "gpt_from_pretrained", "is_encoder", "load_gpt_config", "load_tokenizer", "resolve"]
+__all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "built_on_meta",
+           "encoder_from_pretrained", "gpt_from_pretrained", "is_encoder", "load_gpt_config",
+           "load_gpt_weights", "load_tokenizer", "resolve"]
 
 DECODER_TYPES = ("gpt2", "llama")
 
@@ -75,22 +79,40 @@ def load_gpt_config(name_or_path):
     return (gpt2 if kind == "gpt2" else llama).config_from_hf(read_config(path))
 
 
+def _fill_gpt(model, path: Path, lazy: bool) -> None:
+    """Copy the decoder checkpoint at ``path`` into ``model`` (built from its config); with
+    ``lazy``, each tensor is read from the file as it is copied, so one is held at a time."""
+    kind, where = _model_type(path), str(path)
+    if kind == "gguf":
+        gguf = open_gguf(path)
+        tensors = gguf.readers() if lazy else gguf.tensors()
+        llama.load_weights(model, TensorSource(tensors, where), gguf=True)
+        return
+    tensors = safetensors_readers(path) if lazy else read_safetensors(path)
+    if kind == "gpt2":
+        gpt2.load_weights(model, TensorSource(gpt2.normalize_names(tensors), where))
+    else:
+        llama.load_weights(model, TensorSource(tensors, where), gguf=False)
+
+
 def gpt_from_pretrained(cls, name_or_path):
     """``cls(config)`` (a GPT) with the weights of a GPT-2 or LLaMA-family directory, a
     ``.gguf`` file, or ``smollm2``, in eval mode."""
     path = resolve(name_or_path)
-    config = load_gpt_config(path)
-    model = built_to_load(lambda: cls(config))
-    kind, where = _model_type(path), str(path)
-    if kind == "gguf":
-        llama.load_weights(model, TensorSource(open_gguf(path).tensors(), where), gguf=True)
-    elif kind == "gpt2":
-        tensors = gpt2.normalize_names(read_safetensors(path))
-        gpt2.load_weights(model, TensorSource(tensors, where))
-    else:
-        llama.load_weights(model, TensorSource(read_safetensors(path), where), gguf=False)
-    check_filled(model, where)
+    model = built_to_load(lambda: cls(load_gpt_config(path)))
+    _fill_gpt(model, path, lazy=False)
+    check_filled(model, str(path))
     return model.eval()
+
+
+def load_gpt_weights(model, name_or_path) -> None:
+    """Fill ``model``, a GPT of the checkpoint's config, with its weights, in place, reading
+    one tensor at a time: a model whose parameters FSDP has sharded (built with
+    ``built_on_meta``, then materialized) takes this rank's part of each, so no rank holds
+    the whole checkpoint. Every parameter must be written."""
+    path = resolve(name_or_path)
+    _fill_gpt(model, path, lazy=True)
+    check_filled(model, str(path))
 
 
 def encoder_from_pretrained(cls, name_or_path):

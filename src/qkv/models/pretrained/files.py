@@ -1,5 +1,6 @@
-"""Finding checkpoint files: short names, directories, safetensors shards, and named tensors;
-models built to be filled from them.
+"""Finding checkpoint files: short names, directories, safetensors shards, and named tensors
+(read whole, or one at a time as they are taken); models built to be filled from them, whole or
+with their parameters on the meta device (to be sharded, then filled shard by shard).
 
 Only safetensors and GGUF are read. A pickle checkpoint (pytorch_model.bin, *.pt) can run code
 when loaded, so it is refused with a message saying how to convert it.
@@ -19,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError
+import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...cache import cache_dir
 
@@ -162,32 +165,61 @@ def read_config(directory: Path) -> dict:
         raise CheckpointError(f"{config} is not valid JSON: {e}") from None
 
 
-def read_safetensors(directory: Path) -> dict[str, Tensor]:
-    """Every tensor of ``model.safetensors``, or of the shards its index names."""
-    def load(path: Path) -> dict[str, Tensor]:
-        try:
-            return load_file(str(path))
-        except SafetensorError as e:  # a truncated or damaged file
-            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"{path} is damaged or truncated ({detail}); restore or "
-                                  "re-download that file") from None
+def _damaged(path: Path, e: SafetensorError) -> CheckpointError:
+    """A truncated or damaged safetensors file, named with what to do."""
+    detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(f"{path} is damaged or truncated ({detail}); restore or "
+                           "re-download that file")
 
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """``model.safetensors``, or the shards its index names."""
     single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
     if single.is_file():
-        return load(single)
+        return [single]
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors: dict[str, Tensor] = {}
         for shard in shards:
             if not (directory / shard).is_file():
                 raise CheckpointError(
                     f"{directory}: shard {shard} named in {index.name} is missing")
-            tensors.update(load(directory / shard))
-        return tensors
+        return [directory / shard for shard in shards]
     pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         refuse_pickle(pickles[0])
     raise CheckpointError(f"{directory} has no model.safetensors")
+
+
+def read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """Every tensor of ``model.safetensors``, or of the shards its index names."""
+    tensors: dict[str, Tensor] = {}
+    for path in safetensors_files(directory):
+        try:
+            tensors.update(load_file(str(path)))
+        except SafetensorError as e:
+            raise _damaged(path, e) from None
+    return tensors
+
+
+def safetensors_readers(directory: Path) -> dict[str, Callable[[], Tensor]]:
+    """Each tensor's name -> a function that reads that tensor alone (the header is read
+    now, the values when it is called), for a ``TensorSource`` that holds one at a time."""
+    def reader(path: Path, handle, name: str) -> Callable[[], Tensor]:
+        def read() -> Tensor:
+            try:
+                return handle.get_tensor(name)
+            except SafetensorError as e:
+                raise _damaged(path, e) from None
+        return read
+
+    readers = {}
+    for path in safetensors_files(directory):
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except SafetensorError as e:
+            raise _damaged(path, e) from None
+        readers.update({name: reader(path, handle, name) for name in handle.keys()})
+    return readers
 
 
 # What modules call to draw or set their parameters at construction.
@@ -218,17 +250,52 @@ def check_filled(model: nn.Module, where: str) -> None:
                               f"model: {left[:5]}")
 
 
+def built_on_meta(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` with each parameter moved to the meta device as it is registered (shape and
+    dtype, no memory), and the buffers (RoPE's frequencies, ALiBi's slopes) computed as
+    usual: a model to shard before its parameters take memory, then fill from a checkpoint.
+    A parameter is allocated on the CPU for the moment before it moves, untouched (the
+    initializers do nothing here, as in ``built_to_load``), so no page of it is written. A
+    tied parameter is registered again as the same meta parameter."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        return built_to_load(make)
+    finally:
+        nn.Module.register_parameter = register
+
+
+def fill(param: Tensor, value: Tensor) -> None:
+    """Copy ``value`` (the whole tensor) into ``param``; into a sharded parameter (a DTensor,
+    as FSDP makes them) only this rank's part of it, cut locally (no communication: every
+    rank reads the checkpoint)."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements,
+                                  src_data_rank=None)
+    with torch.no_grad():
+        param.copy_(value)
+
+
 class TensorSource:
     """Named tensors taken one at a time, each checked against the shape the config implies;
-    ``finish`` refuses tensors nobody took (a checkpoint of another architecture)."""
+    ``finish`` refuses tensors nobody took (a checkpoint of another architecture). A value
+    is a tensor, or a function that reads it when it is taken (a file read lazily: the source
+    then holds one tensor at a time)."""
 
-    def __init__(self, tensors: dict[str, Tensor], where: str):
+    def __init__(self, tensors: dict[str, Tensor | Callable[[], Tensor]], where: str):
         self.tensors, self.where = dict(tensors), where
 
     def take(self, name: str, shape: tuple[int, ...]) -> Tensor:
         if name not in self.tensors:
             raise CheckpointError(f"{self.where} lacks tensor {name!r}")
         t = self.tensors.pop(name)
+        t = t() if callable(t) else t
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} in {self.where} has shape {tuple(t.shape)}; "
                                   f"the config implies {tuple(shape)}")

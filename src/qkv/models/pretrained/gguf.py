@@ -14,6 +14,8 @@ dequantizer; a format neither knows is refused by name.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +143,8 @@ class GGUFFile:
         """Every tensor, dequantized (seconds for SmolLM2: a progress bar on a terminal)."""
         return {name: self.tensor(name)
                 for name in bar(self._tensors, desc=f"loading {self.path.name}", unit="tensor")}
+
+    def readers(self) -> dict[str, Callable[[], Tensor]]:
+        """Each tensor's name -> a function that dequantizes that tensor alone, for a
+        ``TensorSource`` that holds one at a time."""
+        return {name: functools.partial(self.tensor, name) for name in self._tensors}

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from ...nn.blocks import BlockConfig
 from ...nn.positions import PositionsConfig
 from ..configs import GPTConfig
-from .files import CheckpointError, TensorSource
+from .files import CheckpointError, TensorSource, fill
 
 # Hugging Face activation names -> qkv FeedForward activations.
 ACTIVATIONS = {
@@ -75,21 +73,22 @@ def _tensor_names(config) -> dict[str, str]:
 
 
 def load_weights(model, source: TensorSource) -> None:
+    """Copy every parameter of a GPT-2-shaped ``model`` from ``source``; a sharded parameter
+    takes this rank's part (``fill``)."""
     config, d = model.config, model.config.block.d_model
     params = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for ours, theirs in _tensor_names(config).items():
-            shape = tuple(params[ours].shape)
-            # Conv1D keeps weights as (in, out); nn.Linear as (out, in).
-            conv1d = theirs.endswith(("c_proj.weight", "c_fc.weight"))
-            t = source.take(theirs, shape[::-1] if conv1d else shape)
-            params[ours].copy_(t.T if conv1d else t)
-        for i, block in enumerate(model.blocks):
-            attn = block.self_attn
-            w = source.take(f"h.{i}.attn.c_attn.weight", (d, 3 * d)).T.chunk(3)
-            bias = source.take(f"h.{i}.attn.c_attn.bias", (3 * d,)).chunk(3)
-            for proj, wi, bi in zip((attn.q_proj, attn.k_proj, attn.v_proj), w, bias, strict=True):
-                proj.weight.copy_(wi)
-                proj.bias.copy_(bi)
+    for ours, theirs in _tensor_names(config).items():
+        shape = tuple(params[ours].shape)
+        # Conv1D keeps weights as (in, out); nn.Linear as (out, in).
+        conv1d = theirs.endswith(("c_proj.weight", "c_fc.weight"))
+        t = source.take(theirs, shape[::-1] if conv1d else shape)
+        fill(params[ours], t.T if conv1d else t)
+    for i, block in enumerate(model.blocks):
+        attn = block.self_attn
+        w = source.take(f"h.{i}.attn.c_attn.weight", (d, 3 * d)).T.chunk(3)
+        bias = source.take(f"h.{i}.attn.c_attn.bias", (3 * d,)).chunk(3)
+        for proj, wi, bi in zip((attn.q_proj, attn.k_proj, attn.v_proj), w, bias, strict=True):
+            fill(proj.weight, wi)
+            fill(proj.bias, bi)
     source.discard("lm_head.weight")  # the tied copy, when a writer kept it
     source.finish()

@@ -7,13 +7,12 @@ interleaved for llama.cpp's rotary layout; ``unpermute_rows`` undoes that.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ...nn.blocks import BlockConfig
 from ...nn.positions import PositionsConfig
 from ..configs import GPTConfig
-from .files import CheckpointError, TensorSource
+from .files import CheckpointError, TensorSource, fill
 
 # qkv parameter (after "blocks.{i}.") -> (Hugging Face name after "model.layers.{i}.", GGUF
 # name after "blk.{i}.")
@@ -117,26 +116,26 @@ def unpermute_rows(w: Tensor, heads: int) -> Tensor:
 
 
 def load_weights(model, source: TensorSource, gguf: bool) -> None:
-    """Copy every parameter of a LLaMA-shaped ``model`` from ``source`` (HF or GGUF names)."""
+    """Copy every parameter of a LLaMA-shaped ``model`` from ``source`` (HF or GGUF names);
+    a sharded parameter takes this rank's part (``fill``)."""
     c = model.config
     heads, kv_heads = c.block.n_head, c.block.n_kv_head or c.block.n_head
     params = dict(model.named_parameters())
     which = 1 if gguf else 0
-    with torch.no_grad():
-        for ours, names in MODEL_TENSORS.items():
-            if ours == "lm_head.weight" and c.tie_embeddings:
-                source.discard(names[which])  # a tied copy, when a writer kept it
-                continue
-            params[ours].copy_(source.take(names[which], tuple(params[ours].shape)))
-        for i in range(c.n_layer):
-            prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
-            for ours, names in LAYER_TENSORS.items():
-                target = params[f"blocks.{i}.{ours}"]
-                t = source.take(prefix + names[which], tuple(target.shape))
-                if gguf and ours == "self_attn.q_proj.weight":
-                    t = unpermute_rows(t, heads)
-                elif gguf and ours == "self_attn.k_proj.weight":
-                    t = unpermute_rows(t, kv_heads)
-                target.copy_(t)
-            source.discard(f"{prefix}self_attn.rotary_emb.inv_freq")  # older writers saved it
+    for ours, names in MODEL_TENSORS.items():
+        if ours == "lm_head.weight" and c.tie_embeddings:
+            source.discard(names[which])  # a tied copy, when a writer kept it
+            continue
+        fill(params[ours], source.take(names[which], tuple(params[ours].shape)))
+    for i in range(c.n_layer):
+        prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
+        for ours, names in LAYER_TENSORS.items():
+            target = params[f"blocks.{i}.{ours}"]
+            t = source.take(prefix + names[which], tuple(target.shape))
+            if gguf and ours == "self_attn.q_proj.weight":
+                t = unpermute_rows(t, heads)
+            elif gguf and ours == "self_attn.k_proj.weight":
+                t = unpermute_rows(t, kv_heads)
+            fill(target, t)
+        source.discard(f"{prefix}self_attn.rotary_emb.inv_freq")  # older writers saved it
     source.finish()
