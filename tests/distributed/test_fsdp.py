@@ -157,7 +157,8 @@ def test_a_sharded_translation_model_decodes_as_the_whole_one():
 
 def test_the_memory_check_counts_a_rank_s_shard(monkeypatch):
     """10G parameters with 100 GB: 160 GB unsharded, 40 + 160/2 GB at two shards, and
-    40 + 160/4 = 80 GB at four, which fits."""
+    40 + 160/4 = 80 GB at four, which fits; a model a checkpoint fills is never whole on a
+    rank: 160/2 = 80 GB at two shards fits."""
     from qkv.train import plan
     from qkv.train.config import ConfigError
 
@@ -169,6 +170,11 @@ def test_the_memory_check_counts_a_rank_s_shard(monkeypatch):
                                           r"weights, then 1/2 of them"):
         plan.check_fits(10**10, cpu, shards=2)
     plan.check_fits(10**10, cpu, shards=4)
+    plan.check_fits(10**10, cpu, shards=2, whole=False)
+    monkeypatch.setattr(plan, "available_memory", lambda device: 50e9)
+    with pytest.raises(ConfigError, match=r"about 80.0 GB to train \(1/2 of the float32 "
+                                          r"weights, of their gradients"):
+        plan.check_fits(10**10, cpu, shards=2, whole=False)
 
 
 def test_a_context_parallel_degree_that_does_not_divide_the_ranks_is_refused_first(tmp_path):

@@ -17,13 +17,16 @@ leaves the gradients of the tensors it reads to DDP (``sum_extra_grads=False``).
 
 FSDP (``train.fsdp``, ``sharding``): the model is sharded in place before the optimizer is
 made, in place of DDP; its gradient reduction averages over every rank as DDP's does, so the
-same scaling holds, and its checkpoints are sharded (``checkpoint.save_sharded``).
+same scaling holds, and its checkpoints are sharded (``checkpoint.save_sharded``). A model
+a checkpoint fills (``train.init``, a sharded checkpoint resumed) is built on the meta device
+and sharded before it takes memory (``sharding.materialize``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import random
 import sys
@@ -41,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from .. import threads
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
+from ..models.pretrained import built_on_meta
 from ..nn.blocks import checkpoint_blocks
 from . import checkpoint, distributed, plan, sharding
 from .config import RunConfig
@@ -135,12 +139,20 @@ class Trainer:
         random.seed(t.seed)
         self.data = task.prepare(cfg, self.run_dir if resume else None, env)
         shards = env.world_size // t.context_parallel if t.fsdp else 1
-        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device, shards)
+        init = t.init if not resume else ""
+        # Sharded, a model whose weights a checkpoint gives takes memory only once it is:
+        # built on the meta device, sharded, then each rank's shard filled (no rank holds
+        # the whole model). From scratch, the whole model is drawn as one process draws it.
+        on_meta = t.fsdp and bool(init or (found is not None and found.sharded))
+        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device, shards,
+                        whole=not on_meta)
         threads.configure(t.threads)  # after the checks: a refused run prints one line
-        self.model = task.build_model(cfg, self.data)
-        if t.init and not resume:
-            task.initialize(self.model, t.init)
-        self.model.to(env.device)
+        build = functools.partial(task.build_model, cfg, self.data)
+        self.model = built_on_meta(build) if on_meta else build()
+        if init and not on_meta:
+            task.initialize(self.model, init)
+        if not on_meta:
+            self.model.to(env.device)
         self.sizing = "train.steps as set"
         if cfg.auto:
             cfg, self.sizing = plan.fine_tune_sizes(
@@ -157,6 +169,10 @@ class Trainer:
             if found is not None and not found.sharded:  # a DDP run continued sharded
                 carried = found.load_unsharded(self.model, make_optimizer(self.model, t))
             sharding.shard(self.model, env, t)
+        if on_meta:  # filled here from train.init, or by resume() from the checkpoint
+            sharding.materialize(self.model, env.device)
+            if init:
+                task.initialize(self.model, init)
         self.optimizer = make_optimizer(self.model, t)
         if carried is not None:
             set_optimizer_state_dict(self.model, self.optimizer, carried,

@@ -98,18 +98,24 @@ def available_memory(device: torch.device) -> float:
     return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def check_fits(params: int, device: torch.device, shards: int = 1) -> None:
+def check_fits(params: int, device: torch.device, shards: int = 1, whole: bool = True) -> None:
     """Refuse a model whose weights, gradients and AdamW moments alone exceed the memory
     available, before it is built: building it would fail (or swap) with a traceback. With
     ``shards`` > 1 (train.fsdp) a rank holds 1/shards of them, after building the whole
-    model's float32 weights once."""
-    need = TRAIN_BYTES_PER_PARAM * params / shards + (4 * params if shards > 1 else 0)
+    model's float32 weights once if ``whole`` (from scratch; a model a checkpoint fills is
+    sharded before its weights take memory)."""
+    once = whole and shards > 1
+    need = TRAIN_BYTES_PER_PARAM * params / shards + (4 * params if once else 0)
     have = available_memory(device)
     if need > have:
         where = "on the GPU" if device.type == "cuda" else "on this machine"
-        what = ("float32 weights, gradients and AdamW's two moments" if shards == 1 else
-                f"the whole float32 weights, then 1/{shards} of them, of their gradients and "
-                "of AdamW's two moments")
+        what = "float32 weights, gradients and AdamW's two moments"
+        if once:
+            what = (f"the whole float32 weights, then 1/{shards} of them, of their gradients "
+                    "and of AdamW's two moments")
+        elif shards > 1:
+            what = (f"1/{shards} of the float32 weights, of their gradients and of AdamW's "
+                    "two moments")
         raise ConfigError(
             f"the model does not fit in memory: {params:,} parameters need about "
             f"{need / 1e9:,.1f} GB to train ({what}), and {have / 1e9:,.1f} GB is available "

@@ -10,6 +10,11 @@ With ``train.context_parallel`` = C the ranks of a context group read different 
 the same sequences and need the same weights: the mesh is (context, data), FSDP shards over
 "data" and replicates over "context" (HSDP), so each context group holds the same shard and
 its gradients are summed over the group as well.
+
+A model whose weights come from a checkpoint (``train.init``, or a sharded checkpoint resumed)
+is built with its parameters on the meta device, sharded, then ``materialize``d: each rank
+allocates its shard alone, and the checkpoint fills it one tensor at a time, so no rank ever
+holds the whole model.
 """
 
 from __future__ import annotations
@@ -59,4 +64,21 @@ def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
         # its call gathers the root unit's weights (the translate model's encode and
         # decode read its embeddings directly)
         register_fsdp_forward_method(model, "generate")
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Allocate this rank's shard of every parameter of a model built with its parameters on
+    the meta device (``qkv.models.pretrained.built_on_meta``) and sharded, with values left
+    for a checkpoint to fill; the buffers keep the values they were built with (``to_empty``
+    would leave them unset too), moved to ``device``, one tensor where several modules share
+    one. Tied parameters stay tied (FSDP holds one shard for both names)."""
+    built = [(module, name, buffer) for module in model.modules()
+             for name, buffer in module.named_buffers(recurse=False)]
+    model.to_empty(device=device)
+    moved: dict[int, torch.Tensor] = {}
+    for module, name, buffer in built:
+        if id(buffer) not in moved:
+            moved[id(buffer)] = buffer.to(device)
+        setattr(module, name, moved[id(buffer)])
     return model

@@ -19,7 +19,7 @@ from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
 from ...distributed import shard
 from ...models import GPT, GPTConfig, load_tokenizer
-from ...models.pretrained import load_gpt_config
+from ...models.pretrained import load_gpt_config, load_gpt_weights
 from ...models.pretrained.usage import TextStream
 from ...models.scoring import token_nll
 from ..config import ConfigError, Schema, flatten, limited, nest
@@ -181,13 +181,13 @@ class LMTask:
                                    eval=dataclasses.replace(cfg.eval, **evals))
 
     def initialize(self, model, init: str) -> None:
-        """Copy the weights of checkpoint ``init`` into ``model`` (built from its config)."""
-        weights = GPT.from_pretrained(init).state_dict()
-        vocab = weights["tok_emb.weight"].shape[0]
+        """Copy the weights of checkpoint ``init`` into ``model`` (built from its config; whole,
+        or sharded by FSDP, when each rank takes its part), one tensor at a time."""
+        vocab = load_gpt_config(init).vocab_size
         if vocab != model.config.vocab_size:
             raise ConfigError(f"{init}: the model's vocabulary ({vocab}) and its tokenizer's "
                               f"({model.config.vocab_size}) differ; qkv cannot start from it")
-        model.load_state_dict(weights)
+        load_gpt_weights(model, init)
 
     @property
     def schema(self) -> Schema:
