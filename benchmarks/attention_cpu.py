@@ -11,6 +11,9 @@ Ratios are baseline time / qkv time, so > 1 means qkv is faster.
     python benchmarks/attention_cpu.py --dispatch       # qkv.attention's overhead over SDPA
     python benchmarks/attention_cpu.py --user-similarity --no-table   # a user L1 vs built-in
     python benchmarks/attention_cpu.py --vs-sdpa --no-table --n 4096 16384   # engine vs SDPA
+
+Each run also writes its figures to benchmarks/results/attention_cpu-<date>-<machine>.json
+(benchmarks/results.py); docs/performance.md quotes them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.bars import bar
+from results import write_results  # beside this script
 
 B, H, D = 1, 8, 64
 WINDOW = 256
@@ -277,11 +281,12 @@ def _engine(kwargs, n: int, backend: str) -> str:
     return plan(build_problem(q, k, v, **args), backend).engine
 
 
-def _ratio(base: float | None, ours: float) -> str:
-    return "—" if base is None else f"{base / ours:.2f}"
+def _ratio(base: float | None, ours: float) -> float | None:
+    return None if base is None else round(base / ours, 3)
 
 
-def measure(name: str, n: int, repeat: int, backend: str, flex: bool) -> list[str]:
+def measure(name: str, n: int, repeat: int, backend: str, flex: bool) -> dict:
+    """One row of the table: times in ms, peak MiB, and baseline time / qkv time."""
     case = make_case(name, n)
     ours = _qkv(case.kwargs, backend)
     fwd = best_time(forward(ours, n), repeat)
@@ -293,17 +298,36 @@ def measure(name: str, n: int, repeat: int, backend: str, flex: bool) -> list[st
     flex_fwd = best_time(forward(case.flex, n), repeat) if flex and case.flex else None
     sdpa_fwd = best_time(forward(case.sdpa, n), repeat) if case.sdpa else None
     sdpa_fb = best_time(forward_backward(case.sdpa, n), repeat) if case.sdpa else None
-    label = name if backend == "auto" else f"{name} ({backend})"
-    return [
-        label, str(n), _engine(case.kwargs, n, backend), f"{fwd * 1e3:.0f}", f"{fb * 1e3:.0f}",
-        "—" if mem is None else f"{mem / 2**20:.0f}",
-        _ratio(naive_fwd, fwd), _ratio(naive_fb, fb), _ratio(flex_fwd, fwd),
-        _ratio(sdpa_fwd, fwd), _ratio(sdpa_fb, fb),
-    ]
+    return {
+        "report": "table", "variant": name if backend == "auto" else f"{name} ({backend})",
+        "n": n, "engine": _engine(case.kwargs, n, backend), "fwd_ms": round(fwd * 1e3, 2),
+        "fwd_bwd_ms": round(fb * 1e3, 2), "peak_mib": None if mem is None else round(mem / 2**20),
+        "x_naive_fwd": _ratio(naive_fwd, fwd), "x_naive_fwd_bwd": _ratio(naive_fb, fb),
+        "x_flex_fwd": _ratio(flex_fwd, fwd), "x_sdpa_fwd": _ratio(sdpa_fwd, fwd),
+        "x_sdpa_fwd_bwd": _ratio(sdpa_fb, fb),
+    }
 
 
 HEADER = ["variant", "N", "engine", "fwd ms", "fwd+bwd ms", "peak MiB", "× naive fwd",
           "× naive f+b", "× flex fwd", "× sdpa fwd", "× sdpa f+b"]
+COLUMNS = ["variant", "n", "engine", "fwd_ms", "fwd_bwd_ms", "peak_mib", "x_naive_fwd",
+           "x_naive_fwd_bwd", "x_flex_fwd", "x_sdpa_fwd", "x_sdpa_fwd_bwd"]
+
+
+def table_row(row: dict) -> list[str]:
+    """A measured row as the markdown table prints it."""
+    cells = []
+    for key in COLUMNS:
+        value = row[key]
+        if value is None:
+            cells.append("—")
+        elif key.startswith("x_"):
+            cells.append(f"{value:.2f}")
+        elif isinstance(value, float):
+            cells.append(f"{value:.0f}")
+        else:
+            cells.append(str(value))
+    return cells
 
 
 def print_row(row: list[str]) -> None:
@@ -338,13 +362,13 @@ def case_kwargs(name: str, n: int) -> dict:
     return LARGE_CASES[name][1](n) if name in LARGE_CASES else make_case(name, n).kwargs
 
 
-def large_report(repeat: int) -> None:
+def large_report(repeat: int) -> list[dict]:
     """N=16384: sliding window and sparse graph against full / dense-masked attention, with
     the peak extra memory of each forward+backward. Full and dense-masked attention run once
     (about a minute each)."""
     n = 16384
     print(f"\nN={n} forward+backward (peak memory target <= 1024 MiB):")
-    seconds = {}
+    seconds, rows = {}, []
     for name, (label, kwargs, backend) in LARGE_CASES.items():
         run = forward_backward(_qkv(kwargs(n), backend), n)
         slow = name in ("full", "graph_dense")
@@ -352,11 +376,14 @@ def large_report(repeat: int) -> None:
         mem = peak_in_child(name, n, backend)
         mib = "—" if mem is None else f"{mem / 2**20:.0f} MiB"
         print(f"  {label:38s} {seconds[name]:8.2f} s   peak extra {mib}", flush=True)
+        rows.append({"report": "large", "case": label, "n": n, "fwd_bwd_s": round(seconds[name], 3),
+                     "peak_mib": None if mem is None else round(mem / 2**20)})
     print(f"  window vs full: {seconds['full'] / seconds['window']:.1f}x faster (target >= 10x); "
           f"segments vs full: {seconds['full'] / seconds['segments4']:.1f}x (4 documents: "
           "ideal 4x)")
     print(f"  graph gather vs dense-masked: {seconds['graph_dense'] / seconds['graph_gather']:.0f}x"
           " faster (target >= 20x)")
+    return rows
 
 
 def _once(run: Callable[[], object]) -> float:
@@ -378,10 +405,11 @@ def _paired_times(ours: Callable, direct: Callable, inputs, runs: int) -> list[t
     return pairs
 
 
-def dispatch_report(repeat: int) -> None:
+def dispatch_report(repeat: int) -> list[dict]:
     """qkv.attention's overhead on what it sends to SDPA: the same call timed both ways,
     alternating, so drifting load hits both alike; the median of the per-pair ratios."""
     print("\nDispatch overhead (qkv.attention -> SDPA versus calling SDPA directly), forward:")
+    rows = []
     for n in (256, 1024, 4096):
         for label, kwargs, causal in (("dot", {}, False), ("causal", {"mask": qkv.causal()}, True)):
             pairs = _paired_times(
@@ -395,6 +423,11 @@ def dispatch_report(repeat: int) -> None:
             print(f"  {label:6s} N={n:5d}: qkv/sdpa median {ratio:.3f} (target <= 1.05), "
                   f"median extra {extra * 1e6:+.0f} us on {base * 1e3:.2f} ms, "
                   f"{len(pairs)} pairs", flush=True)
+            rows.append({"report": "dispatch", "variant": label, "n": n,
+                         "qkv_over_sdpa_median": round(ratio, 4),
+                         "extra_us_median": round(extra * 1e6, 1),
+                         "sdpa_ms_median": round(base * 1e3, 3), "pairs": len(pairs)})
+    return rows
 
 
 # The user-defined L1 of docs/attention.md: the same math as similarity="l1", written as a
@@ -402,7 +435,7 @@ def dispatch_report(repeat: int) -> None:
 USER_L1 = qkv.Similarity(lambda q, k: -(q - k).abs(), name="user_l1")
 
 
-def user_similarity_report(n: int, repeat: int) -> None:
+def user_similarity_report(n: int, repeat: int) -> list[dict]:
     """Forward+backward of a user-defined L1 on the fused engine against the built-in L1 on
     the same engine, alternating (drifting load hits both alike), and against the
     materialized reference running the same user similarity (one run: it is slow)."""
@@ -422,13 +455,16 @@ def user_similarity_report(n: int, repeat: int) -> None:
     reference = _once(forward_backward(_qkv({"similarity": USER_L1}, "reference"), n))
     print(f"  reference, user L1 {reference:8.2f} s   reference / fused user = "
           f"{reference / ours:.2f} (target >= 3)", flush=True)
+    return [{"report": "user_similarity", "n": n, "user_l1_s": round(ours, 3),
+             "builtin_l1_s": round(base, 3), "reference_user_l1_s": round(reference, 3),
+             "user_over_builtin": round(ours / base, 3)}]
 
 
 # --vs-sdpa: the fused engine on every variant against SDPA's plain (and causal) attention.
 VS_SDPA = ["dot", "causal", "cosine", "l2", "mahalanobis", "alibi", "l1", "softcap"]
 
 
-def vs_sdpa_report(n: int, repeat: int) -> None:
+def vs_sdpa_report(n: int, repeat: int) -> list[dict]:
     """Forward+backward of each variant on the fused engine as a multiple of SDPA's plain
     (and, for causal, causal) forward+backward. Each round runs every case once, each right
     after a run of its SDPA baseline, and the rounds repeat. Two readings: fastest against
@@ -460,20 +496,31 @@ def vs_sdpa_report(n: int, repeat: int) -> None:
           "the ratios to the SDPA run just before):")
     print("| variant | fwd+bwd ms | × sdpa plain | × sdpa causal | × sdpa just before, median |")
     print("| --- | --- | --- | --- | --- |")
+    rows = []
     for label, t in best.items():
-        causal = f"{t / best['sdpa causal']:.2f}" if "causal" in label else "—"
-        pair = f"{sorted(paired[label])[len(paired[label]) // 2]:.2f}" if label in paired else "—"
-        print(f"| {label} | {t * 1e3:.0f} | {t / best['sdpa plain']:.2f} | {causal} | {pair} |",
-              flush=True)
+        causal = t / best["sdpa causal"] if "causal" in label else None
+        pair = sorted(paired[label])[len(paired[label]) // 2] if label in paired else None
+        print(f"| {label} | {t * 1e3:.0f} | {t / best['sdpa plain']:.2f} | "
+              f"{'—' if causal is None else f'{causal:.2f}'} | "
+              f"{'—' if pair is None else f'{pair:.2f}'} |", flush=True)
+        rows.append({"report": "vs_sdpa", "variant": label, "n": n, "rounds": rounds,
+                     "fwd_bwd_ms": round(t * 1e3, 1),
+                     "time_over_sdpa_plain": round(t / best["sdpa plain"], 3),
+                     "time_over_sdpa_causal": None if causal is None else round(causal, 3),
+                     "time_over_sdpa_paired_median": None if pair is None else round(pair, 3)})
+    return rows
 
 
-def causal_65536() -> None:
+def causal_65536() -> list[dict]:
     n = 65536
     run = forward_backward(_qkv({"mask": qkv.causal()}, "fused"), n)
     start = time.perf_counter()
     mem = peak_extra_memory(run)
-    print(f"\ncausal N={n} forward+backward (fused): {time.perf_counter() - start:.1f} s, "
+    seconds = time.perf_counter() - start
+    print(f"\ncausal N={n} forward+backward (fused): {seconds:.1f} s, "
           f"peak extra memory {'—' if mem is None else f'{mem / 2**20:.0f} MiB'}")
+    return [{"report": "causal_65536", "n": n, "fwd_bwd_s": round(seconds, 2),
+             "peak_mib": None if mem is None else round(mem / 2**20)}]
 
 
 def _parse(argv):
@@ -513,23 +560,29 @@ def main(argv=None) -> None:
     if not args.no_table:
         print_row(HEADER)
         print_row(["---"] * len(HEADER))
+    rows = []
     for n in bar([] if args.no_table else args.n, desc="sequence lengths", unit="N"):
         for name in args.variants:
-            print_row(measure(name, n, args.repeat, "auto", not args.no_flex))
+            rows.append(measure(name, n, args.repeat, "auto", not args.no_flex))
+            print_row(table_row(rows[-1]))
             if name in ("dot", "causal"):  # the fused engine on what auto sends to SDPA
-                print_row(measure(name, n, args.repeat, "fused", False))
+                rows.append(measure(name, n, args.repeat, "fused", False))
+                print_row(table_row(rows[-1]))
     if args.dispatch:
-        dispatch_report(args.repeat)
+        rows += dispatch_report(args.repeat)
     if args.user_similarity:
         for n in args.n:
-            user_similarity_report(n, args.repeat)
+            rows += user_similarity_report(n, args.repeat)
     if args.vs_sdpa:
         for n in args.n:
-            vs_sdpa_report(n, args.repeat)
+            rows += vs_sdpa_report(n, args.repeat)
     if args.large:
-        large_report(args.repeat)
+        rows += large_report(args.repeat)
     if args.causal_65536:
-        causal_65536()
+        rows += causal_65536()
+    if rows:
+        write_results("attention_cpu", rows, B=B, H=H, D=D, dtype="float32",
+                      repeat=args.repeat)
 
 
 def _cpu_model() -> str:

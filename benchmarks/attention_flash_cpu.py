@@ -10,6 +10,8 @@ from float64 on the float32 inputs.
 
     python benchmarks/attention_flash_cpu.py                  # the default shapes, 10 rounds
     python benchmarks/attention_flash_cpu.py --rounds 20 --n 1024 4096
+
+The figures also go to benchmarks/results/attention_flash_cpu-<date>-<machine>.json.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.engines.cpu import cpu_flash
 from qkv.engines.cpu.native import cpuinfo_line
+from results import write_results  # beside this script
 
 COLUMNS = ("qkv fp32", "qkv fp32, bf16 products", "qkv bf16", "SDPA fp32", "SDPA bf16")
 
@@ -33,7 +36,8 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def report(heads: int, kv_heads: int, n: int, causal: bool, rounds: int) -> str:
+def report(heads: int, kv_heads: int, n: int, causal: bool, rounds: int) -> tuple[str, dict]:
+    """The markdown row of one shape, and the same figures as a dict (ms, errors, ratios)."""
     g = torch.Generator().manual_seed(n)
     q = torch.randn(1, heads, n, 64, generator=g)
     k, v = (torch.randn(1, kv_heads, n, 64, generator=g) for _ in range(2))
@@ -60,9 +64,18 @@ def report(heads: int, kv_heads: int, n: int, causal: bool, rounds: int) -> str:
                     for c in COLUMNS)
     sdpa = best["SDPA fp32"]
     fp32 = f"{sdpa / best['qkv fp32']:.2f}x" if causal else "-"
-    return (f"| {heads}/{kv_heads} | {n} | {'causal' if causal else 'none'} | {ms} | {fp32} | "
+    line = (f"| {heads}/{kv_heads} | {n} | {'causal' if causal else 'none'} | {ms} | {fp32} | "
             f"{sdpa / best['qkv fp32, bf16 products']:.2f}x | "
             f"{best['SDPA bf16'] / best['qkv bf16']:.2f}x |")
+    row = {"heads": heads, "kv_heads": kv_heads, "n": n, "causal": causal}
+    for c in cases:
+        key = c.lower().replace(",", "").replace(" ", "_")
+        row[f"{key}_ms"] = round(best[c] * 1e3, 3)
+        row[f"{key}_error"] = error[c]
+    row["sdpa_fp32_over_qkv_fp32"] = round(sdpa / best["qkv fp32"], 3) if causal else None
+    row["sdpa_fp32_over_qkv_bf16_products"] = round(sdpa / best["qkv fp32, bf16 products"], 3)
+    row["sdpa_bf16_over_qkv_bf16"] = round(best["SDPA bf16"] / best["qkv bf16"], 3)
+    return line, row
 
 
 def main(argv=None) -> None:
@@ -81,9 +94,13 @@ def main(argv=None) -> None:
     print("| heads / KV heads | N | mask | " + " | ".join(COLUMNS) + " | SDPA fp32 / qkv fp32 "
           "| SDPA fp32 / qkv bf16 products | SDPA bf16 / qkv bf16 |")
     print("|---" * 11 + "|")
+    rows = []
     for n in args.n:
         for heads, kv_heads, causal in ((8, 8, False), (8, 8, True), (9, 3, True)):
-            print(report(heads, kv_heads, n, causal, args.rounds), flush=True)
+            line, row = report(heads, kv_heads, n, causal, args.rounds)
+            print(line, flush=True)
+            rows.append(row)
+    write_results("attention_flash_cpu", rows, B=1, D=64, rounds=args.rounds)
 
 
 if __name__ == "__main__":

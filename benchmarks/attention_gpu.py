@@ -3,7 +3,9 @@ compiled FlexAttention, naive PyTorch and the measured bf16 matmul peak, in one 
 
 It first checks correctness (Triton engine vs the float64 reference, output and gradients of
 q, k, v, in bf16, fp16 and fp32), then times forward, backward and forward+backward, and
-prints markdown tables ready for docs/benchmarks.md, then the issue's targets as PASS/MISS.
+prints markdown tables, then the targets as PASS/MISS. The timings also go to
+benchmarks/results/gpu-<date>-<device>.json (benchmarks/results.py), which
+docs/performance.md, "GPU: variants vs FlexAttention", quotes.
 
 Setup (the issue's): bf16, D in {64, 128}, N in {1k, 2k, 4k, 8k, 16k}, B·N = 16k, 16 heads at
 D=128 and 32 at D=64. TFLOP/s count only allowed score entries (4·B·H·allowed·D forward, 2.5x
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.core.problem import build_problem
 from qkv.engines import triton as triton_engine
+from results import write_results  # beside this script
 
 WINDOW, SOFTCAP, DOC_LEN, GRAPH_DEGREE, GRAPH_SPAN = 512, 20.0, 1024, 32, 512
 VARIANTS = ["dot", "causal", "alibi", "window", "softcap", "segments", "cosine", "cosine_causal",
@@ -54,7 +57,7 @@ def _flex_compiled():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     # One compiled flex_attention serves every variant, each a recompile: past the default
-    # limit of 8, Dynamo silently runs flex_attention unfused (seen on the H200, 2026-11-26).
+    # limit of 8, Dynamo silently runs flex_attention unfused, materializing the scores.
     for name, limit in (("recompile_limit", 256), ("accumulated_recompile_limit", 1024)):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, limit)
@@ -257,6 +260,18 @@ class Row:
             bwd_ms = self.fwdbwd_ms - self.fwd_ms
             return 2.5 * self.flops_fwd / bwd_ms / 1e9 if bwd_ms > 0 else None
         return 3.5 * self.flops_fwd / self.fwdbwd_ms / 1e9
+
+    def record(self) -> dict:
+        """The row for benchmarks/results: times in ms, TFLOP/s, peak GB."""
+        def r(x, digits=3):
+            return None if x is None else round(x, digits)
+
+        return {"d": self.d, "n": self.n, "batch": self.batch, "heads": self.heads,
+                "variant": self.variant, "impl": self.impl, "fwd_ms": r(self.fwd_ms),
+                "fwd_bwd_ms": r(self.fwdbwd_ms), "fwd_tflops": r(self.tflops("fwd"), 1),
+                "bwd_tflops": r(self.tflops("bwd"), 1),
+                "fwd_bwd_tflops": r(self.tflops("both"), 1), "peak_gb": r(self.peak_gb),
+                "note": self.note}
 
 
 def time_impl(fn, q, k, v, grad_out) -> tuple[float, float, float | None]:
@@ -473,6 +488,10 @@ def main() -> None:
     print("\n".join(targets(rows, peak)))
     if skipped:
         print(f"\nSkipped for the time budget ({len(skipped)}): " + "; ".join(skipped))
+    if not args.smoke and rows:  # the interpreter's times measure nothing
+        write_results("gpu", [r.record() for r in rows], device, dtype=str(args.dtype)[6:],
+                      matmul_peak_tflops=None if peak is None else round(peak, 1),
+                      skipped=skipped)
     print(f"\ntotal {time.monotonic() - start:.0f} s")
 
 

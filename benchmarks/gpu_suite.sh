@@ -18,7 +18,10 @@
 #                                           # older commit's, unpacked with git archive before
 #                                           # the call), then on this tree's, in one run
 #
-# Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR.
+# Stages may be joined with commas (tests,d128). Each writes its log and tables under OUT_DIR,
+# and the benchmarks write their figures there as JSON (benchmarks/results.py:
+# gpu-<date>-<device>.json from attention_gpu.py, gpu-tiling-... and gpu-profile-...), to be
+# copied into benchmarks/results/ when the run comes back (QKV_RESULTS_DIR overrides OUT_DIR).
 # Without a GPU (any machine, a clean checkout) the tests skip with their reason and the
 # benchmark runs its --smoke mode in Triton's interpreter, so the script itself is checked.
 # Environment: PYTHON (default python3), WORKERS (pytest-xdist workers, default 12),
@@ -32,6 +35,7 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 cd "$root" || exit 1
 export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export QKV_RESULTS_DIR=${QKV_RESULTS_DIR:-$out}
 
 if "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     gpu=1

@@ -7,6 +7,8 @@ Rounds alternate between the two; the fastest round of each is kept.
 
     python benchmarks/sdpa_spellings_cpu.py                # N = 1024 and 4096
     python benchmarks/sdpa_spellings_cpu.py --n 2048 --repeat 5
+
+The figures also go to benchmarks/results/sdpa_spellings_cpu-<date>-<machine>.json.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import qkv
 from qkv import engines
 from qkv.core.problem import build_problem
 from qkv.engines.api import _spelled_mask
+from results import write_results  # beside this script
 
 B, H, D = 1, 8, 64
 
@@ -56,6 +59,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, B={B} H={H} D={D} float32")
     print("| N | mask | engine | pass | qkv ms | SDPA ms | SDPA/qkv | max diff |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for n in args.n:
         for name, kwargs in masks(n).items():
             for backward in (False, True):
@@ -76,6 +80,12 @@ def main() -> None:
                 a, b = min(times[0]) * 1e3, min(times[1]) * 1e3
                 print(f"| {n} | {name} | {engine} | {'fwd+bwd' if backward else 'fwd'} | "
                       f"{a:.1f} | {b:.1f} | {b / a:.2f} | {float(diff):.1e} |", flush=True)
+                rows.append({"n": n, "mask": name, "engine": engine,
+                             "pass": "fwd+bwd" if backward else "fwd", "qkv_ms": round(a, 3),
+                             "sdpa_ms": round(b, 3), "sdpa_over_qkv": round(b / a, 3),
+                             "max_diff": float(diff)})
+    write_results("sdpa_spellings_cpu", rows, B=B, H=H, D=D, dtype="float32",
+                  repeat=args.repeat)
 
 
 if __name__ == "__main__":

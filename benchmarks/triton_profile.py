@@ -10,6 +10,9 @@
    the launch of its forward kernel alone (Triton's share), SDPA and FlexAttention.
 
     python benchmarks/triton_profile.py --d 128 --n 8192 --heads 16
+
+The figures also go to benchmarks/results/gpu-profile-<date>-<device>.json (with the qkv
+source that ran, for benchmarks/gpu_suite.sh's runs on an older tree).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import qkv
 from qkv.engines.triton.function import choose_tiling
+from results import write_results  # beside this script
 
 
 @triton.jit
@@ -184,9 +188,10 @@ def forward_launch(q, k, v, mask):
     return lambda: real[grid](*args, **kwargs)
 
 
-def host_table(q, k, v, leaves, dout, flex) -> None:
+def host_table(q, k, v, leaves, dout, flex) -> list[dict]:
     print("\n| call (host only, GPU busy) | causal | µs per call |")
     print("|---|---|---|")
+    rows = []
     for causal in (False, True):
         mask = qkv.causal() if causal else None
         with torch.no_grad():
@@ -206,9 +211,13 @@ def host_table(q, k, v, leaves, dout, flex) -> None:
             try:
                 with torch.no_grad() if "bwd" not in name else torch.enable_grad():
                     fn()
-                    print(f"| {name} | {causal} | {host_us(fn):.0f} |", flush=True)
+                    us = host_us(fn)
+                print(f"| {name} | {causal} | {us:.0f} |", flush=True)
+                rows.append({"table": "host", "call": name, "causal": causal,
+                             "host_us": round(us, 1)})
             except Exception as e:
                 print(f"| {name} | {causal} | {type(e).__name__}: {str(e)[:80]} |")
+    return rows
 
 
 def compiled_flex():
@@ -252,6 +261,7 @@ def main() -> None:
     print("| system | causal | pass | synced ms | queued ms | kernels ms | TFLOP/s (kernels) "
           "| kernels (ms each) |")
     print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for causal in (False, True):
         block_mask = (create_block_mask(lambda b, h, i, j: j <= i, None, None, args.n, args.n)
                       if causal else None)
@@ -286,15 +296,23 @@ def main() -> None:
                 listed = "; ".join(f"{key[:40]} {ms:.2f}" for key, ms in top)
                 print(f"| {name} | {causal} | {pass_} | {synced:.2f} | {queued:.2f} | "
                       f"{total:.2f} | {fl / total / 1e9:.0f} | {listed} |", flush=True)
+                rows.append({"table": "kernels", "system": name, "causal": causal,
+                             "pass": pass_, "synced_ms": round(synced, 3),
+                             "queued_ms": round(queued, 3), "kernels_ms": round(total, 3),
+                             "tflops": round(fl / total / 1e9, 1),
+                             "kernel_ms": {key: round(ms, 3) for key, ms in kernels.items()}})
     if "bare" in wanted:
-        bare_table(q, k, v, pairs * 4.0 * args.d)
+        rows += bare_table(q, k, v, pairs * 4.0 * args.d)
     if "host" in wanted:
-        host_table(q, k, v, leaves, dout, flex)
+        rows += host_table(q, k, v, leaves, dout, flex)
+    write_results("gpu-profile", rows, "cuda", dtype="bfloat16", B=batch, H=args.heads,
+                  N=args.n, D=args.d)
 
 
-def bare_table(q, k, v, flops) -> None:
+def bare_table(q, k, v, flops) -> list[dict]:
     print("\n| bare FA-2 forward (the engine's forward tiles) | ms | TFLOP/s |")
     print("|---|---|---|")
+    rows = []
     for name, switches in BARE.items():
         def call(switches=switches):
             return _bare(q, k, v, switches)
@@ -305,6 +323,9 @@ def bare_table(q, k, v, flops) -> None:
             print(f"| {name} | {type(e).__name__}: {str(e)[:80]} | |")
             continue
         print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |", flush=True)
+        rows.append({"table": "bare", "forward": name, "queued_ms": round(ms, 4),
+                     "tflops": round(flops / ms / 1e9, 1)})
+    return rows
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ and compiled FlexAttention. Times are the kernels' device time per call (torch.p
 ``--flex-source FILE`` writes the Triton code Inductor generated for FlexAttention.
 
     python benchmarks/triton_tiling.py --d 128 --n 8192 --flex-source flex_kernels.py
+
+The figures also go to benchmarks/results/gpu-tiling-<date>-<device>.json.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ import torch.nn.functional as F
 import qkv
 from qkv.engines.triton import function
 from qkv.engines.triton.function import Tiles, Tiling
-from triton_profile import compiled_flex, kernel_ms, problem  # beside this script
+from results import write_results  # beside this script
+from triton_profile import compiled_flex, kernel_ms, problem
 
 # (forward, dQ, dK/dV) as (block_m, block_n, num_warps, num_stages)
 CANDIDATES = {
     "now": None,
     "dkv 64x64 w4 s3": (None, None, (64, 64, 4, 3)),
     "dkv 64x128 w8 s3": (None, None, (64, 128, 8, 3)),
-    "dq 64x64 w4 s3 (before 2026-11-27)": (None, (64, 64, 4, 3), None),
+    "dq 64x64 w4 s3": (None, (64, 64, 4, 3), None),
 }
 
 
@@ -96,6 +99,7 @@ def main() -> None:
     print("| tiling | causal | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms "
           "| dK/dV ms | dQ ms |")
     print("|---|---|---|---|---|---|---|---|")
+    results = []
     for causal in (False, True):
         def sdpa(*t, causal=causal):
             return F.scaled_dot_product_attention(*t, is_causal=causal)
@@ -127,6 +131,13 @@ def main() -> None:
             print(f"| {name} | {causal} | {tflops(flops[causal], fwd):.0f} | "
                   f"{tflops(3.5 * flops[causal], both):.0f} | {fwd:.2f} | {both:.2f} | "
                   f"{dkv:.2f} | {dq:.2f} |", flush=True)
+            results.append({"tiling": name, "causal": causal, "fwd_ms": round(fwd, 3),
+                            "fwd_bwd_ms": round(both, 3), "dkv_ms": round(dkv, 3),
+                            "dq_ms": round(dq, 3),
+                            "fwd_tflops": round(tflops(flops[causal], fwd), 1),
+                            "fwd_bwd_tflops": round(tflops(3.5 * flops[causal], both), 1)})
+    write_results("gpu-tiling", results, "cuda", dtype="bfloat16", B=batch, H=args.heads,
+                  N=args.n, D=args.d)
     if cache is not None:
         _write_flex_source(cache, args.flex_source)
 

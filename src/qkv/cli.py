@@ -284,6 +284,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise FileNotFoundError(f"`qkv bench` needs a source checkout; {script} is missing")
     threads.configure(args.threads)  # a script's own --threads, where it has one, comes after
+    if str(BENCH_DIR) not in sys.path:  # the scripts import results.py from beside them
+        sys.path.insert(0, str(BENCH_DIR))
     spec = importlib.util.spec_from_file_location(f"qkv_bench_{args.name}", script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
