@@ -21,14 +21,15 @@ import torch
 from qkv.data.docstrings import stdlib_docstrings
 from qkv.models import load_pretrained
 from qkv.viz.scene import without_head
-from qkv.viz.summaries import summarize
+from qkv.viz.summaries import ROW_BYTES, summarize
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--row-mb", type=int, default=64, help="float32 weights at once, MB")
+    p.add_argument("--row-mb", type=int, default=ROW_BYTES >> 20,
+                   help="scores a worker holds at once, MB")
     args = p.parse_args()
     model, tokenizer = load_pretrained(args.model)
     model.eval()
@@ -42,7 +43,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     kept = sum(t.numel() * t.element_size() for s in stats.values()
-               for t in (s.entropy, s.distance, s.sink, s.received, s.top_keys, s.top_weights))
+               for t in (s.entropy, s.distance, s.sink, s.previous, s.received, s.top_keys,
+                         s.top_weights))
     print("| tokens | layers x heads | wall s | peak RSS GB | summaries MB |")
     print("|---|---|---|---|---|")
     heads = len(next(iter(stats.values())).heads)

@@ -282,14 +282,16 @@ def _watching(observed: list[tuple[nn.Module, object]]) -> Iterator[None]:
 @contextlib.contextmanager
 def watch(model: nn.Module, on_call, *, layers=None) -> Iterator[list[CapturedMap]]:
     """Hand every call of the chosen self- and cross-attention layers to
-    ``on_call(site, q, k, kwargs)`` (q, k detached, as the engine saw them; kwargs: the call's
-    mask, score_mod, similarity, scale, metric), computing no weights: what a caller keeps
-    of them (``qkv viz --serve`` keeps q and k on disk) is its own. Yields the watched sites."""
+    ``on_call(site, q, k, kwargs, lse)`` (q, k detached, as the engine saw them; kwargs: the
+    call's mask, score_mod, similarity, scale, metric; lse: the engine's (B, H, Nq)
+    log-sum-exp, None from SDPA), computing no weights: what a caller keeps of them
+    (``qkv viz --serve`` keeps q and k on disk, ``qkv.viz.summaries`` per-row summaries) is
+    its own. Yields the watched sites."""
     plan = _plan(model, layers, None, None, None)
 
     def observer(site):
         def observe(module, q, k, lse, kwargs):
-            on_call(site, q.detach(), k.detach(), kwargs)
+            on_call(site, q.detach(), k.detach(), kwargs, None if lse is None else lse.detach())
         return observe
 
     with _watching([(module, observer(site)) for module, site in plan]):

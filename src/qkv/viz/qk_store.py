@@ -58,7 +58,7 @@ class QKStore:
         folder.mkdir(parents=True)
         calls: dict[str, dict] = {}
 
-        def keep(site, q: Tensor, k: Tensor, kwargs: dict) -> None:
+        def keep(site, q: Tensor, k: Tensor, kwargs: dict, lse) -> None:  # lse: not needed
             seen = calls.setdefault(site.name, {"site": site, "q": [], "rows": 0})
             if seen["q"] and not _same_rule(seen["variant"]["mask"], kwargs.get("mask")):
                 raise ValueError(f"{site.name}: a later call's mask is not the same rule; the "

@@ -26,10 +26,11 @@ import torch
 
 from .. import models
 from ..train.rundir import load_run
+from .allocations import map_large_allocations
 from .labels import token_labels
 from .pretrained import greedy_with_rows, load_with_tokenizer
 from .qk_store import QKStore
-from .scene import encode_text, map_large_allocations, without_head
+from .scene import encode_text, without_head
 
 # The largest pooled grid a window request may ask for (cells per side).
 MAX_WINDOW = 1024
