@@ -174,10 +174,14 @@ def write_pictures(scene: Scene, folder, suffix: str) -> list[Path]:
     for view in scene.views:
         nk = len(view.key_tokens)
         for i, layer in enumerate(view.layers):
-            weights = torch.from_numpy(np.stack([rows.dense(nk) for rows in view.rows[i]]))
+            mapped = [(h, rows) for h, rows in zip(view.heads, view.rows[i], strict=True)
+                      if rows is not None]  # a long input's page maps the chosen heads only
+            if not mapped:
+                continue
+            weights = torch.from_numpy(np.stack([rows.dense(nk) for _, rows in mapped]))
             base = f"{_slug(view.name)}-layer{layer}"
             fig = plots.plot_heads(weights, view.query_tokens, view.key_tokens,
-                                   heads=view.heads, title=f"layer {layer}")
+                                   heads=[h for h, _ in mapped], title=f"layer {layer}")
             written.append(plots.save_figure(fig, folder / f"{base}{suffix}"))
             if view.kind == "cross":
                 fig = plots.plot_alignment(weights.mean(0), view.key_tokens, view.query_tokens,
@@ -198,7 +202,7 @@ def cap_view(view, k: int):
     cut to match."""
     if view.rows is None:
         return view
-    capped = [[cap_rows(r, k) for r in layer] for layer in view.rows]
+    capped = [[None if r is None else cap_rows(r, k) for r in layer] for layer in view.rows]
     neurons = []
     for n in view.neurons:
         keep = [mask for _, mask in capped[view.layers.index(n.layer)]]
@@ -206,29 +210,35 @@ def cap_view(view, k: int):
         sims = None if n.similarity_scores is None else \
             [s[m] for s, m in zip(n.similarity_scores, keep, strict=True)]
         neurons.append(dataclasses.replace(n, scores=cut, similarity_scores=sims))
-    return dataclasses.replace(view, rows=[[r for r, _ in layer] for layer in capped],
-                               neurons=neurons)
+    return dataclasses.replace(view, rows=[[None if c is None else c[0] for c in layer]
+                                           for layer in capped], neurons=neurons)
 
 
 def fit_budget(views, text: str, page: dict) -> str:
     """A page of at most PAGE_BUDGET bytes: each row keeps its K largest weights, K the
-    largest that fits (estimated from the stored entries, then halved until it fits); a line
-    on stderr says what was left out."""
-    rows = [r for v in views if v.rows is not None for layer in v.rows for r in layer]
-    counts = np.concatenate([r.counts for r in rows])
-    entries = int(counts.sum())
-    target = entries * PAGE_BUDGET / utf8_size(text) * 0.9  # page bytes grow with the entries
-    k = max(1, int(counts.max()))
-    low, high = 1, k
-    while low < high:  # the largest k with sum(min(counts, k)) <= target
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if np.minimum(counts, mid).sum() <= target else (low, mid - 1)
-    k = low
+    largest that fits, estimated from the stored entries, and after a page over the budget
+    from the line through the two pages' sizes (the per-row summaries of a long input take
+    a fixed share); a line on stderr says what was left out."""
+    counts = np.concatenate([r.counts for v in views if v.rows is not None
+                             for layer in v.rows for r in layer if r is not None])
+    entries, size = int(counts.sum()), utf8_size(text)
+
+    def largest_k(target: float) -> int:  # the largest k with sum(min(counts, k)) <= target
+        low, high = 1, max(1, int(counts.max()))
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if np.minimum(counts, mid).sum() <= target else (low, mid - 1)
+        return low
+
+    k = largest_k(entries * PAGE_BUDGET / size * 0.9)  # page bytes grow with the entries
     while True:
         text = render_page([cap_view(v, k) for v in views], **{**page, "max_per_row": k})
         if utf8_size(text) <= PAGE_BUDGET or k == 1:
             break
-        k //= 2
+        kept = int(np.minimum(counts, k).sum())
+        per_entry = (size - utf8_size(text)) / max(1, entries - kept)
+        fewer = kept - (utf8_size(text) - 0.97 * PAGE_BUDGET) / max(per_entry, 1e-9)
+        k = min(k // 2 if per_entry <= 0 else k - 1, largest_k(fewer))
     print(f"qkv: the page keeps each row's {k} largest weights to stay within "
           f"{PAGE_BUDGET >> 20} MB (--max-per-row or a higher --threshold choose otherwise)",
           file=sys.stderr)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..data.atomic import write_text_atomic
+from . import page_rows
 from .compact import LEVELS, SUMMARY_COLUMNS, HeadRows, compress_dense, compress_head
 from .neuron import NeuronLayer
 from .page_script import SCRIPT, STYLE
@@ -37,7 +38,10 @@ class PageView:
     the page stores them compactly), or ``rows`` [layer][head] already compact with
     ``summary`` (L, H, 4) (``qkv.viz.compact``; what ``qkv viz`` streams out of capture).
     rollout: optional (Nq, Nk) rollout of this self-attention stack. neurons: per-dimension
-    data of some layers. first_generated: index of the first generated token, if any."""
+    data of some layers. first_generated: index of the first generated token, if any.
+    row_stats: one ``summaries.HeadStats`` per layer over all the heads (long inputs); with
+    it, ``rows`` is None for the heads whose maps the page leaves out. omitted: sentences the
+    page shows about what it leaves out."""
 
     name: str
     kind: str
@@ -51,6 +55,8 @@ class PageView:
     summary: np.ndarray | None = None
     neurons: list[NeuronLayer] = field(default_factory=list)
     first_generated: int | None = None
+    row_stats: list | None = None
+    omitted: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -66,10 +72,18 @@ class PageView:
             )
         if self.rows is not None:
             shape = (len(self.rows), len(self.rows[0]) if self.rows else 0)
-            nq = {len(r.counts) for layer in self.rows for r in layer}
-            if shape != expected[:2] or nq != {expected[2]} or self.summary is None:
+            nq = {len(r.counts) for layer in self.rows for r in layer if r is not None}
+            mapped = nq == {expected[2]} or (not nq and self.row_stats is not None)
+            missing = any(r is None for layer in self.rows for r in layer)
+            if shape != expected[:2] or not mapped or self.summary is None or (
+                    missing and self.row_stats is None):
                 raise ValueError(f"view {self.name!r}: rows must be [layers][heads] = "
-                                 f"{expected[:2]} of {expected[2]} query rows, with a summary")
+                                 f"{expected[:2]} of {expected[2]} query rows, with a summary "
+                                 "(and with row_stats where a head has no rows)")
+        if self.row_stats is not None and [len(s.heads) for s in self.row_stats] != \
+                [len(self.heads)] * len(self.layers):
+            raise ValueError(f"view {self.name!r}: row_stats must hold every head of every "
+                             "layer")
         if self.rollout is not None and tuple(self.rollout.shape) != expected[2:]:
             raise ValueError(
                 f"view {self.name!r}: rollout must be (Nq, Nk) = {expected[2:]}; got "
@@ -180,10 +194,14 @@ def _pack_view(blob: Blob, v: PageView, threshold: float, max_per_row: int | Non
         "name": v.name, "kind": v.kind, "query_tokens": list(map(str, v.query_tokens)),
         "key_tokens": list(map(str, v.key_tokens)), "layers": list(v.layers),
         "heads": list(v.heads), "first_generated": v.first_generated,
-        "maps": [[_pack_rows(blob, r, nk) for r in layer] for layer in rows],
+        "maps": [[None if r is None else _pack_rows(blob, r, nk) for r in layer]
+                 for layer in rows],
         "summary": np.round(np.asarray(summary, np.float64), 4).tolist(),
         "rollout": rollout,
         "neurons": [_pack_neuron(blob, n, v.layers.index(n.layer)) for n in v.neurons],
+        "row_stats": None if v.row_stats is None else
+        page_rows.pack(blob, v.row_stats, len(v.query_tokens), nk),
+        "omitted": list(v.omitted),
     }
 
 
@@ -272,6 +290,13 @@ class StoredPage:
         absolute = total - np.concatenate([[0], total])[starts]
         return HeadRows(counts, absolute, self.array(ref["values"]),
                         self.array(ref["dropped"]) / LEVELS)
+
+    def row_stats(self, view: int, layer: int, head: int) -> dict[str, np.ndarray]:
+        """The stored per-row summaries of one head (positions in the view's lists) as the
+        page's script decodes them: {series: (Nq,) or "received": (Nk,)}."""
+        stored = self.meta["views"][view]["row_stats"]
+        return {name: page_rows.decode(self.array(ref), *stored["scales"][name])
+                for name, ref in stored["layers"][layer][head].items()}
 
     def weights(self, view: int, layer: int, head: int) -> np.ndarray:
         """The stored (Nq, Nk) weights of one head (layer and head are positions in the view's

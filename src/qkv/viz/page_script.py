@@ -12,7 +12,9 @@ They are files in ``viz/static/`` (package data), read once on import:
   of tokens (one pixel per stored weight, zoom and pan, the row and column under the pointer
   named; the model view is every layer x head as a thumbnail). Colour is sqrt(weight);
 - ``panels.*``: the neuron view (the per-dimension terms of the similarity's kernel for the
-  chosen pair and head, ``qkv.viz.neuron``) and the head summary (a sortable table).
+  chosen pair and head, ``qkv.viz.neuron``) and the head summary (a sortable table);
+- ``rows.*``: the per-row summaries of every head on a long input's page
+  (``qkv.viz.page_rows``), also of the heads whose maps the page leaves out.
 
 The script is one async function made of the ``.js`` parts, which share its scope. Drawn
 edges carry ``data-q``, ``data-k``, ``data-head`` and ``data-weight`` (the weight shown), so a
@@ -28,6 +30,7 @@ def _joined(*names: str) -> str:
     return "".join(_STATIC.joinpath(name).read_text(encoding="utf-8") for name in names)
 
 
-STYLE = _joined("page.css", "headview.css", "matrix.css", "panels.css")
+STYLE = _joined("page.css", "headview.css", "matrix.css", "panels.css", "rows.css")
 SCRIPT = ("\n(async function () {\n  \"use strict\";\n"
-          + _joined("core.js", "headview.js", "matrix.js", "panels.js", "main.js") + "})();\n")
+          + _joined("core.js", "headview.js", "matrix.js", "panels.js", "rows.js", "main.js")
+          + "})();\n")

@@ -4,41 +4,24 @@ steps every source shares: encoding the text within the context, and recording t
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..bars import bar
-from .capture import AttentionMaps, capture
+from .allocations import map_large_allocations
+from .capture import AttentionMaps, capture, watch
+from .long_record import LongRecorder
 from .page import PageImage, PageView
 from .record import NEURON_BUDGET, Recorder, neuron_layers_within
 
 # float32 weights computed at once per captured layer: SmolLM2's 9 heads at 8k keys take 227
 # query rows a block.
 ROW_BYTES = 64 << 20
-
-
-# glibc's mallopt parameter: allocations of at least this many bytes are mapped pages.
-_M_MMAP_THRESHOLD = -3
-
-
-@functools.cache
-def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapped
-    pages, returned to the system when freed. Maps are computed a block of rows at a time:
-    glibc otherwise raises its threshold to 32 MB after the first large free, carves the
-    blocks from the heap, and the small tensors kept between them (per-row summaries, compact
-    rows) pin the freed space: SmolLM2 at 8,192 tokens grew by 270-540 MB a layer, and by
-    under 10 MB with the threshold fixed (docs/viz.md, "Long texts"). Once per process;
-    elsewhere than glibc this does nothing."""
-    try:
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
-    except (OSError, TypeError):  # Windows has no CDLL(None)
-        return
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, threshold)
+# Past this many tokens a page holds every head's per-row summaries and the maps of the
+# chosen layers and heads only (``long_record``): SmolLM2's 270 maps at 2,048 tokens fill
+# the page's budget.
+LONG_INPUT = 2048
 
 
 @dataclass
@@ -106,8 +89,11 @@ def record_maps(model, args, forward, *, layer_count: int, tokens: int,
                 rollout_stacks=()) -> tuple[AttentionMaps, Recorder]:
     """Run ``forward`` under capture, streaming every call into a Recorder, with a progress bar
     over the rows of every captured layer. Without a rollout (which needs whole maps), a
-    long call's weights come ``ROW_BYTES`` at a time: memory stays bounded at any length."""
+    long call's weights come ``ROW_BYTES`` at a time: memory stays bounded at any length.
+    Past ``LONG_INPUT`` tokens (and without a rollout) the recorder is a ``LongRecorder``."""
     map_large_allocations()
+    if tokens > LONG_INPUT and not rollout_stacks:
+        return _record_long(model, args, forward, tokens)
     recorder = Recorder(args.threshold, args.max_per_row,
                         _neuron_layers(args, model, layer_count, tokens),
                         rollout_stacks if args.layers is None else ())
@@ -124,3 +110,31 @@ def record_maps(model, args, forward, *, layer_count: int, tokens: int,
     return maps, recorder
 
 
+def _chosen(args, sites) -> tuple[list[int], list[int] | None]:
+    """--layers as sorted layer indices (the last layer when neither --layers nor --heads is
+    given) and --heads, checked against the model's layers and heads."""
+    count, n_head = len(sites), len(sites[0].heads)
+    for flag, given, limit in (("--layers", args.layers, count), ("--heads", args.heads, n_head)):
+        for index in given or ():
+            low = -count if flag == "--layers" else 0
+            if not low <= index < limit:
+                raise ValueError(f"{flag}: {index} is out of range: valid {flag[2:]} are "
+                                 f"0..{limit - 1}")
+    if args.layers is None:
+        return ([count - 1] if args.heads is None else list(range(count))), args.heads
+    return sorted({layer % count for layer in args.layers}), args.heads
+
+
+def _record_long(model, args, forward, tokens: int) -> tuple[AttentionMaps, LongRecorder]:
+    """``record_maps`` past ``LONG_INPUT``: every layer and head watched for its summaries;
+    the maps of --layers and --heads, or of the last layer without either."""
+    with bar(desc="attention summaries", unit="row") as progress:
+        def on_call(site, q, k, kwargs, lse):
+            recorder(site, q, k, kwargs, lse)
+            progress.update(q.shape[2])
+
+        with watch(model, on_call) as sites, torch.no_grad():
+            recorder = LongRecorder(args.threshold, args.max_per_row, *_chosen(args, sites))
+            progress.total = len(sites) * tokens
+            forward()
+    return AttentionMaps(sites), recorder

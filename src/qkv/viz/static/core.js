@@ -85,17 +85,20 @@
     if (!cache.has(key)) cache.set(key, make());
     return cache.get(key);
   }
+  // A long input's page maps the chosen heads only: the others' maps are null.
   function headRows(vi, li, hi) {
     const v = META.views[vi];
+    if (!v.maps[li][hi]) return null;
     return cached(vi + "/" + li + "/" + hi, () => new Rows(v.maps[li][hi], v.query_tokens.length));
   }
+  function mappedHeads(v, li) { return v.heads.map((_, h) => h).filter((h) => v.maps[li][h]); }
   // Mean maps are dense (Nq x Nk floats): keep the newest few.
   const means = new Map();
   function meanRows(vi, li) {
     const v = META.views[vi], key = vi + "/" + li;
     if (!means.has(key)) {
       if (means.size >= 4) means.delete(means.keys().next().value);
-      means.set(key, new MeanRows(v.heads.map((_, h) => headRows(vi, li, h)),
+      means.set(key, new MeanRows(mappedHeads(v, li).map((h) => headRows(vi, li, h)),
                                   v.query_tokens.length, v.key_tokens.length));
     }
     return means.get(key);
@@ -130,7 +133,8 @@
     return svg;
   }
 
-  // The maps on screen: [{head, color, rows}] for the chosen layer and head.
+  // The maps on screen: [{head, color, rows}] for the chosen layer and head, those the page
+  // holds (none for a head it keeps summaries of only).
   function matrices() {
     const v = view();
     if (state.layer === "rollout") {
@@ -138,17 +142,18 @@
                           () => new Rows(v.rollout, v.query_tokens.length));
       return [{ head: "rollout", color: "#6c3483", rows: rows }];
     }
-    const count = v.heads.length;
+    const count = v.heads.length, mapped = mappedHeads(v, state.layer);
     if (state.head === "mean") {
-      return [{ head: "mean", color: "#6c3483", rows: meanRows(state.view, state.layer) }];
+      return mapped.length ? [{ head: "mean", color: "#6c3483",
+                                rows: meanRows(state.view, state.layer) }] : [];
     }
     if (state.head === "all") {
-      return v.heads.map((head, i) => ({ head: head, color: headColor(i, count),
-                                         rows: headRows(state.view, state.layer, i) }));
+      return mapped.map((i) => ({ head: v.heads[i], color: headColor(i, count),
+                                  rows: headRows(state.view, state.layer, i) }));
     }
     const i = Number(state.head);
-    return [{ head: v.heads[i], color: headColor(i, count),
-              rows: headRows(state.view, state.layer, i) }];
+    return v.maps[state.layer][i] ? [{ head: v.heads[i], color: headColor(i, count),
+                                       rows: headRows(state.view, state.layer, i) }] : [];
   }
 
   function fillControls() {
@@ -220,24 +225,40 @@
     }
   }
 
-  // What the page leaves out, for the maps on screen.
+  // What the page leaves out, for the maps on screen, and what the page says it leaves out.
   function omitted() {
     const shown = matrices(), v = view();
     const mean = shown.reduce((s, m) => s + m.rows.leftOut[0], 0) / shown.length;
     const worst = Math.max(...shown.map((m) => m.rows.leftOut[1]));
-    document.getElementById("omitted").textContent =
-      "Stored: weights of at least " + META.threshold +
+    const stored = "Stored: weights of at least " + META.threshold +
       (META.max_per_row ? ", at most " + META.max_per_row + " per query," : "") +
-      " to 1/" + META.levels + ". Left out here: " + (100 * mean).toFixed(2) +
-      "% of a query's attention on average, " + (100 * worst).toFixed(2) + "% at most." +
+      " to 1/" + META.levels + ". ";
+    document.getElementById("omitted").textContent = (shown.length ? stored +
+      "Left out here: " + (100 * mean).toFixed(2) + "% of a query's attention on average, " +
+      (100 * worst).toFixed(2) + "% at most." : "The page holds no map of the head(s) " +
+      "chosen here.") +
       (v.neurons.length && v.neurons.length < v.layers.length ? " Neuron view: q and k kept " +
-        "for " + v.neurons.map((n) => "layer " + v.layers[n.layer]).join(", ") + " only." : "");
+        "for " + v.neurons.map((n) => "layer " + v.layers[n.layer]).join(", ") + " only." : "") +
+      (v.omitted.length ? " " + v.omitted.join(" ") : "");
+  }
+  // Where a display needs maps the page does not hold for the chosen head: say so.
+  function noMap() {
+    const v = view(), names = mappedHeads(v, state.layer).map((h) => v.heads[h]);
+    html("div", { id: "no-map" }, stage, "Layer " + v.layers[state.layer] + (isFinite(
+      Number(state.head)) ? ", head " + v.heads[Number(state.head)] : "") + ": the page " +
+      "holds this head's per-row summaries (show: per-row summaries), not its map. " +
+      (names.length ? "Heads with maps in this layer: " + names.join(", ") + "."
+        : "This layer has no head with a map."));
   }
 
   function draw() {
     stage.innerHTML = "";
     svg = null;
-    DISPLAYS[state.display].draw();
+    if (DISPLAYS[state.display].withoutMaps || state.layer === "rollout" || matrices().length) {
+      DISPLAYS[state.display].draw();
+    } else {
+      noMap();
+    }
     legend();
     omitted();
     applyHover();

@@ -18,7 +18,8 @@
     return;
   }
   const longest = Math.max(...META.views.map((v) => v.query_tokens.length));
-  state.display = META.image ? "image" : longest > LINE_LIMIT ? "matrix" : "lines";
+  state.display = META.image ? "image" : META.views[0].row_stats ? "rows"
+    : longest > LINE_LIMIT ? "matrix" : "lines";
   fillControls();
   draw();
   // Milliseconds from navigation to the first view drawn (the viz benchmark reads it).

@@ -224,18 +224,22 @@
     v.layers.forEach((layer, li) => {
       html("span", {}, grid, "layer " + layer);
       v.heads.forEach((head, hi) => {
-        const image = cached(state.view + "/" + li + "/" + hi + "/thumb", () => paintRows(
-          headRows(state.view, li, hi), nq, nk, Math.min(t, nk), Math.min(t, nq), Math.max));
+        const rows = headRows(state.view, li, hi);
         const thumb = html("canvas", { class: "thumb" + (li === current &&
-          String(hi) === state.head ? " current" : ""), width: t, height: t,
-          "data-layer": li, "data-head": hi, title: "layer " + layer + ", head " + head }, grid);
-        const ctx = thumb.getContext("2d");
-        ctx.imageSmoothingEnabled = false;
-        ctx.drawImage(image, 0, 0, t, t);
+          String(hi) === state.head ? " current" : "") + (rows ? "" : " no-map"), width: t,
+          height: t, "data-layer": li, "data-head": hi, title: "layer " + layer + ", head " +
+          head + (rows ? "" : ": per-row summaries only") }, grid);
+        if (rows) {  // a head without a map on the page stays blank
+          const image = cached(state.view + "/" + li + "/" + hi + "/thumb", () => paintRows(
+            rows, nq, nk, Math.min(t, nk), Math.min(t, nq), Math.max));
+          const ctx = thumb.getContext("2d");
+          ctx.imageSmoothingEnabled = false;
+          ctx.drawImage(image, 0, 0, t, t);
+        }
         thumb.addEventListener("click", () => {
           select(li, hi);
-          state.display = "matrix";
-          pick.display.value = "matrix";
+          state.display = rows ? "matrix" : "rows";
+          pick.display.value = state.display;
           draw();
         });
       });
@@ -246,4 +250,4 @@
 
   DISPLAYS.matrix = { label: "matrix view (heatmap)", draw: drawMatrix, available: () => true };
   DISPLAYS.model = { label: "model view (every layer x head)", draw: drawModel,
-                     available: () => true };
+                     available: () => true, withoutMaps: true };

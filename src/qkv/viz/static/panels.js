@@ -107,8 +107,9 @@
                    "previous token", "left out"];
     const records = [];
     v.layers.forEach((layer, li) => v.heads.forEach((head, hi) => {
+      // A head without a map on the page leaves out all of it.
       records.push({ li: li, hi: hi, values: [layer, head, ...v.summary[li][hi],
-                                               v.maps[li][hi].left_out[0]] });
+                                               v.maps[li][hi] ? v.maps[li][hi].left_out[0] : 1] });
     }));
     const column = Math.max(0, names.indexOf(sorting.column));
     records.sort((a, b) => (a.values[column] - b.values[column]) * (sorting.descending ? -1 : 1)
@@ -133,8 +134,8 @@
       });
       tr.addEventListener("click", () => {
         select(r.li, r.hi);
-        state.display = "matrix";
-        pick.display.value = "matrix";
+        state.display = v.maps[r.li][r.hi] ? "matrix" : "rows";
+        pick.display.value = state.display;
         draw();
       });
     }
@@ -147,4 +148,4 @@
   DISPLAYS.neuron = { label: "neuron view (one query/key pair)", draw: drawNeuron,
                       available: (v) => v.neurons.length > 0 };
   DISPLAYS.summary = { label: "head summary (table)", draw: drawSummary,
-                       available: () => true };
+                       available: () => true, withoutMaps: true };
