@@ -51,8 +51,8 @@ def checked(why_not: Callable[[Problem], str | None], run: Callable[[Problem], R
 # The dispatch order, the one place it is written: ``backend="auto"`` takes the first engine
 # that can run the request. SDPA only ever takes plain or causal dot products (and cosine, on
 # CUDA); the reference can run everything and comes last. The flash engine goes before SDPA:
-# it takes only plain or causal dot-product inference on AMD CPUs with AVX-512, where it was
-# measured 1.1-1.4x (float32 products) and 1.8-2.5x (bf16 products) faster than SDPA.
+# it takes only plain or causal dot-product inference on AMD CPUs with AVX-512, where it is
+# faster than SDPA (docs/performance.md, "CPU: flash engine").
 ENGINES: list[Engine] = [
     Engine("flash", checked(cpu_flash.why_not, cpu_flash.run)),
     Engine("sdpa", sdpa.plan),

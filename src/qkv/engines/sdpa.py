@@ -4,10 +4,10 @@ top-left), or a dense bool mask and/or an additive float mask (SDPA's own ``attn
 leave every row a key (SDPA's answer for an empty row depends on its version and kernel,
 qkv's is zeros); on CUDA also cosine,
 the dot product of unit vectors, computed on those features (which run under torch autograd,
-as in every engine). There, SDPA's kernels were measured faster than qkv's Triton kernels on
-the same features (H100, bf16, D = 128, N = 8k: cosine forward+backward 8.66 ms in SDPA's
-cuDNN backend, 14.76 ms in Triton; docs/benchmarks.md). On CPU the fused engine is the faster
-one (0.90-0.96x SDPA's plain time at N = 4096), so cosine stays there."""
+as in every engine). There, SDPA's kernels are faster than qkv's Triton kernels on the same
+features (docs/performance.md, "GPU: variants vs FlexAttention"). On CPU the fused engine is
+as fast as SDPA on them (docs/performance.md, "CPU: fused engine vs SDPA"), so cosine stays
+there."""
 
 from __future__ import annotations
 
