@@ -87,8 +87,9 @@ class CEmitter(Emitter):
 def _c_sub(e: CEmitter, node: Sym) -> str:
     """a - b; in a term's score loop, where the running sum keeps the adders busy, a float
     difference is fma(b, -1, a): the same number (the exact difference, rounded once) from
-    the multiply-add units (a user L1's scores: 1.67 -> 1.51 ms per 8 x 256 x 256 tile on
-    Zen 3, the built-in's 1.29-1.32). The -1 is a global the compiler cannot fold back."""
+    the multiply-add units, 0.9x the time of a subtraction in a user L1's scores
+    (docs/performance.md, "CPU: inner loops"). The -1 is a global the compiler cannot fold
+    back."""
     a, b = e.ref(node.args[0]), e.ref(node.args[1])
     if e.fma_sub and node.kind == FLOAT:
         return f"fma{e.fsuffix}({b}, qkv_minus_one{e.fsuffix}, {a})"

@@ -70,12 +70,12 @@ __attribute__((visibility("hidden"))) float qkv_minus_onef = -1.0f;
 __attribute__((visibility("hidden"))) double qkv_minus_one = -1.0;
 
 /* (double)x for int64 x, correctly rounded (exact for |x| <= 2^53), in operations AVX2 has
- * for vectors: it has no int64 -> float conversion, so a cast kept every loop with index
- * arithmetic in it (ALiBi's |q - k|) scalar: 0.74 -> 0.27 ms for ALiBi's score pass over an
- * 8 x 256 x 256 tile on Zen 3. x = H 2^32 + L; the high half, offset by 2^31 to be
- * unsigned, and the low half go into the mantissas of 2^84 and 2^52, whose sum is taken off
- * exactly: one rounding, in the last addition. Float results go through it (float)(double),
- * one rounding as well wherever |x| <= 2^53. */
+ * for vectors: it has no int64 -> float conversion, so a cast keeps every loop with index
+ * arithmetic in it (ALiBi's |q - k|) scalar, at 2.7x the time of ALiBi's score pass with
+ * this (docs/performance.md, "CPU: inner loops"). x = H 2^32 + L; the high half, offset by
+ * 2^31 to be unsigned, and the low half go into the mantissas of 2^84 and 2^52, whose sum is
+ * taken off exactly: one rounding, in the last addition. Float results go through it
+ * (float)(double), one rounding as well wherever |x| <= 2^53. */
 static inline double qkv_i64_to_f64(int64_t x) {
     union { uint64_t i; double d; } hi, lo;
     hi.i = (((uint64_t)x >> 32) ^ 0x80000000ULL) | 0x4530000000000000ULL;

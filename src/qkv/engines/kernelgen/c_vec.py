@@ -6,18 +6,16 @@ lanes of d; its keys' values and dk sums then live in arrays in L1 cache, loaded
 for every query. The built-in L1 (``cpu_kernels.c``) holds them in vector registers instead,
 which only code written with vector types gets from GCC. This module writes the term's
 derivatives in q_d and k_d as functions of GCC vectors (``qkv_v``: the CPU's widest, as the
-built-in's) and a loop over a group of keys like the built-in's: a user's L1 gradient took
-5.37 -> 4.79 ms per 8 x 128 x 512 tile, one core of a Zen 3 (the built-in 3.82 in the same
-run).
+built-in's) and a loop over a group of keys like the built-in's, which takes a user's L1
+gradient 0.89x the scalar loops' time (docs/performance.md, "CPU: inner loops").
 
 It covers small terms (``MAX_OPERATIONS``) of float arithmetic, comparisons, selects and sign,
 reading captured tensors at d or as scalars, whose tensors need no gradient sums; anything
 else (index arithmetic, exp and the other math functions, a tensor read elsewhere, a
 tensor's gradient) is a ``CompileError``, and the term keeps the scalar loops for all of d.
-(A tensor's sums, kept in double per lane, made a weighted L1 with a learnable weight slower
-here than on the scalar loops: 12.8 against 9.3 ms per tile; a Gaussian exp(-(q-k)^2) took
-46 against 37 ms with exp lane by lane.) The lanes of d past the last whole vector always
-take the scalar loops.
+(A tensor's sums, kept in double per lane, make a weighted L1 with a learnable weight slower
+here than on the scalar loops, and so does exp lane by lane for a Gaussian: "CPU: inner
+loops" again.) The lanes of d past the last whole vector always take the scalar loops.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from .emit import COMMON_OPS, Emitter
 from .graph import BOOL, FLOAT, INT, MAX_SLOTS, CompileError, Sym
 from .trace import TERM_ARGS
 
-# The vectors are the target's widest, as in cpu_kernels.c (VBYTES there): a user's L1 term's
-# forward and backward (4 heads, N = 1,024, D = 64) at -march=x86-64-v2 took 1.35-1.83 s
-# with 16-byte vectors against 1.63-2.40 s with 32-byte ones (three runs each, Zen 4).
+# The vectors are the target's widest, as in cpu_kernels.c (VBYTES there): wider ones are
+# pairs of registers, and a user's L1 term at -march=x86-64-v2 runs slower on 32-byte vectors
+# than on 16-byte ones (docs/performance.md, "CPU: inner loops").
 PRELUDE = """
 #if defined(__AVX512F__)
 #define VBYTES 64
@@ -66,9 +64,9 @@ static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v);
 
 # sign(x), 0 for NaN and -0 as torch.sign: 1.0 carrying x's sign bit where x is neither,
 # which (x < 0) | (x > 0) tells (GCC writes it as one ordered not-equal comparison): 3 vector
-# operations with AVX-512, 4 with AVX2, where the two selects took 5. With AVX2 in float,
-# vpsignd of that comparison's mask and a convert: 3 (measured on a user's L1 gradient loop
-# on Zen 3, docs/benchmarks.md).
+# operations with AVX-512, 4 with AVX2, where two selects take 5. With AVX2 in float,
+# vpsignd of that comparison's mask and a convert: 3 (docs/performance.md, "CPU: inner
+# loops").
 _SIGN_BITS = """static inline qkv_v qkv_vsign(qkv_v x) {
     const qkv_vi neither = (x < QV(0)) | (x > QV(0));
     return (qkv_v)(((qkv_vi)QV(1) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & neither);
@@ -100,8 +98,8 @@ static inline qkv_v qkv_vsign2(qkv_v x) {
 # c0 (the built-in L1's l1_key_group): the keys' values and dk sums stay in registers while
 # the queries stream past; each query's dq sum alternates between two registers. In float
 # with AVX2 a group is 8 keys over two vectors (VW), which share each broadcast of ds and
-# each pass over the queries (as the built-in L1's loop: docs/benchmarks.md, eleventh
-# session). ``zeros`` counts, per query, the group's keys whose ds is 0 (padding keys count
+# each pass over the queries, as in the built-in L1's loop (docs/performance.md, "CPU: inner
+# loops"). ``zeros`` counts, per query, the group's keys whose ds is 0 (padding keys count
 # too): a query with some skips those keys (they add 0, never 0 * inf), one with all of them
 # is skipped.
 GROUP = """
@@ -289,9 +287,9 @@ def _vector_function(name: str, root, pd: Sym, ctype: str, halved: Sym | None) -
 
 
 # The vector loop holds 2 x KEYS vectors of keys and sums; a term's derivatives past this
-# many operations spill them, and the scalar loops were faster (8 x 128 x 512 tile, one Zen 3
-# core, alternating: |q-k| with 8 operations 5.18 -> 4.81 ms, a weighted |q-k| with 9
-# 7.92 -> 6.32; -|q-k| q with 13 8.01 -> 9.78, -|q-k|^3 with 22 7.95 -> 9.67).
+# many operations spill them, and the scalar loops are faster for them (docs/performance.md,
+# "CPU: inner loops": |q-k| with 8 operations and a weighted |q-k| with 9 run faster on the
+# vector loop, -|q-k| q with 13 and -|q-k|^3 with 22 slower).
 MAX_OPERATIONS = 10
 
 
