@@ -3,14 +3,15 @@ AVX-512.
 
 torch's float32 ``F.linear`` on x86 calls MKL, and MKL leaves AVX-512 unused on AMD
 processors. On a 2-core Zen 4 (AVX-512), oneDNN's product of the same operands (through the
-op that torch's own compiler emits for CPU linears) took 0.80–0.85x MKL's time on SmolLM2's
-shapes at 1,024 rows, and 0.65–0.75x on decoding's 1 to 17 rows. The two differ only in the
+op that torch's own compiler emits for CPU linears) takes 0.80–0.85x MKL's time on SmolLM2's
+shapes at 1,024 rows, and 0.65–0.75x on decoding's 1 to 17 rows (docs/performance.md,
+"Generation"). The two differ only in the
 order of the float32 sums: a few ulp, as MKL's own row counts differ among themselves.
 
 Everything else goes through ``F.linear`` unchanged: autograd (training), ``torch.compile``
 and export (the compiler picks its own kernels; the graph holds ``aten.linear``), autocast,
 tensor subclasses, other dtypes and devices, and the
-CPUs where oneDNN was not measured faster: Intel's (MKL's own code path) and AMD's without
+CPUs where oneDNN is not known to be faster: Intel's (MKL's own code path) and AMD's without
 AVX-512 (there both libraries run AVX2 code).
 """
 
@@ -65,7 +66,7 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``: x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out), in oneDNN
-    where that was measured faster (module docstring), else in ``F.linear`` itself."""
+    where that is faster (module docstring), else in ``F.linear`` itself."""
     if _onednn_applies(x, weight, bias):
         return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)

@@ -9,7 +9,8 @@ does on GPU).
   returns float32.
 - float32 weights: the layer's own numbers (up to the order of float32 sums), with the
   weight pre-packed for oneDNN on the CPUs where ``qkv.nn.linear`` takes oneDNN. On the
-  Zen 4 here, decoding SmolLM2 at batch 8 ran 1.2–1.4x faster than the unpacked oneDNN product.
+  Zen 4 here, decoding SmolLM2 at batch 8 runs 1.2x faster than with the unpacked oneDNN
+  product (docs/performance.md, "Generation").
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .linear import linear, onednn_available, onednn_linear
 
 # Rows up to which torch's own CPU bf16 product beats widening the weight to float32 (AVX2,
 # Zen 3, a 576 x 1536 layer: 8 rows 0.85 against 0.58 ms, 64 rows 6.9 against 1.7 ms; a
-# decoded token at batch 1 reads half the bytes: 17.8 against 12.5 tokens/s for fp32).
+# decoded token at batch 1 reads half the bytes: 17.8 against 12.5 tokens/s for fp32;
+# docs/performance.md, "Generation").
 _BF16_ROWS = 4
 
 
@@ -39,8 +41,9 @@ def _onednn_ok(device: torch.device) -> bool:
 
 _DTYPES = (torch.bfloat16, torch.float32)
 # oneDNN's batch-size hint when packing: any batch runs on the packed weight. bf16: decoding's
-# one row. float32: 1,024 rows ran as fast as the hint 1 on one row and faster on 8 to 1,024
-# (a 1536 x 576 layer on Zen 4: 8 rows 0.11 against 0.18 ms).
+# one row. float32: 1,024 rows runs as fast as the hint 1 on one row and faster on 8 to 1,024
+# (a 1536 x 576 layer on Zen 4: 8 rows 0.11 against 0.18 ms; docs/performance.md,
+# "Generation").
 _PACK_HINT = {torch.bfloat16: 1, torch.float32: 1024}
 
 
