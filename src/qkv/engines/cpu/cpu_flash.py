@@ -3,9 +3,9 @@ AVX-512 micro-kernels (``cpu_flash.c``), on AMD processors.
 
 torch's CPU SDPA multiplies through MKL, which runs its AVX2 code on AMD processors and never
 uses the bf16 dot-product instruction (AVX512-BF16). On a 2-core Zen 4, one causal prefill
-layer of SmolLM2 (9 query heads, 3 KV heads, 1,024 tokens, D = 64) took 11.7-12.8 ms in
-SDPA, 8.6-8.9 ms here with float32 products and about 5.5 ms with bf16 products
-(docs/benchmarks.md, "Sixteenth session").
+layer of SmolLM2 (9 query heads, 3 KV heads, 1,024 tokens, D = 64) takes 0.75x SDPA's time
+here with float32 products and 0.45x with bf16 products (docs/performance.md, "CPU: flash
+engine").
 
 Which products:
 - bf16 inputs, or float32 inputs with ``fp32_precision="bf16"`` (the caller's consent that
@@ -13,14 +13,14 @@ Which products:
   fp32_precision = "bf16"`` consents for torch's own float32 products): bf16 products, on
   CPUs with AVX512-BF16. Without it, float32 inputs get float32 products.
 - float32 inputs otherwise: float32 products (AVX-512 FMA), within a few float32 ulp of SDPA,
-  under a causal mask with Nk <= 2 Nq only: plain float32 attention ran at SDPA's own speed
-  (1.02x), and few queries against many keys slower.
+  under a causal mask with Nk <= 2 Nq only: plain float32 attention runs at SDPA's own speed
+  with them (1.02x), and few queries against many keys slower.
 Scores, softmax and sums are float32 either way; the output has the inputs' dtype.
 
-Only on AMD processors, where it was measured; on Intel's, MKL and oneDNN run AVX-512 (and
+Only on AMD processors, where it is measured; on Intel's, MKL and oneDNN run AVX-512 (and
 AMX) themselves, and the engine is not enabled there until measured (docs/portability.md).
 Plain or causal attention, no gradients (a call that needs them goes on to SDPA or the fused
-engine), and from 128 query rows (a prompt): on fewer, and in decoding, SDPA was faster than
+engine), and from 128 query rows (a prompt): on fewer, and in decoding, SDPA is faster than
 packing the keys.
 """
 
@@ -40,8 +40,8 @@ from ...core.similarity import BUILTIN
 from . import native
 
 _DOT = BUILTIN["dot"]
-# Below this many query rows SDPA was as fast or faster (packing K and V, and the call's own
-# overhead, are not paid back): 1.4-4x slower at 16-64 rows, 0.6-0.9x from 128 on (Zen 4).
+# Below this many query rows SDPA is as fast or faster (packing K and V, and the call's own
+# overhead, are not paid back): docs/performance.md, "CPU: flash engine".
 _MIN_QUERIES = 128
 _MAX_D = 256
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -145,7 +145,7 @@ def _strides(t: Tensor):
 def _block_rows(group: int, nq: int) -> int:
     """Query rows per head in a block: the heads of a group stacked give about 64 rows, so
     the score tile (64 x 128 floats) fits a 32 KiB L1 cache. (On the Zen 4, 64 and 128 rows,
-    and 64 and 128 keys per block, ran within a few percent of each other.)"""
+    and 64 and 128 keys per block, run within a few percent of each other.)"""
     return max(1, min(nq, 64, max(8, 64 // group)))
 
 
