@@ -109,7 +109,8 @@ def tile_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:
     into spans of up to ``span_k`` keys, and a span evaluates the mask rule unless all its
     blocks are FULL for every (batch, head). A mask that reads no tensors
     (``Mask.layout_key``: causal, sliding windows) keeps its plan for later calls of the same
-    shape: classifying its tiles was a quarter of a decode step's host time."""
+    shape: classifying its tiles would be a quarter of a decode step's host time
+    (docs/performance.md, "CPU: host time")."""
     rule = ("none",) if spec.mask is None else spec.mask.layout_key()
     if rule is None:
         return _make_plan(spec, device)

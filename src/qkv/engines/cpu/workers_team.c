@@ -3,9 +3,9 @@
  *
  * torch's OpenMP threads keep spinning for a while after each of torch's parallel
  * operations. Threads of any other pool then share the cores with them: on a 2-core Zen 4,
- * the fused engine's ALiBi forward+backward at N = 1,024 took 49 ms on a Python thread pool
- * against 38 ms with OMP_WAIT_POLICY=passive. Running the workers on the team's own threads
- * leaves no thread spinning beside them.
+ * the fused engine's ALiBi forward+backward at N = 1,024 takes 1.25x as long on a Python
+ * thread pool as on the team (docs/performance.md, "CPU: flash engine", threads). Running
+ * the workers on the team's own threads leaves no thread spinning beside them.
  *
  * job(i) runs once for each i < count, thread t taking t, t + team size, ...: all of them
  * run even if the team has fewer threads than asked for. */
