@@ -4,9 +4,9 @@ block runs every head over every key span, products by the BLAS that torch links
 Why: the tile path multiplies all heads of a tile at once, so each operation streams the
 tile's scores (8 heads x 256 x 256 floats: 2 MiB) through L3, and a tile takes a dozen
 Python-level calls that the two workers share one GIL for. Head by head, a tile's scores
-(256 KiB) stay in the core's L2 between the products and the softmax pass. At N=4096 (8
-heads, D=64, two threads) the forward ran 0.80x and the backward 0.65-0.74x the tile path's
-time in the prototype (docs/benchmarks.md).
+(256 KiB) stay in the core's L2 between the products and the softmax pass: at N=4096 the
+forward takes 0.80x and the backward 0.65-0.74x the tile path's time (docs/performance.md,
+"CPU: fused engine vs SDPA").
 
 What runs here: the matrix-product terms (dot and cosine: ``similarity.DOT`` on the
 features; L2 and Mahalanobis: ``NEG_SQDIST`` as a product of lifted features) with any
