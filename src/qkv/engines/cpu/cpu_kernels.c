@@ -20,14 +20,15 @@
 
 /* -1, read at run time. x - y written as fma(y, -1, x) is the same number (the exact
  * difference, rounded once), but it runs on the multiply-add units instead of the adders,
- * which the score sum keeps busy: L1 scores 1.19x faster on Zen 4 (1.50 -> 1.26 ms on an
- * 8 x 256 x 256 tile). A constant -1 would be folded back into a subtraction. */
+ * which the score sum keeps busy: L1 scores take 0.84x the time they take with a
+ * subtraction (docs/performance.md, "CPU: inner loops"). A constant -1 would be folded back
+ * into a subtraction. */
 static volatile double minus_one = -1.0;
 
 /* The gradient loop's vectors are the target's widest: 64 bytes with AVX-512, 32 with AVX,
  * else 16 (SSE, NEON). Wider vectors are pairs of registers and the loop spills: with AVX2's
- * 16 registers 64-byte vectors took 33 ms against 3.8 ms per 8 x 256 x 256 tile (Zen 3); at
- * -march=x86-64-v2 32-byte ones 22.6 ms against 6.4 (float; double 25 against 12.4, Zen 4). */
+ * 16 registers 64-byte vectors take 9x the time, and at -march=x86-64-v2 32-byte ones 3.5x
+ * (docs/performance.md, "CPU: inner loops"). */
 #if defined(__AVX512F__)
 #define VBYTES 64
 #elif defined(__AVX__)
@@ -64,8 +65,8 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
 /* With AVX2 in float: 2 sign(diff) as a float straight from vpsignd (which reads diff's bits
  * as an int32: negative exactly where its sign bit is set, 0 only for +0) on 2.0's bits, since
  * the integer negation of 2.0's bits is -2.0's, times g; the sums are halved where they are
- * stored (L1_HALF). Two operations for four (on the tile below a convert of the integer ±1
- * took 3.21-3.43 -> 2.75-2.99 ms, Zen 3; this took 0.94-0.95x of that in a C harness). The
+ * stored (L1_HALF). Two operations for four: 0.94-0.95x the time of vpsignd of the integer
+ * ±1 and a convert (docs/performance.md, "CPU: inner loops"). The
  * result is bit for bit the same but for a halved sum in the subnormal range, an infinite g
  * at a tie (NaN, not 0) and |g| over half the float range (inf). q - k is never -0 here: the
  * loop adds 0 to q and k first. */
@@ -90,9 +91,9 @@ static inline vf64 signed_g_f64(vi64 g, vf64 diff, vi64 sign) {
 
 /* Vectors of d per pass of the L1 gradient loop: in float with AVX2's 16 registers, two
  * vectors of 8 keys share each broadcast of ds and each pass over the queries, where one
- * vector of 16 keys broadcast ds for every vector (0.93-0.95x the time in a C harness of the
- * tile, Zen 3). double took 1.1x the time with two (its sign is four operations, not two);
- * AVX-512 keeps one (not measured there). */
+ * vector of 16 keys broadcasts ds for every vector (0.93-0.95x the time: docs/performance.md,
+ * "CPU: inner loops"). double takes 1.1x the time with two (its sign is four operations, not
+ * two); AVX-512 keeps one. */
 #if VBYTES == 32
 #define L1_WIDTH_f32 2
 #else
@@ -147,7 +148,7 @@ _Pragma("GCC pop_options")                                                      
  * is lane-wise (no reduction across lanes), with one load and store of dq per query for    \
  * the group. Inlined with a constant width and keys = KEYS / width for whole groups, so   \
  * they have no per-key branch. Each query's sum alternates between two registers: one     \
- * chain of dependent additions per query was the loop's bound. */                         \
+ * chain of dependent additions per query would bound the loop. */                         \
 static inline __attribute__((always_inline)) void l1_key_group_##SUFFIX(                    \
         const T *sb, const T *qb, const T *kb, T *dqb, T *dkb, int64_t m, int64_t n,        \
         int64_t d, int64_t c0, int64_t keys, const int width) {                             \
