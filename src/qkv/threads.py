@@ -2,7 +2,7 @@
 
 torch's OpenMP threads wait on each other at the end of every parallel operation, so when
 another job holds a core, each operation waits for the thread that lost its core: beside a
-busy job on 2 cores, SmolLM2's 64-token prefill took 0.14-5.2 s on 2 threads and 0.23-0.25 s
+busy job on 2 cores, SmolLM2's 64-token prefill takes 0.14-5.2 s on 2 threads and 0.23-0.25 s
 on 1 (docs/training.md, "Threads"). The automatic choice therefore leaves out the cores the
 last minute's load average says are taken, and says so on stderr. An OMP_NUM_THREADS in the
 environment is a choice already made, and stands.

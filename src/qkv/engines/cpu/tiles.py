@@ -33,9 +33,9 @@ BLOCK_Q = 128
 BLOCK_K = 128
 SPAN_K = 512
 # Without a mask every tile is full: square tiles of DENSE queries by DENSE keys, the same
-# size as 128 x 512, ran 4-8% faster forward+backward on two workers (N=4096, 8 heads): the
+# size as 128 x 512, run 4-8% faster forward+backward on two workers (N=4096, 8 heads): the
 # gradient matmuls contract over 256 rows instead of 128. A mask keeps the narrow query blocks,
-# whose spans follow it more closely (a sliding window of 256 took 1.5x as long on 256 x 256).
+# whose spans follow it more closely (a sliding window of 256 takes 1.5x as long on 256 x 256).
 DENSE = 256
 # Cap on the elements of one (B, H, block_q, block_k) score tile: many heads get smaller tiles.
 MAX_TILE_ELEMENTS = 1 << 23

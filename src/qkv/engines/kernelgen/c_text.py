@@ -111,7 +111,7 @@ static void transpose_block(const {T} *k, int64_t n0, int64_t cols, int64_t d, {
 
 TERM_LOOPS = """
 /* GCC's unroll-and-jam (on at -O3) jams two steps of the d loop into the key loop and then
- * keeps the key sums in memory, not in registers: a user L1's scores took 1.58-1.79 ms per
+ * keeps the key sums in memory, not in registers: a user L1's scores take 1.58-1.79 ms per
  * 8 x 256 x 256 tile with it and 1.23-1.31 ms without (the built-in L1: 1.18-1.27 ms).
  * The scores and the gradients take the call's scale (a number) where they store, instead of
  * the engine's pass over each tile of scores and of ds. */
