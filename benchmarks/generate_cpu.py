@@ -21,6 +21,8 @@ decoded token divided by the measured read bandwidth of this machine.
     python benchmarks/generate_cpu.py                        # batch 1 and 8, 128 + 128
     python benchmarks/generate_cpu.py --batches 1 --new 32 --rounds 2 --no-memory
     qkv bench generate -- --rounds 2
+
+The figures also go to benchmarks/results/generate_cpu-<date>-<machine>.json.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from results import write_results  # beside this script
 
 SYSTEMS = ("qkv fp32", "qkv fp32 packed", "qkv bf16", "HF fp32", "HF bf16", "llama.cpp Q4_1")
 
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           + "".join(f" | {s} / HF fp32" for s in ours) + " |")
     print("|---" * (len(systems) + len(ours) + 1) + "|")
     first_rates: dict[str, float] = {}
+    rows: list[dict] = []
     with torch.no_grad():
         for batch in batches:
             ids = prompts(batch, args.prompt_len)
@@ -186,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                     ran = loaded[s][0](ids, args.new) is not None
                     best[s] = min(best[s], time.perf_counter() - start) if ran else None
             rate = {s: batch * args.new / best[s] for s in systems if best[s]}
+            rows += [{"report": "decode", "system": s, "batch": batch,
+                      "prompt_len": args.prompt_len, "new": args.new,
+                      "tokens_per_s": round(r, 2)} for s, r in rate.items()]
             first_rates = first_rates or rate
             ratio = [f"{rate[a] / rate['HF fp32']:.2f}x" if a in rate and "HF fp32" in rate
                      else "-" for a in ours]
@@ -201,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
                 ttft[s].append(time.perf_counter() - start)
     print(f"\nTime to first token, {args.ttft_len}-token prompt, batch 1, fastest of "
           f"{args.rounds}: " + ", ".join(f"{s} {min(ttft[s]) * 1e3:.0f} ms" for s in systems))
+    rows += [{"report": "ttft", "system": s, "prompt_len": args.ttft_len,
+              "ms": round(min(ttft[s]) * 1e3, 1)} for s in systems]
     for s in (s for s in systems if s.startswith("qkv")):
         base = "HF bf16" if s == "qkv bf16" else "HF fp32"  # the same weights' dtype
         if base in systems:
             pairs = sorted(a / b for a, b in zip(ttft[s], ttft[base], strict=True))
+            rows.append({"report": "ttft_ratio", "system": s, "base": base,
+                         "fastest": round(min(ttft[s]) / min(ttft[base]), 3),
+                         "per_round_median": round(pairs[len(pairs) // 2], 3)})
             print(f"- {s} / {base}: {min(ttft[s]) / min(ttft[base]):.2f}x fastest, "
                   f"{pairs[len(pairs) // 2]:.2f}x per-round median "
                   f"({pairs[0]:.2f}-{pairs[-1]:.2f})")
@@ -217,9 +230,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{bound:.0f} tok/s; measured {first_rates[s]:.1f} at batch {batches[0]} "
               f"({first_rates[s] / bound:.0%} of the bound)")
     if not args.no_memory:
+        peaks = {s: child_peak_memory(s, batches[-1], args) for s in systems}
         print("\nPeak resident memory (fresh process: load, then generate at batch "
-              f"{batches[-1]}): " + ", ".join(
-                  f"{s} {child_peak_memory(s, batches[-1], args):.0f} MiB" for s in systems))
+              f"{batches[-1]}): " + ", ".join(f"{s} {mib:.0f} MiB" for s, mib in peaks.items()))
+        rows += [{"report": "peak_memory", "system": s, "batch": batches[-1],
+                  "mib": round(mib)} for s, mib in peaks.items()]
+    write_results("generate_cpu", rows, threads=args.threads, rounds=args.rounds,
+                  read_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                  transformers=transformers.__version__)
     return 0
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -128,7 +129,7 @@ def _command(name: str) -> str:
     script = Path(sys.argv[0]).resolve()
     shown = (str(script.relative_to(ROOT)) if script.suffix == ".py" and ROOT in script.parents
              else script.name)
-    return " ".join([shown, *sys.argv[1:]])
+    return shlex.join([shown, *sys.argv[1:]])
 
 
 def _qkv_source() -> str | None:
