@@ -249,6 +249,7 @@
       "holds this head's per-row summaries (show: per-row summaries), not its map. " +
       (names.length ? "Heads with maps in this layer: " + names.join(", ") + "."
         : "This layer has no head with a map."));
+    document.getElementById("info").textContent = "";
   }
 
   function draw() {

@@ -108,8 +108,10 @@
     const records = [];
     v.layers.forEach((layer, li) => v.heads.forEach((head, hi) => {
       // A head without a map on the page leaves out all of it.
-      records.push({ li: li, hi: hi, values: [layer, head, ...v.summary[li][hi],
-                                               v.maps[li][hi] ? v.maps[li][hi].left_out[0] : 1] });
+      const mapped = Boolean(v.maps[li][hi]);
+      const leftOut = mapped ? v.maps[li][hi].left_out[0] : 1;
+      records.push({ li: li, hi: hi, mapped: mapped,
+                     values: [layer, head, ...v.summary[li][hi], leftOut] });
     }));
     const column = Math.max(0, names.indexOf(sorting.column));
     records.sort((a, b) => (a.values[column] - b.values[column]) * (sorting.descending ? -1 : 1)
@@ -128,8 +130,8 @@
     for (const r of records) {
       const tr = html("tr", { "data-layer": r.li, "data-head": r.hi }, body);
       r.values.forEach((value, i) => {
-        const shown = i < 2 ? String(value) : i >= 4 ? (100 * value).toFixed(1) + "%"
-          : value.toFixed(3);
+        const shown = i < 2 ? String(value) : i === 6 && !r.mapped ? "no map"
+          : i >= 4 ? (100 * value).toFixed(1) + "%" : value.toFixed(3);
         html("td", { "data-value": value }, tr, shown);
       });
       tr.addEventListener("click", () => {
@@ -141,7 +143,8 @@
     }
     document.getElementById("info").textContent = "per head, averaged over query rows: " +
       "entropy of the row, mean |query - key| distance weighted by attention, attention on " +
-      "the first token, on the previous token, and the share the page leaves out. Click a " +
+      "the first token, on the previous token, and the share the page leaves out (all of " +
+      "it for a head without a map). Click a " +
       "heading to sort, a row to open the head.";
   }
 

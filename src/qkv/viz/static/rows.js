@@ -64,6 +64,10 @@
     ctx.beginPath();
     means.forEach((m, px) => { if (px) ctx.lineTo(px + 0.5, y(m)); else ctx.moveTo(0.5, y(m)); });
     ctx.stroke();
+    const largest = Math.max(...values);  // the top of the axis, its bottom is 0
+    ctx.fillStyle = "#666"; ctx.font = "10px sans-serif"; ctx.textBaseline = "top";
+    ctx.fillText("max " + (largest >= 10 ? largest.toFixed(0) : largest.toPrecision(3)) +
+                 (log ? " (log scale)" : ""), 4, 2);
   }
 
   function drawRowStats() {
