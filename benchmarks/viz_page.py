@@ -1,14 +1,19 @@
-"""The attention page at length: file size, open time and head-switching time in headless
-Chromium, for a pretrained model over a long text (issue 13's SmolLM2 target: 2,048 tokens,
-all 30 layers x 9 heads, one offline file of at most 25 MB, open in under 3 s).
+"""The attention page at length: the command's wall time, CPU time and peak memory, the file
+size, and open and head-switching times in headless Chromium, for a pretrained model over a
+long text (SmolLM2's targets: 2,048 tokens with every map, issue 13; 8,192 tokens with every
+head's per-row summaries and the chosen heads' maps in at most 3 min, 3 GB and 25 MB, issue
+47).
 
-The text is the standard library's docstrings, cut to ``--tokens`` tokens. ``qkv viz`` runs
-in this process (capture streamed layer by layer into 8-bit rows); the page then opens in
-Debian's Chromium (``/usr/bin/chromium`` + chromedriver, via Selenium), and the page's own
-clock gives navigation -> first view drawn. Switching heads is timed inside the page
-(the change handler draws synchronously), median of ``--switches`` switches per view.
+The text is the standard library's docstrings, cut to ``--tokens`` tokens and written to a
+file. ``qkv viz --model M --text-file FILE -o page.html`` runs as its own process, so its peak
+resident memory (``getrusage(RUSAGE_CHILDREN)``) is the command's alone; the load average
+before and after says whether other work shared the cores. The page then opens in Debian's
+Chromium (``/usr/bin/chromium`` + chromedriver, via Selenium), and the page's own clock
+gives navigation -> first view drawn. Switching heads is timed inside the page (the change
+handler draws synchronously), median of ``--switches`` switches per view.
 
     python benchmarks/viz_page.py                                  # smollm2, 2048 tokens
+    python benchmarks/viz_page.py --tokens 8192 --layers 0,15,29   # summaries + 27 maps
     python benchmarks/viz_page.py --tokens 512 --max-per-row 32
     python benchmarks/viz_page.py --model minilm --tokens 256
 """
@@ -17,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from qkv.cli import main
 from qkv.data.docstrings import stdlib_docstrings
 from qkv.models import load_pretrained
 from qkv.viz.page import read_page
@@ -82,33 +90,45 @@ def main_(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--threshold", type=float, default=0.01)
     p.add_argument("--max-per-row", type=int)
+    p.add_argument("--layers", help="qkv viz --layers (past 2,048 tokens: the mapped layers)")
+    p.add_argument("--heads", help="qkv viz --heads")
+    p.add_argument("--threads", type=int, default=2,
+                   help="qkv --threads (the command takes fewer on a busy machine otherwise)")
     p.add_argument("--opens", type=int, default=3, help="page opens timed (median)")
     p.add_argument("--switches", type=int, default=9)
     p.add_argument("--keep", help="write the page here instead of a temporary folder")
     args = p.parse_args(argv)
 
     _, tokenizer = load_pretrained(args.model)
-    text = text_of(tokenizer, args.tokens)
     folder = Path(tempfile.mkdtemp())
+    text = folder / "text.txt"
+    text.write_text(text_of(tokenizer, args.tokens), encoding="utf-8")
     page = Path(args.keep) if args.keep else folder / "page.html"
-    argv = ["viz", "--model", args.model, "--text", text, "-o", str(page),
-            "--threshold", str(args.threshold)]
-    if args.max_per_row:
-        argv += ["--max-per-row", str(args.max_per_row)]
+    # The environment's own ``qkv`` command, beside its Python.
+    argv = [str(Path(sys.executable).with_name("qkv")), "viz", "--model", args.model,
+            "--text-file", str(text), "-o", str(page), "--threshold", str(args.threshold)]
+    for flag in ("max_per_row", "layers", "heads", "threads"):
+        if getattr(args, flag):
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    assert main(argv) == 0
+    subprocess.run(argv, check=True)
     seconds = time.perf_counter() - started
+    load_after = os.getloadavg()[0]
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
     stored = read_page(page)
     view = stored.meta["views"][0]
     tokens, layers, heads = len(view["query_tokens"]), len(view["layers"]), len(view["heads"])
-    left = [m["left_out"][0] for layer in view["maps"] for m in layer]
-    entries = sum(int(stored.array(m["counts"]).sum()) for layer in view["maps"] for m in layer)
+    maps = [m for layer in view["maps"] for m in layer if m is not None]
+    left = [m["left_out"][0] for m in maps]
+    entries = sum(int(stored.array(m["counts"]).sum()) for m in maps)
 
     driver = browser()
     try:
         opens = [open_ms(driver, page) for _ in range(args.opens)]
         matrix = switch_ms(driver, "matrix", heads, args.switches)
         lines = switch_ms(driver, "lines", heads, args.switches)
+        rows = switch_ms(driver, "rows", heads, args.switches) if view["row_stats"] else None
         model_view = driver.execute_script(SWITCH, "display", "model")
         version = driver.capabilities.get("browserVersion", "?")
     finally:
@@ -119,18 +139,26 @@ def main_(argv=None) -> None:
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads; torch "
           f"{torch.__version__}; Chromium {version} headless")
     print(f"model {args.model}: {tokens} tokens, {layers} layers x {heads} heads; threshold "
-          f"{args.threshold}, max per row {args.max_per_row or 'none'}")
+          f"{args.threshold}, max per row {stored.meta['max_per_row'] or 'none'}; "
+          f"{len(maps)} maps" + (", every head's per-row summaries" if view["row_stats"] else ""))
+    print("command: qkv " + " ".join(argv[1:]))
+    print(f"load average (1 min) before {load_before:.2f}, after {load_after:.2f}")
     print("| measure | value |\n| --- | --- |")
-    print(f"| qkv viz (load, forward, capture, write) | {seconds:.1f} s |")
-    print(f"| page file | {page.stat().st_size / 2**20:.2f} MiB |")
-    print(f"| stored weights | {entries:,} ({entries / (layers * heads * tokens):.1f} per "
-          f"query row) |")
-    print(f"| attention left out, mean over heads | {100 * statistics.mean(left):.2f}% "
-          f"(worst head {100 * max(left):.2f}%) |")
+    print(f"| qkv viz (load, forward, summaries and maps, write), wall | {seconds:.1f} s |")
+    print(f"| qkv viz, CPU time (user + system) | {child.ru_utime + child.ru_stime:.1f} s |")
+    print(f"| qkv viz, peak resident memory | {child.ru_maxrss / 2**20:.2f} GiB |")
+    print(f"| page file | {page.stat().st_size / 2**20:.2f} MiB "
+          f"({page.stat().st_size / 1e6:.1f} MB) |")
+    print(f"| stored weights | {entries:,} ({entries / (len(maps) * tokens):.1f} per "
+          f"query row of a mapped head) |")
+    print(f"| attention left out, mean over the mapped heads | {100 * statistics.mean(left):.2f}%"
+          f" (worst head {100 * max(left):.2f}%) |")
     print(f"| open to first view (median of {args.opens}) | {statistics.median(opens):.0f} ms "
           f"(all: {', '.join(f'{t:.0f}' for t in opens)}) |")
     print(f"| switch head, matrix view (median) | {matrix:.1f} ms |")
     print(f"| switch head, head view (median) | {lines:.1f} ms |")
+    if rows is not None:
+        print(f"| switch head, per-row summaries (median) | {rows:.1f} ms |")
     print(f"| open the model view ({layers * heads} thumbnails) | {model_view:.0f} ms |")
 
 
