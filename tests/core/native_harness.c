@@ -96,7 +96,9 @@ static void print(const char *name, const void *p, int64_t count, int is_double)
         T *qn = filled(NB * NODES * HEADS * D, IS_DOUBLE), *kn = filled(NB * NODES * D,     \
                                                                        IS_DOUBLE);          \
         T *ge = filled(NB * E * HEADS, IS_DOUBLE), *edge = calloc(NB * E * HEADS, sizeof(T)); \
-        for (int64_t term = 0; term < 3; term++) {                                          \
+        const int64_t terms[] = {QKV_TERM_DOT, QKV_TERM_SQDIST, QKV_TERM_L1};               \
+        for (int64_t i = 0; i < 3; i++) {                                                   \
+            const int64_t term = terms[i];                                                  \
             T *gq = calloc(NB * NODES * HEADS * D, sizeof(T));                              \
             T *gk = calloc(NB * NODES * D, sizeof(T));                                      \
             if (edge_scores_##S(term, qn, kn, target, source, edge, NB, E, NODES, NODES,    \

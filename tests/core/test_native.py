@@ -7,6 +7,7 @@ import torch
 import qkv
 from qkv.core.similarity import PAIRWISE
 from qkv.engines.cpu import native, native_blocks
+from qkv.engines.terms import TermKind, term_kind
 
 pytestmark = pytest.mark.skipif(
     not native.available(torch.float32), reason="no C compiler on this machine"
@@ -233,12 +234,12 @@ def test_edge_primitives_equal_their_torch_formulas(pair, dtype):
     ke = k_rows[:, source].repeat_interleave(2, dim=2).requires_grad_()
     want = pair.rows(qe, ke)
     tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
-    scores = native.edge_scores(native.term_id(pair), q_rows, k_rows, target, source)
+    scores = native.edge_scores(term_kind(pair), q_rows, k_rows, target, source)
     torch.testing.assert_close(scores, want, **tol)
     ds = torch.randn(want.shape, generator=g, dtype=dtype)
     gq, gk = torch.autograd.grad(want, (qe, ke), ds)
     dq, dk = torch.zeros_like(q_rows), torch.zeros_like(k_rows)
-    native.edge_kernel_grads(native.term_id(pair), ds, q_rows, k_rows, target, source, dq, dk)
+    native.edge_kernel_grads(term_kind(pair), ds, q_rows, k_rows, target, source, dq, dk)
     torch.testing.assert_close(dq, torch.zeros_like(dq).index_add_(1, target, gq), **tol)
     want_dk = torch.zeros_like(dk).index_add_(1, source, gk.view(2, 7, 2, 2, 6).sum(3))
     torch.testing.assert_close(dk, want_dk, **tol)
@@ -250,11 +251,11 @@ def test_edge_primitives_equal_their_torch_formulas(pair, dtype):
 
 
 @pytest.mark.skipif(not native.available(torch.float64), reason="no C compiler")
-def test_edge_loops_reject_an_unknown_term_id():
+def test_edge_loops_reject_a_term_they_have_no_code_for():
     rows = torch.randn(1, 3, 1, 2, dtype=torch.float64)
     edges = torch.tensor([0, 1])
-    with pytest.raises(ValueError, match="no pairwise term with id 7"):
-        native.edge_scores(7, rows, rows, edges, edges)
-    with pytest.raises(ValueError, match="no pairwise term with id None"):
+    with pytest.raises(ValueError, match="no code for pairwise term <TermKind.TRACED: 3>"):
+        native.edge_scores(TermKind.TRACED, rows, rows, edges, edges)
+    with pytest.raises(ValueError, match="no code for pairwise term None"):
         native.edge_kernel_grads(None, torch.ones(1, 2, 1, dtype=torch.float64), rows, rows,
                                  edges, edges, torch.zeros_like(rows), torch.zeros_like(rows))

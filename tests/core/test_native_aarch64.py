@@ -19,6 +19,7 @@ from qkv.engines.kernelgen import c as c_target
 from qkv.engines.kernelgen import c_mod
 from qkv.engines.kernelgen.graph import Graph
 from qkv.engines.kernelgen.trace import trace_score_mod, trace_term
+from qkv.engines.terms import TermKind
 
 from .test_traced_functions import mod, term
 
@@ -121,11 +122,13 @@ def _references() -> dict[str, torch.Tensor]:
         kn = _stream(NB * NODES * D).view(NB, NODES, 1, D).requires_grad_()
         ge = _stream(NB * E * HEADS).view(NB, E, HEADS)
         qe, ke = qn[:, target], kn[:, source]
-        for term_id, value in enumerate([(qe * ke).sum(-1), -((qe - ke) ** 2).sum(-1),
-                                         -(qe - ke).abs().sum(-1)]):
-            want[f"edge{term_id}_scores_{suffix}"] = value.detach()
+        for kind, value in zip((TermKind.DOT, TermKind.SQDIST, TermKind.L1),
+                               [(qe * ke).sum(-1), -((qe - ke) ** 2).sum(-1),
+                                -(qe - ke).abs().sum(-1)], strict=True):
+            name = f"edge{int(kind)}"  # the harness names each by the kind's value
+            want[f"{name}_scores_{suffix}"] = value.detach()
             dq, dk = torch.autograd.grad(value, (qn, kn), ge, retain_graph=True)
-            want[f"edge{term_id}_dq_{suffix}"], want[f"edge{term_id}_dk_{suffix}"] = dq, dk
+            want[f"{name}_dq_{suffix}"], want[f"{name}_dk_{suffix}"] = dq, dk
     return {name: value.detach().reshape(-1) for name, value in want.items()}
 
 

@@ -14,14 +14,19 @@
  */
 #include <math.h>
 
+/* Whether a term's scores are products of its features (BLAS), else its C loops'. */
+#define QKV_BY_PRODUCTS(term) ((term) == QKV_TERM_DOT || (term) == QKV_TERM_SQDIST)
+
 struct qkv_blocks {
     void *gemm;          /* sgemm_ or dgemm_ (Fortran interface; integers passed as int64) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
-    /* 0: scores sq.sk (dot); 1: -|q-k|^2 as min(sq.sk, 0) of the lifted features
-     * [q, |q|^2, 1] and [2k, -1, -|k|^2] (sd = d + 2), whose gradient in q and k adds
-     * -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.neg_sqdist_tile_grads);
-     * 2: a term's C loops, generated (kernelgen/c.py) or L1's (l1_term_*), with the
-     * signature of the generated ones: rows of q and k d apart. */
+    /* The term's kind (engines/terms.py TermKind, by name from the compile flags):
+     * QKV_TERM_DOT: scores sq.sk; QKV_TERM_SQDIST: -|q-k|^2 as min(sq.sk, 0) of the lifted
+     * features [q, |q|^2, 1] and [2k, -1, -|k|^2] (sd = d + 2), whose gradient in q and k
+     * adds -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.
+     * neg_sqdist_tile_grads); QKV_TERM_L1 and QKV_TERM_TRACED: a term's C loops, L1's own
+     * (l1_term_*) or generated (kernelgen/c.py), with the signature of the generated ones:
+     * rows of q and k d apart. */
     int64_t term, sd;
     void *term_scores, *term_grads;
     const void *term_slots[4];
@@ -103,8 +108,8 @@ typedef void (*mod_##SUFFIX##_t)(T *, T *, int64_t, int64_t, int64_t, int64_t, i
  * C loops' scratch (BLOCK x sd). */                                                        \
 static inline void scores_##SUFFIX(const struct qkv_blocks *c, const T *sqh, const T *skh,  \
                                    int64_t rows, int64_t cols, T *s, T *kt) {               \
-    const T scale = (T)c->scale, alpha = c->term == 1 ? 1 : scale, zero = 0;                \
-    if (c->term == 2) {                                                                     \
+    const T scale = (T)c->scale, alpha = c->term == QKV_TERM_SQDIST ? 1 : scale, zero = 0;  \
+    if (!QKV_BY_PRODUCTS(c->term)) {                                                        \
         ((term_scores_##SUFFIX##_t)c->term_scores)(sqh, skh, s, 1, rows, cols, c->sd, 0, 0, \
                                                    kt, c->term_scale, c->term_slots[0],     \
                                                    c->term_slots[1], c->term_slots[2],      \
@@ -115,11 +120,12 @@ static inline void scores_##SUFFIX(const struct qkv_blocks *c, const T *sqh, con
     }                                                                                       \
     ((gemm_##SUFFIX##_t)c->gemm)("T", "N", &cols, &rows, &c->sd, &alpha, skh, &c->sk_st[2], \
                                  sqh, &c->sq_st[2], &zero, s, &cols);                       \
-    if (c->term == 1) /* clamped (only rounding makes it positive; NaN stays), then scaled */ \
+    /* clamped (only rounding makes it positive; NaN stays), then scaled */                 \
+    if (c->term == QKV_TERM_SQDIST)                                                         \
         for (int64_t e = 0; e < rows * cols; e++) s[e] = (s[e] > 0 ? 0 : s[e]) * scale;     \
 }                                                                                           \
                                                                                             \
-/* -|q-k|^2's gradient beyond the products (term 1): dq_i -= g rowsum_i(ds) q_i and        \
+/* -|q-k|^2's gradient beyond the products (QKV_TERM_SQDIST): dq_i -= g rowsum_i(ds) q_i and \
  * dk_j -= g colsum_j(ds) k_j, with col (cols) as scratch. */                               \
 static inline void sqdist_sums_##SUFFIX(const struct qkv_blocks *c, const T *ds,            \
                                         int64_t rows, int64_t cols, T g, const T *qh,       \
@@ -141,7 +147,7 @@ static inline void sqdist_sums_##SUFFIX(const struct qkv_blocks *c, const T *ds,
             dkh[j * c->d + x] -= g * col[j] * kh[j * c->k_st[2] + x];                       \
 }                                                                                           \
                                                                                             \
-/* A term's C loops add its gradients (term 2), from ds times g. */                          \
+/* A term's C loops add its gradients (L1, traced), from ds times g. */                     \
 static inline void term_grads_##SUFFIX(const struct qkv_blocks *c, T *ds, int64_t rows,      \
                                        int64_t cols, T g, const T *qh, const T *kh, T *dqh, \
                                        T *dkh) {                                            \
@@ -219,7 +225,8 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                              T *dk, T *dvt, T *scratch) {                                   \
     const gemm_##SUFFIX##_t gemm = (gemm_##SUFFIX##_t)c->gemm;                              \
     const int64_t rows = q1 - q0, group = c->heads / c->kv_heads, nk = c->nk;               \
-    const T one = 1, zero = 0, grad_scale = (T)c->grad_scale * (c->term == 1 ? 2 : 1);     \
+    const T one = 1, zero = 0,                                                              \
+        grad_scale = (T)c->grad_scale * (c->term == QKV_TERM_SQDIST ? 2 : 1);               \
     const int64_t tile = rows * widest_span(nspans, spans);                                 \
     /* s: the scores, then with mod_scores_ds the modifier's slope; p: the probabilities */  \
     T *s = scratch, *dp = s + tile, *p = c->mod_scores_ds ? dp + tile : s;                  \
@@ -256,7 +263,7 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                      &one, dvh + k0, &nk);                                                  \
                 softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,                 \
                                            c->mod_scores_ds ? s : 0, c->mod_scale);         \
-                if (c->term == 2) {                                                         \
+                if (!QKV_BY_PRODUCTS(c->term)) {                                            \
                     term_grads_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                  \
                                         kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d);        \
                     continue;                                                               \
@@ -265,7 +272,7 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                      &c->k_st[2], dp, &cols, &one, dqh, &c->dq_st[2]);                      \
                 gemm("N", "T", &c->d, &cols, &rows, &grad_scale, qh, &c->q_st[2], dp,       \
                      &cols, &one, dkh + k0 * c->d, &c->d);                                  \
-                if (c->term == 1)                                                           \
+                if (c->term == QKV_TERM_SQDIST)                                             \
                     sqdist_sums_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                 \
                                          kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d, col);  \
             }                                                                               \

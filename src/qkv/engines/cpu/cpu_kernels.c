@@ -369,25 +369,28 @@ DEFINE_SOFTMAX(double, f64)
 /* Graph attention along edges, without gathering features per edge. Rows are laid out
  * (B, N, heads, d) contiguous: q and the target side (Nq, H heads), k and v the source side
  * (Nk, Hk heads; query head h reads key head h / (H / Hk)). Edge e joins target[e] (a query)
- * and source[e] (a key); per-edge values are (B, E, H). kernel (similarity.Pairwise.c_id):
- * 0 dot q.k, 1 -|q-k|^2, 2 -|q-k|_1; any other id is rejected, never defaulted.
+ * and source[e] (a key); per-edge values are (B, E, H). kernel: the term's kind
+ * (engines/terms.py TermKind, by name from the compile flags): QKV_TERM_DOT q.k,
+ * QKV_TERM_SQDIST -|q-k|^2, QKV_TERM_L1 -|q-k|_1; any other is rejected, never defaulted.
  */
-static inline int known_kernel(int64_t kernel) { return kernel >= 0 && kernel <= 2; }
+static inline int known_kernel(int64_t kernel) {
+    return kernel == QKV_TERM_DOT || kernel == QKV_TERM_SQDIST || kernel == QKV_TERM_L1;
+}
 
 #define DEFINE_EDGES(T, SUFFIX, ABS)                                                        \
 static inline T pair_kernel_##SUFFIX(int kernel, const T *a, const T *b, int64_t d) {       \
     T total = 0;                                                                            \
-    if (kernel == 0) {                                                                      \
+    if (kernel == QKV_TERM_DOT) {                                                           \
         _Pragma("omp simd reduction(+:total)")                                              \
         for (int64_t c = 0; c < d; c++) total += a[c] * b[c];                               \
         return total;                                                                       \
     }                                                                                       \
-    if (kernel == 1) {                                                                      \
+    if (kernel == QKV_TERM_SQDIST) {                                                        \
         _Pragma("omp simd reduction(+:total)")                                              \
         for (int64_t c = 0; c < d; c++) total += (a[c] - b[c]) * (a[c] - b[c]);             \
         return -total;                                                                      \
     }                                                                                       \
-    /* kernel == 2: the callers have checked the id (known_kernel) */                       \
+    /* QKV_TERM_L1: the callers have checked the kind (known_kernel) */                     \
     _Pragma("omp simd reduction(+:total)")                                                  \
     for (int64_t c = 0; c < d; c++) total += ABS(a[c] - b[c]);                              \
     return -total;                                                                          \
@@ -450,20 +453,20 @@ int64_t edge_kernel_grads_##SUFFIX(int64_t kernel, const T *ds, const T *q, cons
                 const T g = ds[(b * edges + e) * heads + h];                                \
                 const T *qr = q + (qi + h) * d, *kr = k + (ki + h / group) * d;             \
                 T *dqr = dq + (qi + h) * d, *dkr = dk + (ki + h / group) * d;               \
-                if (kernel == 0) {                                                          \
+                if (kernel == QKV_TERM_DOT) {                                               \
                     _Pragma("omp simd")                                                     \
                     for (int64_t c = 0; c < d; c++) {                                       \
                         dqr[c] += g * kr[c];                                                \
                         dkr[c] += g * qr[c];                                                \
                     }                                                                       \
-                } else if (kernel == 1) {                                                   \
+                } else if (kernel == QKV_TERM_SQDIST) {                                     \
                     _Pragma("omp simd")                                                     \
                     for (int64_t c = 0; c < d; c++) {                                       \
                         T t = 2 * g * (qr[c] - kr[c]);                                      \
                         dqr[c] -= t;                                                        \
                         dkr[c] += t;                                                        \
                     }                                                                       \
-                } else { /* kernel == 2, checked above */                                   \
+                } else { /* QKV_TERM_L1, checked above */                                   \
                     _Pragma("omp simd")                                                     \
                     for (int64_t c = 0; c < d; c++) {                                       \
                         T diff = qr[c] - kr[c];                                             \

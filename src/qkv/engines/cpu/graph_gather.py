@@ -14,7 +14,7 @@ modifier) runs under autograd, and the kernel's and the values' gradients are sc
 along the edges by hand, like the tile engine's.
 
 Three edge primitives do the O(edges·D) work: ``scores``, ``scatter`` and ``kernel_grads``.
-They run in C, reading rows in place: the built-in terms by their id (``native.C_TERMS``),
+They run in C, reading rows in place: the built-in terms by their kind (``terms.TermKind``),
 a user's term in loops generated from it (``kernelgen.c``, which also return the
 gradients of the tensors it reads). Without a C library, or for a term that does not trace,
 they run in torch by gathering rows per edge and evaluating the term's own definition
@@ -34,6 +34,7 @@ from ...core.scores import modified_scores
 from ...core.similarity import DOT
 from .. import ops
 from ..kernelgen import c as c_target
+from ..terms import TermKind, term_kind
 from . import native
 from .tiles import (
     TileSpec,
@@ -80,7 +81,7 @@ def _gathered(q_rows, k_rows, target, source) -> tuple[Tensor, Tensor]:
 def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
     """(B, E, H): the pairwise term of each edge."""
     if native.edge_loops(spec.pair, q_rows.dtype):
-        return native.edge_scores(native.term_id(spec.pair), q_rows, k_rows, target, source)
+        return native.edge_scores(term_kind(spec.pair), q_rows, k_rows, target, source)
     if spec.loops is not None:
         return spec.loops.edge_scores(q_rows, k_rows, target, source)
     return spec.pair.rows(*_gathered(q_rows, k_rows, target, source))
@@ -89,7 +90,7 @@ def _scores(spec, q_rows, k_rows, target, source) -> Tensor:
 def _dot_rows(q_rows, k_rows, target, source) -> Tensor:
     """(B, E, H): q·k of each edge's rows (the backward's dout·v)."""
     if native.edge_loops(DOT, q_rows.dtype):
-        return native.edge_scores(native.term_id(DOT), q_rows, k_rows, target, source)
+        return native.edge_scores(TermKind.DOT, q_rows, k_rows, target, source)
     return DOT.rows(*_gathered(q_rows, k_rows, target, source))
 
 
@@ -104,7 +105,7 @@ def _add_term_grads(spec, ds, q_rows, k_rows, target, source, sums, wanted) -> N
     """sums[0][:, target] += ds·∂term/∂q, sums[1][:, source] += ds·∂term/∂k, and the term's
     tensors' gradients into their sums, for ds (B, E, H) = d(loss)/d(edge terms)."""
     if native.edge_loops(spec.pair, ds.dtype):
-        native.edge_kernel_grads(native.term_id(spec.pair), ds, q_rows, k_rows, target, source,
+        native.edge_kernel_grads(term_kind(spec.pair), ds, q_rows, k_rows, target, source,
                                  sums[0], sums[1])
         return
     if spec.loops is not None:
@@ -257,7 +258,7 @@ def _rows_of(t: Tensor) -> Tensor:
 def _prepare(fq, fk, variant, dropout_p, seed):
     pair = variant.pair
     # A user's term runs in C loops generated from it (``kernelgen.c``) when it traces.
-    loops = (None if native.term_id(pair) is not None
+    loops = (None if term_kind(pair) is not TermKind.TRACED
              else c_target.traced_loops(pair, fq.dtype, fq.shape[-1]))
     spec = tile_spec(fq, fk, variant, dropout_p, seed, loops)
     target, source = variant.mask.target.to(fq.device), variant.mask.source.to(fq.device)

@@ -42,14 +42,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...cache import cache_dir
-from ...core.similarity import DOT, NEG_L1, NEG_SQDIST
+from ..terms import TermKind, c_defines, term_kind
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_blocks.c")]
 # -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
 # keep each libm call, division or select that could set errno or trap under its condition,
 # which keeps such loops from vectorizing. The target (-march) comes first, from march().
-_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
+# The term kinds come by name (-DQKV_TERM_DOT=0, ...): the C branches on the one enum.
+_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+          *c_defines()]
 # The CPU features (as /proc/cpuinfo names them) each x86-64 level adds to the one before.
 _X86_LEVELS = {
     "x86-64-v2": "cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3",
@@ -81,16 +83,8 @@ _SIGNATURES = {
 }
 # Functions that return a status: nonzero means an id they do not know.
 _CHECKED = {"edge_scores", "edge_kernel_grads"}
-# The pairwise terms with C loops of their own, by definition (``Pairwise.term``, which a
-# variant keeps through its trip across a custom op), and their ids in cpu_kernels.c.
-C_TERMS = {DOT.term: 0, NEG_SQDIST.term: 1, NEG_L1.term: 2}
-EDGE_TERMS = frozenset(C_TERMS.values())  # the ids the C edge loops know
-_L1_ID = C_TERMS[NEG_L1.term]
-
-
-def term_id(pair) -> int | None:
-    """The id of ``pair``'s own C loops (a ``similarity.Pairwise``), or None: none written."""
-    return C_TERMS.get(pair.term)
+# The term kinds the C edge loops compute (``cpu_kernels.c``).
+EDGE_TERMS = frozenset({TermKind.DOT, TermKind.SQDIST, TermKind.L1})
 
 
 def cpuinfo_line(key: str) -> str:
@@ -278,14 +272,14 @@ class TileLoops:
 def tile_loops(pair, dtype: torch.dtype) -> TileLoops | None:
     """The C tile loops written for ``pair`` (a ``similarity.Pairwise``), or None: only
     -‖q-k‖₁ has them, the others are matrix products."""
-    if term_id(pair) == _L1_ID and available(dtype):
+    if term_kind(pair) is TermKind.L1 and available(dtype):
         return _L1_LOOPS
     return None
 
 
 def edge_loops(pair, dtype: torch.dtype) -> bool:
     """Whether the C edge loops compute ``pair`` for ``dtype``."""
-    return term_id(pair) in EDGE_TERMS and available(dtype)
+    return term_kind(pair) in EDGE_TERMS and available(dtype)
 
 
 def row_view(t: Tensor, written: bool = False) -> tuple[Tensor, int] | None:
@@ -448,29 +442,30 @@ def _check_rows(*rows: Tensor) -> None:
         raise ValueError("edge rows must be contiguous (B, N, heads, d)")
 
 
-def _term_id(c_id) -> int:
-    if c_id not in EDGE_TERMS:
-        raise ValueError(f"the C edge loops have no pairwise term with id {c_id!r}; they know "
-                         f"{sorted(EDGE_TERMS)}")
-    return c_id
+def _edge_term(kind: TermKind) -> TermKind:
+    if kind not in EDGE_TERMS:
+        raise ValueError(f"the C edge loops have no code for pairwise term {kind!r}; they know "
+                         f"{sorted(k.name for k in EDGE_TERMS)}")
+    return kind
 
 
-def _checked(status: int, c_id: int) -> None:
+def _checked(status: int, kind: TermKind) -> None:
     if status:
-        raise ValueError(f"the C edge loops rejected pairwise term id {c_id}")
+        raise ValueError(f"the C edge loops rejected pairwise term {kind!r}")
 
 
-def edge_scores(c_id: int, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+def edge_scores(kind: TermKind, q_rows: Tensor, k_rows: Tensor, target: Tensor,
                 source: Tensor) -> Tensor:
-    """(B, E, H): pairwise term ``c_id`` of each edge's query (target) and key (source) rows."""
+    """(B, E, H): the pairwise term of ``kind`` of each edge's query (target) and key
+    (source) rows."""
     _check_rows(q_rows, k_rows, target, source)
     batch, nq, heads, d = q_rows.shape
     out = q_rows.new_empty(batch, target.numel(), heads)
     status = _load()["edge_scores", q_rows.dtype](
-        _term_id(c_id), q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
+        _edge_term(kind), q_rows.data_ptr(), k_rows.data_ptr(), target.data_ptr(),
         source.data_ptr(), out.data_ptr(), batch, target.numel(), nq, k_rows.shape[1], heads,
         k_rows.shape[2], d)
-    _checked(status, c_id)
+    _checked(status, kind)
     return out
 
 
@@ -485,14 +480,14 @@ def edge_scatter(weights: Tensor, x_rows: Tensor, frm: Tensor, to: Tensor, out: 
         out.shape[3])
 
 
-def edge_kernel_grads(c_id: int, ds: Tensor, q_rows: Tensor, k_rows: Tensor, target: Tensor,
+def edge_kernel_grads(kind: TermKind, ds: Tensor, q_rows: Tensor, k_rows: Tensor, target: Tensor,
                       source: Tensor, dq: Tensor, dk: Tensor) -> None:
     """dq[:, target] += ds · ∂term/∂q and dk[:, source] += ds · ∂term/∂k, in place, for
     ds (B, E, H) = d(loss)/d(edge scores); dq and dk are laid out like q_rows and k_rows."""
     _check_rows(ds, q_rows, k_rows, target, source, dq, dk)
     batch, nq, heads, d = q_rows.shape
     status = _load()["edge_kernel_grads", q_rows.dtype](
-        _term_id(c_id), ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(),
+        _edge_term(kind), ds.data_ptr(), q_rows.data_ptr(), k_rows.data_ptr(),
         target.data_ptr(), source.data_ptr(), dq.data_ptr(), dk.data_ptr(), batch,
         target.numel(), nq, k_rows.shape[1], heads, k_rows.shape[2], d)
-    _checked(status, c_id)
+    _checked(status, kind)

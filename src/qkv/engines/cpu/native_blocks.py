@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...core.similarity import DOT, NEG_L1, NEG_SQDIST
+from ..terms import TermKind, term_kind
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 
@@ -54,10 +54,6 @@ class _Call(ctypes.Structure):
 
 
 _GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
-# The terms the blocks compute by products, by their C id (``native.term_id``), to theirs
-# (cpu_blocks.c); 2 there is a term's C loops: L1's own, or generated from a user's term.
-_PRODUCTS = {native.term_id(DOT): 0, native.term_id(NEG_SQDIST): 1}
-_LOOPS = 2
 
 
 @functools.cache
@@ -98,15 +94,15 @@ def why_not(spec: TileSpec, q: Tensor, extras: Sequence[Tensor] = ()) -> str | N
 
 
 def _term_why_not(spec: TileSpec, q: Tensor) -> str | None:
-    term = native.term_id(spec.pair)
-    if term in _PRODUCTS:
+    kind = term_kind(spec.pair)
+    if kind.products:
         if spec.pair.lift is not None and not spec.scores_lifted:
             return f"{spec.pair.name!r} without its lifted features"
         return None
     if spec.loops is None:
         return f"the term {spec.pair.name!r} has no C loops"
     if spec.loops.c_term is None:  # L1's own loops: the gradient's take whole vectors of d
-        if term != native.term_id(NEG_L1):
+        if kind is not TermKind.L1:
             return f"the term {spec.pair.name!r} has no C loops the blocks can call"
         lanes = native._load()["vector_bytes"] // q.element_size()
         if q.shape[-1] % lanes:
@@ -136,22 +132,22 @@ def _strides(t: Tensor) -> _STRIDES:
 def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor,
           scores: tuple[Tensor, Tensor] | None) -> tuple[_Call, list]:
     """The fields every call shares, and what it reads (to keep alive)."""
-    term = _PRODUCTS.get(native.term_id(spec.pair), _LOOPS)
-    q, k = (_rows_in_place(t, dense=term == _LOOPS) for t in (q, k))
+    kind = term_kind(spec.pair)
+    q, k = (_rows_in_place(t, dense=not kind.products) for t in (q, k))
     v = _rows_in_place(v)
-    if scores is None or term == _LOOPS:  # the loops score the term's own features
+    if scores is None or not kind.products:  # the loops score the term's own features
         sq, sk = q, k
     else:
         sq, sk = (_rows_in_place(t) for t in scores)
     scale = 1.0 if spec.scale is None else float(spec.scale)
     call = _Call(gemm=_gemm(q.dtype), batch=spec.batch, heads=spec.heads, kv_heads=k.shape[1],
-                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1], term=term,
+                 nq=spec.nq, nk=spec.nk, d=q.shape[-1], dv=v.shape[-1], term=kind,
                  sd=sq.shape[-1], sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq),
                  sk_st=_strides(sk), scale=scale, grad_scale=scale, q=q.data_ptr(),
                  k=k.data_ptr(), v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k),
                  v_st=_strides(v))
     alive = [q, k, v, sq, sk]
-    if term == _LOOPS:
+    if not kind.products:
         alive.append(_add_loops(call, spec, q.dtype))
     return call, alive
 
@@ -206,7 +202,7 @@ class Blocks:
             self.call.out, self.call.out_st = out.data_ptr(), _strides(out)
             self._function = native._load()["block_forward", q.dtype]
         else:  # dq is written (rows d apart for a term's C loops); the rest is read
-            _check_written("dq", dq, dense=self.call.term == _LOOPS)
+            _check_written("dq", dq, dense=not TermKind(self.call.term).products)
             lse, dout, delta = lse.contiguous(), _rows_in_place(dout), delta.contiguous()
             self._alive += [lse, dout, delta]
             self.call.dout, self.call.dout_st = dout.data_ptr(), _strides(dout)
