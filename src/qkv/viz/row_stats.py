@@ -13,9 +13,9 @@ p = e / z, and from them:
 - the row's ``k`` largest weights and their keys (ties: the earlier key), descending;
 
 and leaves p in the block (0 past hi), for callers that keep some heads' maps. Two passes
-over a row that stays in cache, instead of one pass over the whole block per torch
-operation. Without a C compiler ``library()`` is None and ``qkv.viz.summaries`` computes the
-same with torch operations.
+over a row that stays in cache, and a scan for the top keys, instead of one pass over the
+whole block per torch operation. Without a C compiler ``library()`` is None and
+``qkv.viz.summaries`` computes the same with torch operations.
 """
 
 from __future__ import annotations
