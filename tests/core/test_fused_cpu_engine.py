@@ -17,6 +17,7 @@ from qkv.core.similarity import DOT
 from qkv.engines import plan
 from qkv.engines.cpu import fused_cpu, graph_gather, native_blocks, tiles, workers
 from qkv.engines.cpu.tiles import TileSpec, block_sizes, tile_plan
+from qkv.engines.lowering import Lowered
 
 from .conftest import rand_qkv, rel_err
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spec_for(mask, nq, nk, block_q, block_k, batch=1, heads=1):
-    return TileSpec(DOT, None, None, mask, batch, heads, nq, nk, 0.0, 0, block_q, block_k)
+    return TileSpec(Lowered(DOT, None, mask, None), batch, heads, nq, nk, 0.0, 0, block_q, block_k)
 
 
 def test_causal_plan_skips_empty_and_unmasks_full_tiles():

@@ -8,7 +8,7 @@ import qkv
 from qkv.core.problem import build_problem
 from qkv.engines.cpu import native, native_blocks
 from qkv.engines.cpu.fused_cpu import _spec
-from qkv.engines.ops import Variant
+from qkv.engines.lowering import Lowered
 
 from .conftest import rand_qkv, rel_err
 
@@ -146,7 +146,7 @@ def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs
     out.sum().backward()
     assert not block_runs
     p = build_problem(q, k, v, **kwargs)
-    spec = _spec(q, k, Variant(p.similarity.pairwise, p.score_mod, p.mask, p.scale),
+    spec = _spec(q, k, Lowered(p.similarity.pairwise, p.score_mod, p.mask, p.scale),
                  p.dropout_p, 0)
     assert reason in native_blocks.why_not(spec, q)
 
@@ -154,7 +154,7 @@ def test_what_the_blocks_do_not_run_goes_to_the_tiles(kwargs, reason, block_runs
 def test_why_not_names_extra_gradients_and_dtypes():
     from qkv.core.similarity import DOT
     from qkv.engines.cpu.tiles import TileSpec
-    spec = TileSpec(DOT, None, None, None, 1, 2, 10, 10, 0.0, 0, 16, 16)
+    spec = TileSpec(Lowered(DOT, None, None, None), 1, 2, 10, 10, 0.0, 0, 16, 16)
     q = torch.zeros(1, 2, 10, 8)
     assert native_blocks.why_not(spec, q) is None
     learnable = torch.ones(2, requires_grad=True)
@@ -179,7 +179,7 @@ def test_blocks_refuse_outputs_they_cannot_write_in_place():
     specs = {}
     for similarity in ("dot", "l1"):
         p = build_problem(q, k, v, similarity=similarity)
-        specs[similarity] = _spec(q, k, Variant(p.similarity.pairwise, None, None, p.scale),
+        specs[similarity] = _spec(q, k, Lowered(p.similarity.pairwise, None, None, p.scale),
                                   0.0, 0)
     lse = torch.zeros(1, 2, 16, 1)
     with pytest.raises(ValueError, match="lse"):

@@ -1,12 +1,12 @@
 """The fused engines as ``torch.library`` custom ops, so that ``torch.compile`` and
 ``torch.export`` keep them instead of falling back to the O(N²) reference.
 
-An engine's kernels read the variant (mask, score modifier, pairwise term, scale) as Python
-objects, and a custom op takes only tensors and plain values. So the variant crosses the op
-as a key plus the tensors it reads (``structure``): the key names its structure in a
-registry, written when the call is traced, and the op rebuilds the variant from it and the
-tensors it receives at run time. Gradients reach every one of those tensors, because they
-are the op's inputs.
+An engine's kernels read the variant (``lowering.Lowered``: mask, score modifier, pairwise
+term, scale) as Python objects, and a custom op takes only tensors and plain values. So the
+variant crosses the op as a key plus the tensors it reads (``structure``): the key names its
+structure in a registry, written when the call is traced, and the op rebuilds the variant
+from it and the tensors it receives at run time. Gradients reach every one of those
+tensors, because they are the op's inputs.
 
 Each engine gives an ``EngineKernels``: forward and backward over features q (B, H, Nq, D),
 k (B, Hk, Nk, D), v (B, Hk, Nk, Dv). ``define`` registers them and returns the engine's
@@ -32,15 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ..core.structure import Node, floats_as_scalars, scalars_as_floats
-
-
-class Variant(Node):
-    """What the kernels read besides q, k and v: the pairwise term, the score modifier, the
-    mask and the scale (None when folded into q, a float, or a tensor)."""
-
-    def __init__(self, pair, score_mod, mask, scale):
-        self.pair, self.score_mod, self.mask, self.scale = pair, score_mod, mask, scale
+from ..core.structure import floats_as_scalars, scalars_as_floats
+from .lowering import Lowered
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ def _key(spec) -> str:
     return key
 
 
-def _rebuild(leaves, key: str) -> Variant:
+def _rebuild(leaves, key: str) -> Lowered:
     if key not in _BY_KEY:
         raise RuntimeError(
             f"qkv: variant {key!r} is not known in this process: a program exported with qkv's "
@@ -134,7 +127,7 @@ class EngineOp:
     name: str
     kernels: EngineKernels
 
-    def run(self, q: Tensor, k: Tensor, v: Tensor, variant: Variant, dropout_p: float,
+    def run(self, q: Tensor, k: Tensor, v: Tensor, variant: Lowered, dropout_p: float,
             want_weights: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """out, lse and (when asked) weights on features q, k, v."""
         if torch.compiler.is_compiling():
@@ -245,7 +238,7 @@ class _Eager(torch.autograd.Function):
                 *(by_id.pop(id(t), None) for t in ctx.leaves))
 
 
-def _traced_call(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Variant,
+def _traced_call(name: str, q: Tensor, k: Tensor, v: Tensor, variant: Lowered,
                  dropout_p: float, want_weights: bool):
     """Runs for real (on fake tensors) while torch.compile or torch.export traces: the
     variant's structure enters the registry, and the graph holds the op with its key."""

@@ -31,6 +31,7 @@ from ...core.result import Result
 from .. import ops
 from ..kernelgen import c as c_target
 from ..kernelgen import c_mod
+from ..lowering import Lowered, lower
 from . import native, native_blocks
 from .tiles import (
     TileSpec,
@@ -41,7 +42,6 @@ from .tiles import (
     dropout_keep,
     elementwise_needs_grad,
     extra_tensors,
-    features,
     grad_sums,
     group_heads,
     keys_visited,
@@ -363,7 +363,7 @@ def tile_loops(pair, fq: Tensor, scale: float | None = None, fk: Tensor | None =
                                  None if fk is None else (fq, fk))
 
 
-def _spec(fq, fk, variant, dropout_p, seed, grads: bool = False) -> TileSpec:
+def _spec(fq, fk, variant: Lowered, dropout_p, seed, grads: bool = False) -> TileSpec:
     """The call's TileSpec with the C loops of its pairwise term and score modifier. The
     modifier's loops need the term's gradients at hand (not autograd's) and a number scale
     (a tensor scale is differentiated by autograd). Without a modifier, a number scale goes
@@ -376,7 +376,7 @@ def _spec(fq, fk, variant, dropout_p, seed, grads: bool = False) -> TileSpec:
     loops = tile_loops(variant.pair, fq, variant.scale if into_loops else None,
                        fk if grads else None)
     if into_loops and loops is not None:
-        variant = ops.Variant(variant.pair, None, variant.mask, None)
+        variant = variant.without_scale()
     mod_loops = None
     if (variant.score_mod is not None and not isinstance(variant.scale, torch.Tensor)
             and (variant.pair.tile_grads is not None or loops is not None)):
@@ -410,8 +410,7 @@ OP = ops.define("fused_cpu", KERNELS)
 
 
 def run(p: Problem) -> Result:
-    fq, fk, v, scale = features(p)
-    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    fq, fk, v, variant = lower(p)
     out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
     return Result(out.to(p.q.dtype), lse.squeeze(-1),
                   None if weights is None else weights.to(p.q.dtype))

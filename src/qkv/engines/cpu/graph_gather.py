@@ -34,6 +34,7 @@ from ...core.scores import modified_scores
 from ...core.similarity import DOT
 from .. import ops
 from ..kernelgen import c as c_target
+from ..lowering import lower
 from ..terms import TermKind, term_kind
 from . import native
 from .tiles import (
@@ -44,7 +45,6 @@ from .tiles import (
     dropout_keep,
     elementwise_needs_grad,
     extra_tensors,
-    features,
     grad_sums,
     tile_spec,
 )
@@ -304,7 +304,6 @@ def why_not(p) -> str | None:
 
 
 def run(p) -> Result:
-    fq, fk, v, scale = features(p)
-    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    fq, fk, v, variant = lower(p)
     out, lse, _ = OP.run(fq, fk, v, variant, p.dropout_p, False)
     return Result(out.to(p.q.dtype), lse.squeeze(-1))

@@ -1,6 +1,6 @@
 """What the two CPU engines share: what the fused engine computes on one tile and which
 tiles it visits, and the call as both the fused (tiles) and graph (edges) engines see it
-(``features``, ``tile_spec``, ``extra_tensors``): the two are siblings on this module.
+(``tile_spec``, ``extra_tensors``): the two are siblings on this module.
 
 Everything a variant defines comes from the core's single definitions: the similarity's
 pairwise term (``similarity.Pairwise``, with the fast forms registered for it), the score
@@ -18,11 +18,10 @@ from torch import Tensor
 
 from ...core.masks import EMPTY, FULL, Mask
 from ...core.problem import Problem
-from ...core.reference import accumulation_dtype
 from ...core.scores import ScoreMod, modified_scores
 from ...core.similarity import Pairwise
-from .. import ops
 from ..kept import Kept
+from ..lowering import Lowered
 from . import native
 
 BLOCK_Q = 128
@@ -43,16 +42,10 @@ MAX_TILE_ELEMENTS = 1 << 23
 
 @dataclass
 class TileSpec:
-    """A problem as the tile loops see it: features already applied, shapes fixed.
+    """A call as the tile loops see it: the lowered variant (``lowering.Lowered``), and the
+    shapes and tiling of this call, features already applied."""
 
-    ``scale`` is None when it was folded into the features (``Pairwise.fold_scale``: a dot
-    term's float or tensor scale, a positive float for L2 and L1) or into a traced term's
-    loops, else a float or a tensor broadcastable to (B, H, 1, 1)."""
-
-    pair: Pairwise
-    scale: float | Tensor | None
-    score_mod: ScoreMod | None
-    mask: Mask | None
+    variant: Lowered
     batch: int
     heads: int
     nq: int
@@ -64,6 +57,22 @@ class TileSpec:
     span_k: int = 0  # the widest merged key span; 0 means block_k
     loops: native.TileLoops | None = None  # the pairwise term's C loops, when it has them
     mod_loops: object = None  # the score modifier's C loops (``kernelgen.c_mod.ModLoops``)
+
+    @property
+    def pair(self) -> Pairwise:
+        return self.variant.pair
+
+    @property
+    def scale(self) -> float | Tensor | None:
+        return self.variant.scale
+
+    @property
+    def score_mod(self) -> ScoreMod | None:
+        return self.variant.score_mod
+
+    @property
+    def mask(self) -> Mask | None:
+        return self.variant.mask
 
     @property
     def offset(self) -> int:
@@ -308,7 +317,7 @@ def draw_seed(dropout_p: float) -> int:
     return int(torch.randint(0, 2**62, ())) if dropout_p > 0 else 0
 
 
-def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, seed: int,
+def tile_spec(fq: Tensor, fk: Tensor, variant: Lowered, dropout_p: float, seed: int,
               loops=None, mod_loops=None) -> TileSpec:
     """The call as the tile loops (and the graph engine's chunks) see it, for features
     fq (B, H, Nq, D) and fk (B, Hk, Nk, D). The mask's checks run here too, at run time,
@@ -318,34 +327,9 @@ def tile_spec(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float, se
     if variant.mask is not None:
         variant.mask.check(batch, heads, nq, nk)
     block_q, block_k, span_k = block_sizes(batch, heads, nq, nk, variant.mask is None)
-    scale = variant.scale
-    if isinstance(scale, Tensor) and scale.dim() == 1:
-        scale = scale.view(1, -1, 1, 1)
-    return TileSpec(
-        pair=variant.pair, scale=scale, score_mod=variant.score_mod, mask=variant.mask,
-        batch=batch, heads=heads, nq=nq, nk=nk, dropout_p=dropout_p, seed=seed,
-        block_q=block_q, block_k=block_k, span_k=span_k, loops=loops, mod_loops=mod_loops,
-    )
-
-
-def features(p: Problem):
-    """Query and key features in the accumulation dtype, v cast alike, and the scale left for
-    the tiles (None when folded into the features: ``Pairwise.fold_scale``). A learnable
-    scale folded into the features gets its gradient from autograd through that product
-    (O(N·D)), and the tiles run as for a number: no autograd graph per tile."""
-    acc = accumulation_dtype(p.q.dtype)
-    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
-    metric = None if p.metric is None else p.metric.to(acc)
-    fq, fk = p.similarity.features(q, k, metric)
-    scale, fold = p.scale, p.similarity.pairwise.fold_scale
-    folded = None
-    if fold is not None:
-        folded = fold(fq, fk, p.scale_tensor().to(acc) if isinstance(scale, Tensor) else scale)
-    if folded is not None:
-        (fq, fk), scale = folded, None
-    if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
-        v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
-    return fq, fk, v, scale
+    return TileSpec(variant=variant, batch=batch, heads=heads, nq=nq, nk=nk,
+                    dropout_p=dropout_p, seed=seed, block_q=block_q, block_k=block_k,
+                    span_k=span_k, loops=loops, mod_loops=mod_loops)
 
 
 def extra_tensors(spec: TileSpec, wanted: list[Tensor]) -> list[Tensor]:

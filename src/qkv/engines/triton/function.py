@@ -23,6 +23,7 @@ from ...core.similarity import NEG_SQDIST
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
+from ..lowering import Lowered
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
 from .terms import KERNELS_OF_TERMS, TRACED, kernel_id
@@ -319,7 +320,7 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dscale, grads
 
 
-def _prepare(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float,
+def _prepare(fq: Tensor, fk: Tensor, variant: Lowered, dropout_p: float,
              seed: int) -> KernelPlan:
     """Trace and load the variant's Triton functions, and plan the launch."""
     pair = variant.pair
@@ -329,7 +330,7 @@ def _prepare(fq: Tensor, fk: Tensor, variant: ops.Variant, dropout_p: float,
     return make_plan(fq, fk, variant.mask, kernel, compile_variant(traced), dropout_p, seed)
 
 
-def _kernel_forward(fq, fk, v, variant: ops.Variant, dropout_p, want_weights):
+def _kernel_forward(fq, fk, v, variant: Lowered, dropout_p, want_weights):
     seed = int(torch.randint(0, 2**30, ())) if dropout_p > 0 else 0  # dropout's Philox seed
     plan = _prepare(fq, fk, variant, dropout_p, seed)
     slots = plan.variant.slots
@@ -338,7 +339,7 @@ def _kernel_forward(fq, fk, v, variant: ops.Variant, dropout_p, want_weights):
     return out, lse, weights, seed
 
 
-def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant: ops.Variant, dropout_p,
+def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant: Lowered, dropout_p,
                      wanted):
     with torch.enable_grad():  # a slot copied from a wanted tensor keeps its graph
         plan = _prepare(fq, fk, variant, dropout_p, seed)
@@ -378,6 +379,6 @@ def run(p: Problem) -> Result:
     v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
     fq, fk, v = _rows(fq), _rows(fk), _rows(v)
     scale = scale_per_head(p.scale, p.heads, p.q.device)
-    variant = ops.Variant(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    variant = Lowered(p.similarity.pairwise, p.score_mod, p.mask, scale)
     out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
     return Result(out, natural_lse(lse), weights)

@@ -1,0 +1,72 @@
+"""A request lowered once into what every engine reads.
+
+``qkv.attention`` validates a request into a ``Problem`` (the math package). An engine that
+runs it lowers it here, once per call: the similarity's features computed, the scale folded
+into them where the term allows, and the variant as one ``Lowered`` object: the pairwise term
+and its kind (``TermKind``), the score modifier, the mask and the scale that is left. The
+forward, the backward and the custom op that carries them between the two (``ops``) read
+that one object; each engine adds only its own tiling.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from ..core.problem import Problem
+from ..core.reference import accumulation_dtype
+from ..core.structure import Node
+from .terms import TermKind, term_kind
+
+
+class Lowered(Node):
+    """What the kernels read besides q, k and v.
+
+    - ``pair``: the pairwise term (``similarity.Pairwise``), and ``term``, its kind;
+    - ``score_mod`` and ``mask``: the core's objects, or None;
+    - ``scale``: None when folded into the features, else a float or a tensor (the CPU
+      engines' broadcastable to (B, H, 1, 1), the Triton engine's (H,)).
+    A pytree node: its leaves are the tensors it reads, which the custom ops carry."""
+
+    def __init__(self, pair, score_mod, mask, scale):
+        self.pair, self.score_mod, self.mask, self.scale = pair, score_mod, mask, scale
+        self.term: TermKind = term_kind(pair)
+
+    def without_scale(self) -> Lowered:
+        """The same variant with its scale applied elsewhere (a traced term's loops)."""
+        return Lowered(self.pair, self.score_mod, self.mask, None)
+
+
+class Lowering(NamedTuple):
+    """A call lowered for the CPU engines: the scores' features fq (B, H, Nq, D) and
+    fk (B, Hk, Nk, D), v (B, Hk, Nk, Dv), all in the accumulation dtype, and the variant."""
+
+    fq: Tensor
+    fk: Tensor
+    v: Tensor
+    variant: Lowered
+
+
+def lower(p: Problem) -> Lowering:
+    """``p`` lowered in the accumulation dtype, the scale folded into the features where the
+    term can absorb it (``Pairwise.fold_scale``). A learnable scale folded into the features
+    gets its gradient from autograd through that product (O(N·D)), and the tiles run as for
+    a number: no autograd graph per tile."""
+    acc = accumulation_dtype(p.q.dtype)
+    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
+    metric = None if p.metric is None else p.metric.to(acc)
+    fq, fk = p.similarity.features(q, k, metric)
+    pair = p.similarity.pairwise
+    scale = p.scale
+    folded = None
+    if pair.fold_scale is not None:
+        folded = pair.fold_scale(
+            fq, fk, p.scale_tensor().to(acc) if isinstance(scale, Tensor) else scale)
+    if folded is not None:
+        (fq, fk), scale = folded, None
+    if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
+        v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
+    if isinstance(scale, Tensor) and scale.dim() == 1:
+        scale = scale.view(1, -1, 1, 1)
+    return Lowering(fq, fk, v, Lowered(pair, p.score_mod, p.mask, scale))
