@@ -7,6 +7,10 @@ arguments the engine uses, recorded from a run on CPU tensors with the GPU tilin
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -18,10 +22,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-_POINTER_TYPES = {torch.float64: "*fp64", torch.float32: "*fp32", torch.bfloat16: "*bf16",
-                  torch.float16: "*fp16", torch.int32: "*i32", torch.int64: "*i64",
-                  torch.uint8: "*u8"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages")
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # sm_90's most for one block
 
 
@@ -60,33 +60,27 @@ def _record_launches(monkeypatch, problem):
 
 
 def _compile(kernel, args, kwargs):
+    """``kernel`` compiled for sm_90 as Triton's launcher compiles it for these arguments: its
+    own binder specializes them (pointer and integer alignment, integers equal to 1, the
+    constants inside tuple arguments), so the shared memory and the code checked here are
+    what runs on the GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.compiler import ASTSource, make_backend
 
-    constexprs = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
-    positional = dict(zip(kernel.arg_names, args, strict=False))
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        value = positional.get(name)
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _POINTER_TYPES[value.dtype]
-        else:
-            signature[name] = "i32"
-        # As Triton's launcher specializes: a pointer or an int divisible by 16 is marked so.
-        # Without it, loads stay 2-byte scalars and no copy is pipelined, so the shared memory
-        # and the code checked here would not be what runs on the GPU.
-        aligned = value.data_ptr() if isinstance(value, torch.Tensor) else value
-        if name not in constexprs and isinstance(aligned, int) and aligned and aligned % 16 == 0:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: kwargs[k] for k in _LAUNCH_OPTIONS}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
     try:
+        from triton.runtime.jit import create_function_from_signature
+
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = kernel._pack_args(
+            backend, kwargs, bound, specialization, options)
         source = ASTSource(kernel, signature, constexprs, attrs)
-    except TypeError as e:  # a Triton whose internal compile API differs from 3.x's
-        pytest.skip(f"triton.compiler.ASTSource has another signature: {e}")
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    except (ImportError, AttributeError, TypeError) as e:  # a Triton with other internals
+        pytest.skip(f"Triton's launcher internals differ from 3.6-3.9's: {e}")
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p):
@@ -134,3 +128,86 @@ def test_kernels_compile_for_sm90(
         assert compiled.asm["cubin"], kernel.fn.__name__
         # Else the launch fails on the GPU (out of resources), not here.
         assert compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK, kernel.fn.__name__
+
+
+def _sass(compiled) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(tool):
+        pytest.skip("this Triton ships no nvdisasm")
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([tool, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def innermost_loops(sass: str) -> list[int]:
+    """Instructions (NOPs aside) of each innermost loop of disassembled SASS, in program
+    order: a loop runs from a label to the last branch back to it."""
+    instructions, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        found = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if found:
+            labels.update((name, len(instructions)) for name in pending)
+            pending = []
+            instructions.append(found.group(1).strip())
+    loops = {}
+    for i, text in enumerate(instructions):
+        target = re.search(r"\bBRA\b.*?\.(L_x_\d+)", text)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loops[labels[target.group(1)]] = i
+    spans = sorted(loops.items())
+    inner = [(a, b) for a, b in spans if not any(a < c and d <= b for c, d in spans)]
+    return [sum(not t.startswith("NOP") for t in instructions[a:b + 1]) for a, b in inner]
+
+
+# The counted loop: the full tiles of a row (or column) that follow each other, which the
+# kernels count instead of looking up. Each kernel has three tile loops, in this order: the
+# partial tiles, the counted full tiles, the full tiles looked up in the block table (a
+# one-instruction loop after them is the trap at the end of the code). Ceilings per Triton
+# version: the SASS of the counted loop, bf16, D = 128, causal mask, as the engine launches
+# it; what one score costs on the GPU's tensor-core path.
+LOOP_CEILINGS = {
+    "3.6": {"dot": {"fwd_kernel": 385, "bwd_kv_kernel": 789, "bwd_q_kernel": 330},
+            "alibi": {"fwd_kernel": 514, "bwd_kv_kernel": 843, "bwd_q_kernel": 717}},
+    "3.9": {"dot": {"fwd_kernel": 405, "bwd_kv_kernel": 572, "bwd_q_kernel": 367},
+            "alibi": {"fwd_kernel": 550, "bwd_kv_kernel": 770, "bwd_q_kernel": 722}},
+}
+
+
+def full_tile_loops(monkeypatch, score_mod) -> dict[str, int]:
+    """Instructions of the counted full-tile loop of the forward, dK/dV and dQ kernels for
+    dot attention (bf16, D = 128, causal) with ``score_mod``, compiled as launched."""
+    problem = _problem("dot", qkv.causal(), score_mod, torch.bfloat16, 128, False, 0.0)
+    counts = {}
+    for kernel, args, kwargs in _record_launches(monkeypatch, problem):
+        if kernel.fn.__name__ == "row_dots_kernel":
+            continue
+        loops = [n for n in innermost_loops(_sass(_compile(kernel, args, kwargs))) if n > 1]
+        assert len(loops) == 3, (kernel.fn.__name__, loops)
+        counts[kernel.fn.__name__] = loops[1]
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mod", ["dot", "alibi"])
+def test_full_tile_loops_take_no_more_instructions(monkeypatch, mod):
+    import triton
+
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    version = ".".join(triton.__version__.split(".")[:2])
+    if version not in LOOP_CEILINGS:
+        pytest.skip(f"no instruction counts recorded for Triton {version}")
+    score_mod = qkv.alibi(slopes=torch.rand(4, requires_grad=True)) if mod == "alibi" else None
+    counts = full_tile_loops(monkeypatch, score_mod)
+    print(f"Triton {version}, {mod}: {counts}")
+    ceilings = LOOP_CEILINGS[version][mod]
+    assert all(counts[name] <= ceilings[name] for name in ceilings), (counts, ceilings)
