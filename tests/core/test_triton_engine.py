@@ -29,6 +29,7 @@ from qkv.core.scores import as_score_mod
 from qkv.core.similarity import SIMILARITIES
 from qkv.engines import engine_names
 from qkv.engines import triton as triton_engine
+from qkv.engines.terms import TermKind, term_kind
 from qkv.engines.triton.blocks import classify
 
 from .conftest import EXAMPLE_D, registered_similarities
@@ -509,7 +510,7 @@ def test_pairwise_terms_without_triton_code_are_traced_or_refused_with_a_reason(
     never a default to another term."""
     q = torch.randn(1, 2, 8, 16)
     impostor = qkv.Similarity(lambda a, b: -(a - b).abs(), name="neg_l1")
-    assert triton_engine.kernel_id(impostor.pairwise) is None
+    assert term_kind(impostor.pairwise) == TermKind.TRACED
     assert triton_engine.unsupported(build_problem(q, q, q, similarity=impostor)) is None
     branchy = qkv.Similarity(lambda a, b: a * b if a.sum() > 0 else -a * b)
     reason = triton_engine.unsupported(build_problem(q, q, q, similarity=branchy))

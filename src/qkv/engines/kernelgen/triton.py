@@ -3,20 +3,21 @@
 For one variant (a mask graph and/or a score-modifier graph over one set of slots) this
 generates a module with three functions the attention kernels receive as ``tl.constexpr``:
 
-- ``mask_fn(b, h, q_idx, kv_idx, offset, A0..A3, AS) -> bool`` tile;
-- ``mod_fn(score, b, h, q_idx, kv_idx, offset, A0..A3, AS) -> score`` tile;
-- ``mod_bwd_fn(score, ds, valid, ..., G0..G3, GRAD)``: returns ds·∂mod/∂score and, when GRAD,
+- ``mask_fn(b, h, q_idx, kv_idx, offset, SLOTS) -> bool`` tile;
+- ``mod_fn(score, b, h, q_idx, kv_idx, offset, SLOTS) -> score`` tile;
+- ``mod_bwd_fn(score, ds, valid, ..., SLOTS, GRADS, GRAD)``: returns ds·∂mod/∂score and, when GRAD,
   scatters ds·∂mod/∂t into the gradient buffer of every captured float tensor t that needs one
   (forward-mode derivatives of the traced graph; one atomic add per tile when the index does
   not depend on q_idx or kv_idx);
 - for a similarity's traced pairwise term (``pq``, ``pk`` = q_d, k_d and ``pd`` = d, on
   (rows, keys, d-chunk) blocks): ``term_fn``, its derivatives ``term_dq_fn`` and
-  ``term_dk_fn``, and ``term_grad_fn(..., dz, pd1, d_ok, G0..G3)``, which adds
+  ``term_dk_fn``, and ``term_grad_fn(..., dz, pd1, d_ok, GRADS)``, which adds
   Σ dz·∂term/∂t over the block into the gradient of every captured float tensor t that needs
   one, per dimension (``pd1`` is d as a 1-D vector) or as one sum.
 
-``A0..A3`` point at the slots; ``AS`` (int64) holds per slot its strides, element count and the
-bit length of the count (``graph.SLOT_INFO``).
+``SLOTS`` is a tuple: pointers to the slots (``SLOTS[0]`` to ``SLOTS[3]``), then an int64 tensor
+(``SLOTS[4]``) that holds per slot its strides, element count and the bit length of the count
+(``graph.SLOT_INFO``). ``GRADS`` holds the slots' fp32 gradient buffers, in the same order.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import triton.language as tl
 def _tanh(x):
     # 1 - 2 / (1 + exp(2x)): -1 and 1 exactly at the ends (exp2 gives 0 or inf), no sign
     # select; exp2, and a division without IEEE rounding (2 ulp): the rounded division and
-    # exp's range handling were most of a softcapped tile's instructions.
+    # exp's range handling would be most of a softcapped tile's instructions.
     return 1.0 - tl.fdiv(2.0, 1.0 + tl.exp2(2.8853900817779268 * x))
 
 
@@ -54,8 +55,13 @@ def _floordiv(a, b):
     return tl.where(n >= 0, n // d, -((d - 1 - n) // d))
 '''
 
-_SLOT_ARGS = ", ".join(f"A{i}" for i in range(MAX_SLOTS)) + ", AS"
-_GRAD_ARGS = ", ".join(f"G{i}" for i in range(MAX_SLOTS))
+_SLOT_ARGS = "SLOTS"
+_GRAD_ARGS = "GRADS"
+
+
+def _info(k: int) -> str:
+    """Entry ``k`` of the slot info tensor (SLOTS' last)."""
+    return f"tl.load(SLOTS[{MAX_SLOTS}] + {k})"
 _TL_UNARY = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "sin": "tl.sin", "cos": "tl.cos",
              "sigmoid": "tl.sigmoid", "tanh": "_tanh"}
 
@@ -110,7 +116,7 @@ class TritonEmitter(Emitter):
     expression over positions that is cast to float (ALiBi's |q - k|) is computed in float
     from the positions cast first: they are (rows, 1) and (1, keys) vectors, so the tile
     gets one float subtraction instead of integer arithmetic and a conversion per score
-    (sm_90, ALiBi forward loop: 630 -> 550 instructions a tile)."""
+    (ALiBi's full-tile loops: test_triton_compile.py counts their instructions)."""
 
     TARGET = "Triton"
 
@@ -154,9 +160,9 @@ class TritonEmitter(Emitter):
         return text
 
     def offset(self, slot: int, index) -> str:
-        """The element offset of ``index`` into slot ``slot``, from its strides in AS."""
+        """The element offset of ``index`` into slot ``slot``, from its strides in the info."""
         terms = [
-            f"{self.ref(i)} * tl.load(AS + {SLOT_INFO * slot + d})"
+            f"{self.ref(i)} * {_info(SLOT_INFO * slot + d)}"
             for d, i in enumerate(index)
             if not (isinstance(i, int) and i == 0)
         ]
@@ -215,7 +221,7 @@ def _tl_floordiv_mod(e: TritonEmitter, node: Sym) -> str:
 
 def _tl_load(e: TritonEmitter, node: Sym) -> str:
     slot, *index = node.args
-    text = f"tl.load(A{slot} + {e.offset(slot, index)})"
+    text = f"tl.load(SLOTS[{slot}] + {e.offset(slot, index)})"
     if node.kind == BOOL:
         return f"({text} != 0)"
     return f"{text}.to(tl.float32)" if node.kind == FLOAT else text
@@ -229,14 +235,14 @@ def _tl_searchsorted(e: TritonEmitter, node: Sym) -> str:
     lo, hi = e.new_name(), e.new_name()
     info = SLOT_INFO * slot
     e.line(f"{lo} = {v} * 0")
-    e.line(f"{hi} = {lo} + tl.load(AS + {info + 4}).to(tl.int32)")
-    e.line(f"for _ in range(tl.load(AS + {info + 5}).to(tl.int32)):")
+    e.line(f"{hi} = {lo} + {_info(info + 4)}.to(tl.int32)")
+    e.line(f"for _ in range({_info(info + 5)}.to(tl.int32)):")
     inner = e.indent + "    "
     go = "<=" if right else "<"
     e.lines += [
         f"{inner}active = {lo} < {hi}",
         f"{inner}mid = ({lo} + {hi}) // 2",
-        f"{inner}key = tl.load(A{slot} + mid * tl.load(AS + {info}), mask=active, other=0)",
+        f"{inner}key = tl.load(SLOTS[{slot}] + mid * {_info(info)}, mask=active, other=0)",
         f"{inner}right = active & (key {go} {v})",
         f"{inner}{lo} = tl.where(right, mid + 1, {lo})",
         f"{inner}{hi} = tl.where(active & (right == 0), mid, {hi})",
@@ -318,9 +324,9 @@ def _mod_bwd_source(mod_root: Sym, grad_slots: set[int], float_positions: bool) 
         offset = inner.offset(slot, index)
         if any(depends_on(i, {"q_idx", "kv_idx"}) for i in index):
             tile = "(ds * 0).to(tl.int32)"  # broadcasts the offsets to the whole tile
-            inner.line(f"tl.atomic_add(G{slot} + {offset} + {tile}, {grad}, mask=valid)")
+            inner.line(f"tl.atomic_add(GRADS[{slot}] + {offset} + {tile}, {grad}, mask=valid)")
         else:
-            inner.line(f"tl.atomic_add(G{slot} + {offset}, tl.sum(tl.sum({grad}, 1), 0))")
+            inner.line(f"tl.atomic_add(GRADS[{slot}] + {offset}, tl.sum(tl.sum({grad}, 1), 0))")
     body = top.lines + (["    if GRAD:", *inner.lines] if inner.lines else [])
     if _is_number(d_score) and d_score != 0 and math.isfinite(d_score):
         # A constant slope (ALiBi, a bias): ds is already 0 where p is, as without a modifier.
@@ -366,9 +372,11 @@ def _term_grad_source(term_root: Sym, grad_slots: set[int]) -> str:
         offset = offsets.offset(slot, index)
         e.lines += offsets.lines
         if any(depends_on(i, {TERM_ARGS[2]}) for i in index):
-            e.line(f"tl.atomic_add(G{slot} + {offset}, tl.sum(tl.sum({grad}, 0), 0), mask=d_ok)")
+            e.line(f"tl.atomic_add(GRADS[{slot}] + {offset}, tl.sum(tl.sum({grad}, 0), 0), "
+                   "mask=d_ok)")
         else:
-            e.line(f"tl.atomic_add(G{slot} + {offset}, tl.sum(tl.sum(tl.sum({grad}, 0), 0), 0))")
+            e.line(f"tl.atomic_add(GRADS[{slot}] + {offset}, "
+                   f"tl.sum(tl.sum(tl.sum({grad}, 0), 0), 0))")
     return "\n".join(
         ["@triton.jit",
          f"def term_grad_fn({_TERM_PARAMS}, dz, pd1, d_ok, {_GRAD_ARGS}):",

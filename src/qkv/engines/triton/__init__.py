@@ -12,10 +12,11 @@ import torch
 
 from ...core.problem import Problem
 from ..kernelgen.graph import CompileError
-from .terms import MAX_HEAD_DIM, kernel_id
 from .variant import trace_variant
 
-__all__ = ["MAX_HEAD_DIM", "kernel_id", "plan", "unsupported"]
+__all__ = ["MAX_HEAD_DIM", "plan", "unsupported"]
+
+MAX_HEAD_DIM = 256  # D and Dv; the kernels pad both to a power of two
 
 # Looked up once: Dynamo refuses to trace importlib (torch 2.11 skips find_spec), and
 # ``unsupported`` runs inside a compiled qkv.attention on CUDA tensors.

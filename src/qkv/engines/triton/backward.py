@@ -8,325 +8,238 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import dropout_keep, key_tile, load_rows, logits, pair_scores, sq_norms, tile_run
+from .groups import L1, SQDIST, BackwardRows, KeyRows
+from .kernels import (
+    dropout_keep,
+    head_of,
+    key_tile,
+    load_chunk,
+    load_rows,
+    logits,
+    pair_scores,
+    query_rows,
+    sq_norms,
+    table_row,
+    visit_tiles,
+)
 
 
 @triton.jit
-def _l1_grad_rows(dz, Xb, Yb, offs_x, offs_y, sx, sy, NX, NY, OUT, so, sign,
-                  D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """OUT[x] += sign · Σ_y dz[x, y] · sign(X[x] - Y[y]) for neg_l1, chunk by chunk over D
-    (dz is (rows of X, rows of Y)); the program owns rows ``offs_x`` of OUT."""
-    for d0 in range(0, D_PAD, BLOCK_D):
-        offs_c = d0 + tl.arange(0, BLOCK_D)
-        xc = load_rows(Xb, offs_x, sx, NX, D, offs_c).to(tl.float32)
-        yc = load_rows(Yb, offs_y, sy, NY, D, offs_c).to(tl.float32)
-        diff = xc[:, None, :] - yc[None, :, :]
+def _l1_grad_rows(dz, XR, YR, OUT, sign, T):
+    """OUT[x] += sign · Σ_y dz[x, y] · sign(X[x] - Y[y]) for L1, chunk by chunk over D (dz is
+    (rows of X, rows of Y); XR, YR: (base, offsets, row stride, count)); the program owns rows
+    XR[1] of OUT, a contiguous (count, D) fp32 matrix."""
+    for d0 in range(0, T.D_PAD, T.BLOCK_D):
+        offs_c = d0 + tl.arange(0, T.BLOCK_D)
+        diff = load_chunk(XR, offs_c, T.D)[:, None, :] - load_chunk(YR, offs_c, T.D)[None, :, :]
         sgn = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
         grad = tl.sum(dz[:, :, None] * sgn, 1) * sign
-        ptrs = OUT + offs_x[:, None] * so + offs_c[None, :]
-        keep = (offs_x[:, None] < NX) & (offs_c[None, :] < D)
+        ptrs = OUT + XR[1][:, None] * T.D + offs_c[None, :]
+        keep = (XR[1][:, None] < XR[3]) & (offs_c[None, :] < T.D)
         tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + grad, mask=keep)
 
 
 @triton.jit
-def _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, OUT, A0, A1, A2, A3, AS,
-                    G0, G1, G2, G3, D: tl.constexpr, D_PAD: tl.constexpr,
-                    BLOCK_D: tl.constexpr, FOR_KEYS: tl.constexpr, TERM_D_FN: tl.constexpr,
-                    TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
-    """For a traced term and dz (BLOCK_M, BLOCK_N) = d(loss)/d(z): OUT[m] += Σ_n dz·∂term/∂q
-    (FOR_KEYS False, OUT rows offs_m) or OUT[n] += Σ_m dz·∂term/∂k (FOR_KEYS True, rows
-    offs_n), chunk by chunk over D; with TERM_GRAD, also the gradients of the tensors the
-    term reads (``term_grad_fn``)."""
+def _term_grad_rows(dz, QR, KR, OUT, SLOTS, GRADS, T, C, FOR_KEYS: tl.constexpr):
+    """For a traced term and dz (BLOCK_M, BLOCK_N) = d(loss)/d(z) of query rows QR and key
+    rows KR: OUT[m] += Σ_n dz·∂term/∂q (FOR_KEYS False, OUT the queries' rows) or OUT[n] +=
+    Σ_m dz·∂term/∂k (FOR_KEYS True, the keys' rows), chunk by chunk over D; for the queries,
+    with C.SLOT_GRAD, also the gradients of the tensors the term reads (``term_grad_fn``)."""
     dz3 = dz[:, :, None]
-    for d0 in range(0, D_PAD, BLOCK_D):
-        offs_c = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_c < D
-        qc = load_rows(Qb, offs_m, sqm, NQ, D, offs_c).to(tl.float32)[:, None, :]
-        kc = load_rows(Kb, offs_n, skn, NK, D, offs_c).to(tl.float32)[None, :, :]
-        pd1 = tl.minimum(offs_c, D - 1)
+    for d0 in range(0, T.D_PAD, T.BLOCK_D):
+        offs_c = d0 + tl.arange(0, T.BLOCK_D)
+        d_ok = offs_c < T.D
+        qc = load_chunk(QR, offs_c, T.D)[:, None, :]
+        kc = load_chunk(KR, offs_c, T.D)[None, :, :]
+        pd1 = tl.minimum(offs_c, T.D - 1)
         pd = pd1[None, None, :]
-        part = tl.where((dz3 != 0.0) & d_ok[None, None, :],
-                        dz3 * TERM_D_FN(qc, kc, pd, A0, A1, A2, A3, AS), 0.0)
         if FOR_KEYS:
-            ptrs = OUT + offs_n[:, None] * D + offs_c[None, :]
-            keep = (offs_n[:, None] < NK) & d_ok[None, :]
+            part = tl.where((dz3 != 0.0) & d_ok[None, None, :],
+                            dz3 * C.TERM_DK_FN(qc, kc, pd, SLOTS), 0.0)
+            ptrs = OUT + KR[1][:, None] * T.D + offs_c[None, :]
+            keep = (KR[1][:, None] < KR[3]) & d_ok[None, :]
             tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + tl.sum(part, 0), mask=keep)
         else:
-            ptrs = OUT + offs_m[:, None] * D + offs_c[None, :]
-            keep = (offs_m[:, None] < NQ) & d_ok[None, :]
+            part = tl.where((dz3 != 0.0) & d_ok[None, None, :],
+                            dz3 * C.TERM_DQ_FN(qc, kc, pd, SLOTS), 0.0)
+            ptrs = OUT + QR[1][:, None] * T.D + offs_c[None, :]
+            keep = (QR[1][:, None] < QR[3]) & d_ok[None, :]
             tl.store(ptrs, tl.load(ptrs, mask=keep, other=0.0) + tl.sum(part, 1), mask=keep)
-        if TERM_GRAD:
-            dzd = tl.where(d_ok[None, None, :], dz3, 0.0)
-            TERM_GRAD_FN(qc, kc, pd, A0, A1, A2, A3, AS, dzd, pd1, d_ok, G0, G1, G2, G3)
+            if C.SLOT_GRAD:
+                dzd = tl.where(d_ok[None, None, :], dz3, 0.0)
+                C.TERM_GRAD_FN(qc, kc, pd, SLOTS, dzd, pd1, d_ok, GRADS)
 
 
 @triton.jit
-def _dkv_tile(tile, dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n, offs_d,
-              offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET, SEED, DROPOUT_P,
-              A0, A1, A2, A3, AS, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              KERNEL: tl.constexpr, APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr,
-              MASK_FN: tl.constexpr, HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr,
-              MOD_BWD_FN: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              TERM_FN: tl.constexpr, TERM_DK_FN: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
-    """One query tile of the dK/dV kernel: (dk, dv, col_sum) updated. ``kn``: the key rows'
-    squared norms, QN: the query norms (B, H, Nq) (both read for neg_sqdist).
+def _dkv_tile(tile, state, R, X, SLOTS, S, T, C, MASKED: tl.constexpr):
+    """One query tile of the dK/dV kernel: state (dk, dv, col_sum) updated. R: the key rows
+    (``KeyRows``) and one query head of their group.
 
     The tensor-core terms work on the transposed tile, keys as rows: p and ds are then the
-    left operands of dV's and dK's products as they stand. In the query-major tile each was
-    transposed through shared memory first (a store, a load and barriers per tile)."""
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
-    do = load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
-    lse = tl.load(LSE + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
-    delta = tl.load(DELTA + (b * H + h) * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-    if KERNEL < 2:
-        q_row = tl.minimum(offs_m, NQ - 1)[None, :]
-        kv_col = tl.minimum(offs_n, NK - 1)[:, None]
-        zt = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        if KERNEL == 1:
-            qn = sq_norms(QN + (b * H + h) * NQ, offs_m, NQ, KERNEL)
-            zt = 2.0 * zt - kn[:, None] - qn[None, :]
-        st = logits(zt, scale, b, h, q_row, kv_col, offs_n[:, None] < NK, OFFSET, A0, A1, A2,
-                    A3, AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+    left operands of dV's and dK's products as they stand. A query-major tile would transpose
+    each through shared memory first (a store, a load and barriers per tile)."""
+    dk, dv, col_sum = state
+    offs_m = tile * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
+    q = load_rows(R.Qb, offs_m, R.sqm, S.NQ, T.D, R.offs_d)
+    do = load_rows(R.DOb, offs_m, R.sdm, S.NQ, T.DV, R.offs_v)
+    lse = tl.load(R.LSEb + offs_m, mask=offs_m < S.NQ, other=float("inf"))
+    delta = tl.load(R.DELTAb + offs_m, mask=offs_m < S.NQ, other=0.0)
+    if C.PRODUCTS:
+        q_row = tl.minimum(offs_m, S.NQ - 1)[None, :]
+        kv_col = tl.minimum(R.offs_n, S.NK - 1)[:, None]
+        zt = tl.dot(R.k, tl.trans(q), input_precision=T.PRECISION)
+        if C.KIND == SQDIST:
+            qn = sq_norms(R.QNb, offs_m, S.NQ, C.KIND)
+            zt = 2.0 * zt - R.kn[:, None] - qn[None, :]
+        st = logits(zt, R.scale, R.b, R.h, q_row, kv_col, R.offs_n[:, None] < S.NK, S.OFFSET,
+                    SLOTS, C, MASKED)
         pt = tl.exp2(st - lse[None, :])
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(SEED, b * H + h, offs_m[None, :], offs_n[:, None], NK,
-                                DROPOUT_P)
-            pt_kept = tl.where(keep, pt / (1.0 - DROPOUT_P), 0.0)
-            dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=PRECISION)
-            dpt = tl.where(keep, dpt / (1.0 - DROPOUT_P), 0.0)
+        dpt = tl.dot(R.v, tl.trans(do), input_precision=T.PRECISION)
+        if C.DROPOUT:
+            keep = dropout_keep(S, R.bh, offs_m[None, :], R.offs_n[:, None])
+            pt_kept = tl.where(keep, pt / (1.0 - S.DROPOUT_P), 0.0)
+            dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=T.PRECISION)
+            dpt = tl.where(keep, dpt / (1.0 - S.DROPOUT_P), 0.0)
         else:
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=T.PRECISION)
         dst = pt * (dpt - delta[None, :])
-        if HAS_MOD:
-            zct = tl.minimum(zt, 0.0) if KERNEL == 1 else zt
-            dst = MOD_BWD_FN(zct * scale, dst, pt > 0.0, b, h, q_row, kv_col, OFFSET,
-                             A0, A1, A2, A3, AS, AS, AS, AS, AS, False)
-        dzt = dst * scale
-        if KERNEL == 1:
+        if C.HAS_MOD:
+            zct = tl.minimum(zt, 0.0) if C.KIND == SQDIST else zt
+            dst = C.MOD_BWD_FN(zct * R.scale, dst, pt > 0.0, R.b, R.h, q_row, kv_col, S.OFFSET,
+                               SLOTS, SLOTS, False)
+        dzt = dst * R.scale
+        if C.KIND == SQDIST:
             dzt = tl.where(zt <= 0.0, dzt, 0.0)
-        dk += tl.dot(dzt.to(q.dtype), q, input_precision=PRECISION)
+        dk += tl.dot(dzt.to(q.dtype), q, input_precision=T.PRECISION)
         col_sum += tl.sum(dzt, 1)
     else:  # the chunked terms (CUDA cores): query-major, like the dQ kernel
-        q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
-        kv_idx = tl.minimum(offs_n, NK - 1)[None, :]
-        z = pair_scores(q, k, 0.0, 0.0, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, A0, A1, A2,
-                        A3, AS, KERNEL, D, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, PRECISION, TERM_FN)
-        s = logits(z, scale, b, h, q_idx, kv_idx, offs_n[None, :] < NK, OFFSET, A0, A1, A2,
-                   A3, AS, KERNEL, APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN)
+        q_idx = tl.minimum(offs_m, S.NQ - 1)[:, None]
+        kv_idx = tl.minimum(R.offs_n, S.NK - 1)[None, :]
+        QR = (R.Qb, offs_m, R.sqm, S.NQ)
+        KR = (R.Kb, R.offs_n, R.skn, S.NK)
+        z = pair_scores(q, R.k, 0.0, 0.0, QR, KR, SLOTS, T, C)
+        s = logits(z, R.scale, R.b, R.h, q_idx, kv_idx, R.offs_n[None, :] < S.NK, S.OFFSET,
+                   SLOTS, C, MASKED)
         p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(SEED, b * H + h, offs_m[:, None], offs_n[None, :], NK,
-                                DROPOUT_P)
-            p_kept = tl.where(keep, p / (1.0 - DROPOUT_P), 0.0)
-            dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do, input_precision=PRECISION)
-            dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
+        dp = tl.dot(do, tl.trans(R.v), input_precision=T.PRECISION)
+        if C.DROPOUT:
+            keep = dropout_keep(S, R.bh, offs_m[:, None], R.offs_n[None, :])
+            p_kept = tl.where(keep, p / (1.0 - S.DROPOUT_P), 0.0)
+            dv += tl.dot(tl.trans(p_kept.to(do.dtype)), do, input_precision=T.PRECISION)
+            dp = tl.where(keep, dp / (1.0 - S.DROPOUT_P), 0.0)
         else:
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=T.PRECISION)
         ds = p * (dp - delta[:, None])
-        if HAS_MOD:
-            ds = MOD_BWD_FN(z * scale, ds, p > 0.0, b, h, q_idx, kv_idx, OFFSET,
-                            A0, A1, A2, A3, AS, AS, AS, AS, AS, False)
-        dz = ds * scale
-        if KERNEL == 2:
-            _l1_grad_rows(tl.trans(dz), Kb, Qb, offs_n, offs_m, skn, sqm, NK, NQ, DKb, D,
-                          -1.0, D, D_PAD, BLOCK_D)
+        if C.HAS_MOD:
+            ds = C.MOD_BWD_FN(z * R.scale, ds, p > 0.0, R.b, R.h, q_idx, kv_idx, S.OFFSET,
+                              SLOTS, SLOTS, False)
+        dz = ds * R.scale
+        if C.KIND == L1:
+            _l1_grad_rows(tl.trans(dz), KR, QR, R.DKb, -1.0, T)
         else:
-            _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DKb, A0, A1,
-                            A2, A3, AS, AS, AS, AS, AS, D, D_PAD, BLOCK_D, True,
-                            TERM_DK_FN, False, TERM_GRAD_FN)
+            _term_grad_rows(dz, QR, KR, R.DKb, SLOTS, SLOTS, T, C, True)
     return dk, dv, col_sum
 
 
 @triton.jit
-def bwd_kv_kernel(
-    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, QN, KN, DK, DV, A0, A1, A2, A3, AS,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
-    H, HKV, NQ, NK, OFFSET, SEED, DROPOUT_P,
-    GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, TERM_FN: tl.constexpr,
-    TERM_DQ_FN: tl.constexpr, TERM_DK_FN: tl.constexpr, TERM_GRAD: tl.constexpr,
-    TERM_GRAD_FN: tl.constexpr,
-):
+def bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, SCALE, TABLE, NORMS, DK, DV, SLOTS, S, T, C):
     """Grid (ceil(Nk / BLOCK_N), B·Hkv): dK, dV (fp32, contiguous) for one key tile, summed
     over the query heads of its group and the query tiles of its column table."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
-    Kb = K + b * skb + hk * skh
-    Vb = V + b * svb + hk * svh
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    offs_v = tl.arange(0, DV_PAD)
-    k = load_rows(Kb, offs_n, skn, NK, D, offs_d)
-    kn = sq_norms(KN + pid_bh * NK, offs_n, NK, KERNEL)
-    v = load_rows(Vb, offs_n, svn, NK, DVD, offs_v)
-    DKb = DK + pid_bh * NK * D
-    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-    col_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        scale = tl.load(SCALE + h)
-        Qb = Q + b * sqb + h * sqh
-        DOb = DO + b * sdb + h * sdh
-        col = TABLE + b * stb + h * sth + pid_n * stm
-        n_partial = tl.load(col)
-        n_full = tl.load(col + 1)
-        for phase in tl.static_range(2):
-            lo = 0 if phase == 0 else n_partial
-            count = n_partial if phase == 0 else n_full
-            first, consecutive = tile_run(col, lo, count)
-            if phase == 1 and consecutive:  # full tiles, usually one run
-                for j in range(0, count):
-                    dk, dv, col_sum = _dkv_tile(
-                        first + j,
-                        dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
-                        offs_d, offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
-                        SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
-                        BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
-                        MOD_BWD_FN, DROPOUT, PRECISION, TERM_FN, TERM_DK_FN, TERM_GRAD_FN)
-            else:
-                for j in range(lo, lo + count):
-                    dk, dv, col_sum = _dkv_tile(
-                        tl.load(col + 2 + j),
-                        dk, dv, col_sum, k, kn, v, Qb, Kb, DOb, DKb, LSE, DELTA, QN, offs_n,
-                        offs_d, offs_v, scale, b, h, H, sqm, skn, sdm, NQ, NK, OFFSET,
-                        SEED, DROPOUT_P, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N,
-                        BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN,
-                        MOD_BWD_FN, DROPOUT, PRECISION, TERM_FN, TERM_DK_FN, TERM_GRAD_FN)
-    keep = offs_n[:, None] < NK
-    if KERNEL < 2:  # stored once, in DK's dtype (the chunked terms added into fp32 DK above)
-        if KERNEL == 1:
+    b = pid_bh // (S.H // T.GROUP)
+    hk = pid_bh % (S.H // T.GROUP)
+    Kb = head_of(K, b, hk)
+    offs_n = pid_n * T.BLOCK_N + tl.arange(0, T.BLOCK_N)
+    offs_d = tl.arange(0, T.D_PAD)
+    offs_v = tl.arange(0, T.DV_PAD)
+    k = load_rows(Kb, offs_n, K.sm, S.NK, T.D, offs_d)
+    kn = sq_norms(NORMS[1] + pid_bh * S.NK, offs_n, S.NK, C.KIND)
+    v = load_rows(head_of(V, b, hk), offs_n, V.sm, S.NK, T.DV, offs_v)
+    DKb = DK + pid_bh * S.NK * T.D
+    dk = tl.zeros([T.BLOCK_N, T.D_PAD], dtype=tl.float32)
+    dv = tl.zeros([T.BLOCK_N, T.DV_PAD], dtype=tl.float32)
+    col_sum = tl.zeros([T.BLOCK_N], dtype=tl.float32)
+    for g in range(T.GROUP):
+        h = hk * T.GROUP + g
+        bh = b * S.H + h
+        R = KeyRows(
+            k=k, kn=kn, v=v, Kb=Kb, DKb=DKb, offs_n=offs_n, offs_d=offs_d, offs_v=offs_v,
+            b=b, h=h, bh=bh, scale=tl.load(SCALE + h), Qb=head_of(Q, b, h),
+            DOb=head_of(DO, b, h), LSEb=LSE + bh * S.NQ, DELTAb=DELTA + bh * S.NQ,
+            QNb=NORMS[0] + bh * S.NQ, sqm=Q.sm, skn=K.sm, sdm=DO.sm,
+        )
+        dk, dv, col_sum = visit_tiles(table_row(TABLE, b, h, pid_n), (dk, dv, col_sum),
+                                      _dkv_tile, R, None, SLOTS, S, T, C)
+    keep = offs_n[:, None] < S.NK
+    if C.PRODUCTS:  # stored once, in DK's dtype (the chunked terms added into fp32 DK above)
+        if C.KIND == SQDIST:
             dk = 2.0 * dk - 2.0 * col_sum[:, None] * k.to(tl.float32)
-        tl.store(DKb + offs_n[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
-                 mask=keep & (offs_d[None, :] < D))
-    tl.store(DV + pid_bh * NK * DVD + offs_n[:, None] * DVD + offs_v[None, :],
-             dv.to(DV.dtype.element_ty), mask=keep & (offs_v[None, :] < DVD))
+        tl.store(DKb + offs_n[:, None] * T.D + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=keep & (offs_d[None, :] < T.D))
+    tl.store(DV + pid_bh * S.NK * T.DV + offs_n[:, None] * T.DV + offs_v[None, :],
+             dv.to(DV.dtype.element_ty), mask=keep & (offs_v[None, :] < T.DV))
 
 
 @triton.jit
-def _dq_tile(tile, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, DQb, offs_m,
-             offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK, OFFSET, SEED,
-             DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D: tl.constexpr,
-             DVD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, KERNEL: tl.constexpr,
-             APPLY_MASK: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
-             HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-             MOD_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
-             PRECISION: tl.constexpr, TERM_FN: tl.constexpr, TERM_DQ_FN: tl.constexpr,
-             TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr):
-    """One key tile of the dQ kernel: (dq, row_sum, dscale) updated."""
-    offs_n, kv_idx, k, v, z, s = key_tile(
-        tile, q, qn, Qb, Kb, Vb, KNb, offs_m, offs_d, offs_v, q_idx, scale, b, h, sqm, skn, svn,
-        NQ, NK, OFFSET, A0, A1, A2, A3, AS, D, DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL,
-        APPLY_MASK, HAS_MASK, MASK_FN, HAS_MOD, MOD_FN, PRECISION, TERM_FN)
-    p = tl.exp2(s - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    if DROPOUT:
-        keep = dropout_keep(SEED, pid_bh, offs_m[:, None], offs_n[None, :], NK, DROPOUT_P)
-        dp = tl.where(keep, dp / (1.0 - DROPOUT_P), 0.0)
-    ds = p * (dp - delta[:, None])
+def _dq_tile(tile, state, R, X, SLOTS, S, T, C, MASKED: tl.constexpr):
+    """One key tile of the dQ kernel: state (dq, row_sum, dscale) updated. X: the rows'
+    ``BackwardRows``."""
+    dq, row_sum, dscale = state
+    offs_n, kv_idx, k, v, z, s = key_tile(tile, R, SLOTS, S, T, C, MASKED)
+    p = tl.exp2(s - X.lse[:, None])
+    dp = tl.dot(X.do, tl.trans(v), input_precision=T.PRECISION)
+    if C.DROPOUT:
+        keep = dropout_keep(S, R.pid_bh, R.offs_m[:, None], offs_n[None, :])
+        dp = tl.where(keep, dp / (1.0 - S.DROPOUT_P), 0.0)
+    ds = p * (dp - X.delta[:, None])
     zc = z
-    if KERNEL == 1:
+    if C.KIND == SQDIST:
         zc = tl.minimum(z, 0.0)
-    if HAS_MOD:
-        ds = MOD_BWD_FN(zc * scale, ds, p > 0.0, b, h, q_idx, kv_idx, OFFSET,
-                        A0, A1, A2, A3, AS, G0, G1, G2, G3, MOD_GRAD)
-    if SCALE_GRAD:
+    if C.HAS_MOD:
+        ds = C.MOD_BWD_FN(zc * R.scale, ds, p > 0.0, R.b, R.h, R.q_idx, kv_idx, S.OFFSET, SLOTS,
+                          X.GRADS, C.SLOT_GRAD)
+    if C.SCALE_GRAD:
         dscale += tl.sum(ds * zc, 1)
-    dz = ds * scale
-    if KERNEL == 1:
+    dz = ds * R.scale
+    if C.KIND == SQDIST:
         dz = tl.where(z <= 0.0, dz, 0.0)
-    if KERNEL == 2:
-        _l1_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DQb, D, -1.0,
-                      D, D_PAD, BLOCK_D)
-    elif KERNEL == 3:
-        _term_grad_rows(dz, Qb, Kb, offs_m, offs_n, sqm, skn, NQ, NK, DQb, A0, A1, A2,
-                        A3, AS, G0, G1, G2, G3, D, D_PAD, BLOCK_D, False, TERM_DQ_FN,
-                        TERM_GRAD, TERM_GRAD_FN)
-    else:
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=PRECISION)
+    if C.PRODUCTS:
+        dq += tl.dot(dz.to(k.dtype), k, input_precision=T.PRECISION)
         row_sum += tl.sum(dz, 1)
+    else:
+        QR = (R.Qb, R.offs_m, R.sqm, S.NQ)
+        KR = (R.Kb, offs_n, R.skn, S.NK)
+        if C.KIND == L1:
+            _l1_grad_rows(dz, QR, KR, X.DQb, -1.0, T)
+        else:
+            _term_grad_rows(dz, QR, KR, X.DQb, SLOTS, X.GRADS, T, C, False)
     return dq, row_sum, dscale
 
 
 @triton.jit
-def bwd_q_kernel(
-    Q, K, V, DO, LSE, DELTA, SCALE, TABLE, QN, KN, DQ, DSCALE, A0, A1, A2, A3, AS, G0, G1, G2,
-    G3,
-    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdb, sdh, sdm, stb, sth, stm,
-    H, NQ, NK, OFFSET, SEED, DROPOUT_P,
-    GROUP: tl.constexpr, D: tl.constexpr, DVD: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    KERNEL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_FN: tl.constexpr,
-    HAS_MOD: tl.constexpr, MOD_FN: tl.constexpr, MOD_BWD_FN: tl.constexpr,
-    MOD_GRAD: tl.constexpr, SCALE_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr, TERM_FN: tl.constexpr, TERM_DQ_FN: tl.constexpr,
-    TERM_DK_FN: tl.constexpr, TERM_GRAD: tl.constexpr, TERM_GRAD_FN: tl.constexpr,
-):
+def bwd_q_kernel(Q, K, V, DO, LSE, DELTA, SCALE, TABLE, NORMS, DQ, DSCALE, SLOTS, GRADS, S, T,
+                 C):
     """Grid (ceil(Nq / BLOCK_M), B·H): dQ (fp32, contiguous) for one query tile; also the
-    gradients of the scale (DSCALE, (H,)) and of the score modifier's tensors (G0..G3)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    Qb = Q + b * sqb + h * sqh
-    Kb = K + b * skb + (h // GROUP) * skh
-    Vb = V + b * svb + (h // GROUP) * svh
-    DOb = DO + b * sdb + h * sdh
-    DQb = DQ + pid_bh * NQ * D
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    offs_v = tl.arange(0, DV_PAD)
-    q_idx = tl.minimum(offs_m, NQ - 1)[:, None]
-    q = load_rows(Qb, offs_m, sqm, NQ, D, offs_d)
-    qn = sq_norms(QN + pid_bh * NQ, offs_m, NQ, KERNEL)
-    KNb = KN + (b * (H // GROUP) + h // GROUP) * NK
-    do = load_rows(DOb, offs_m, sdm, NQ, DVD, offs_v)
-    lse = tl.load(LSE + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=float("inf"))
-    delta = tl.load(DELTA + pid_bh * NQ + offs_m, mask=offs_m < NQ, other=0.0)
-    scale = tl.load(SCALE + h)
-    row = TABLE + b * stb + h * sth + pid_m * stm
-    n_partial = tl.load(row)
-    n_full = tl.load(row + 1)
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    dscale = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for phase in tl.static_range(2):
-        lo = 0 if phase == 0 else n_partial
-        count = n_partial if phase == 0 else n_full
-        first, consecutive = tile_run(row, lo, count)
-        if phase == 1 and consecutive:  # full tiles, usually one run
-            for j in range(0, count):
-                dq, row_sum, dscale = _dq_tile(
-                    first + j, dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb, KNb, DQb,
-                    offs_m, offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn, NQ, NK,
-                    OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D, DVD, D_PAD,
-                    BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, phase == 0, HAS_MASK, MASK_FN, HAS_MOD,
-                    MOD_FN, MOD_BWD_FN, MOD_GRAD, SCALE_GRAD, DROPOUT, PRECISION, TERM_FN,
-                    TERM_DQ_FN, TERM_GRAD, TERM_GRAD_FN)
-        else:
-            for j in range(lo, lo + count):
-                dq, row_sum, dscale = _dq_tile(
-                    tl.load(row + 2 + j), dq, row_sum, dscale, q, qn, do, lse, delta, Qb, Kb, Vb,
-                    KNb, DQb, offs_m, offs_d, offs_v, q_idx, scale, b, h, pid_bh, sqm, skn, svn,
-                    NQ, NK, OFFSET, SEED, DROPOUT_P, A0, A1, A2, A3, AS, G0, G1, G2, G3, D,
-                    DVD, D_PAD, BLOCK_M, BLOCK_N, BLOCK_D, KERNEL, phase == 0, HAS_MASK,
-                    MASK_FN, HAS_MOD, MOD_FN, MOD_BWD_FN, MOD_GRAD, SCALE_GRAD, DROPOUT,
-                    PRECISION, TERM_FN, TERM_DQ_FN, TERM_GRAD, TERM_GRAD_FN)
-    keep = (offs_m[:, None] < NQ) & (offs_d[None, :] < D)
-    if KERNEL < 2:  # stored once, in DQ's dtype (the chunked terms added into fp32 DQ)
-        if KERNEL == 1:
-            dq = 2.0 * dq - 2.0 * row_sum[:, None] * q.to(tl.float32)
-        tl.store(DQb + offs_m[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                 mask=keep)
-    if SCALE_GRAD:
-        tl.atomic_add(DSCALE + h, tl.sum(dscale, 0))
+    gradients of the scale (DSCALE, (H,)) and of the score modifier's tensors (GRADS)."""
+    R = query_rows(Q, K, V, NORMS, SCALE, S, T, C)
+    X = BackwardRows(
+        do=load_rows(head_of(DO, R.b, R.h), R.offs_m, DO.sm, S.NQ, T.DV, R.offs_v),
+        lse=tl.load(LSE + R.pid_bh * S.NQ + R.offs_m, mask=R.offs_m < S.NQ, other=float("inf")),
+        delta=tl.load(DELTA + R.pid_bh * S.NQ + R.offs_m, mask=R.offs_m < S.NQ, other=0.0),
+        DQb=DQ + R.pid_bh * S.NQ * T.D, GRADS=GRADS,
+    )
+    dq = tl.zeros([T.BLOCK_M, T.D_PAD], dtype=tl.float32)
+    row_sum = tl.zeros([T.BLOCK_M], dtype=tl.float32)
+    dscale = tl.zeros([T.BLOCK_M], dtype=tl.float32)
+    row = table_row(TABLE, R.b, R.h, tl.program_id(0))
+    dq, row_sum, dscale = visit_tiles(row, (dq, row_sum, dscale), _dq_tile, R, X, SLOTS, S, T,
+                                      C)
+    keep = (R.offs_m[:, None] < S.NQ) & (R.offs_d[None, :] < T.D)
+    if C.PRODUCTS:  # stored once, in DQ's dtype (the chunked terms added into fp32 DQ)
+        if C.KIND == SQDIST:
+            dq = 2.0 * dq - 2.0 * row_sum[:, None] * R.q.to(tl.float32)
+        tl.store(X.DQb + R.offs_m[:, None] * T.D + R.offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=keep)
+    if C.SCALE_GRAD:
+        tl.atomic_add(DSCALE + R.h, tl.sum(dscale, 0))

@@ -2,8 +2,8 @@
 
 Similarity = ``features`` (an O(N·D) torch map: identity, unit vectors for cosine, q Lᵀ for
 Mahalanobis, differentiated by torch autograd) + a pairwise term fused in Triton: the kernels'
-own code for the built-in terms (``KERNELS_OF_TERMS``), else the term compiled from its
-definition like masks and score modifiers (the kernelgen package). Gradients reach
+own code for the built-in terms (a ``TermKind``), else the term compiled from its definition
+like masks and score modifiers (the kernelgen package). Gradients reach
 q, k, v, a tensor scale, the metric (through ``features``) and every captured float tensor a
 score modifier reads (ALiBi slopes, relative-bias tables, user tensors).
 """
@@ -19,14 +19,14 @@ from torch import Tensor
 from ...core.problem import Problem
 from ...core.reference import expand_kv_heads
 from ...core.result import Result
-from ...core.similarity import NEG_SQDIST
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
 from ..lowering import Lowered
+from ..terms import TermKind, term_kind
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
-from .terms import KERNELS_OF_TERMS, TRACED, kernel_id
+from .groups import Code, Shape, Sizes, constants, mat
 from .variant import TracedVariant, trace_variant
 
 _LOG2E = 1.4426950408889634
@@ -51,35 +51,31 @@ class Tiling:
     block_d: int
 
 
-def choose_tiling(kernel: int, d_pad: int, on_gpu: bool, element_bytes: int = 2) -> Tiling:
-    """Tile shapes per kernel kind, padded head dim and element size. Not autotuned (the block
+def choose_tiling(kind: TermKind, d_pad: int, on_gpu: bool, element_bytes: int = 2) -> Tiling:
+    """Tile shapes per term kind, padded head dim and element size. Not autotuned (the block
     tables are built for one tiling before launch). Each fits the 227 KiB of shared memory of
     an sm_90 block (test_triton_compile.py checks it with the bundled ptxas); the D = 128
-    backward was timed on an H200 (benchmarks/triton_tiling.py), the rest not yet."""
+    backward shapes are the fastest of those timed in docs/performance.md, "GPU: tiling"
+    (benchmarks/triton_tiling.py), the rest are not timed."""
     if not on_gpu:  # the interpreter: small tiles, several per axis even on tiny tests
         small = Tiles(16, 16, 1, 1)
         return Tiling(small, small, small, min(d_pad, 64))
-    if kernel in (2, TRACED):  # CUDA cores, D in chunks
+    if not TermKind(kind).products:  # CUDA cores, D in chunks
         return Tiling(Tiles(64, 32, 4, 2), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 2), 4)
     if d_pad <= 64:
         tiling = Tiling(Tiles(128, 128, 8, 3), Tiles(128, 64, 8, 3), Tiles(32, 64, 4, 2), d_pad)
     elif d_pad <= 128:
-        # Backward 64 x 64 with 4 warps: fwd+bwd 19.4 -> 14.7 ms against 128 x 64 / 32 x 64
-        # with 8 (dot, bf16, B=2 H=16 N=8192, H200, 2026-11-26; causal 11.4 -> 9.2 ms). Since
-        # dK/dV works on transposed tiles, 128 keys by 64 queries with 8 warps (FlexAttention's
-        # H100 choice, here in 2 stages: 3 overflow shared memory under masks) compiles without
-        # spills to 523 SASS instructions a tile, against 615 for a 64 x 64 tile (half the
-        # pairs) with 4 warps, which spilled (Triton 3.6, dot, bf16): chosen so, not timed.
-        # dQ 128 x 64 with 8 warps: 3.17 -> 2.46 ms device time (same problem, H200,
-        # 2026-11-27; causal 1.66 -> 1.35).
+        # dK/dV works on transposed tiles: 128 keys by 64 queries with 8 warps, FlexAttention's
+        # H100 choice, in 2 stages (3 overflow shared memory under masks), compiles without
+        # spills, where a 64 x 64 tile with 4 warps spills and takes more instructions a pair.
+        # dQ: 128 x 64 with 8 warps.
         tiling = Tiling(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2), d_pad)
     else:
         tiling = Tiling(Tiles(64, 32, 8, 2), Tiles(32, 32, 8, 2), Tiles(32, 32, 8, 2), d_pad)
     if element_bytes <= 2:
         return tiling
-    # fp32 tiles take twice the shared memory: at D = 128 the bf16 shapes need 224.5 KiB of
-    # the 227 (Triton 3.9, compiled as launched). Half the resident rows and two stages need
-    # at most 113 KiB; these ran on an H200.
+    # fp32 tiles take twice the shared memory: at D = 128 the bf16 shapes would need nearly all
+    # of the 227 KiB. Half the resident rows and two stages fit in half of it.
     return Tiling(*(Tiles(max(t.block_m // 2, 32), t.block_n, t.num_warps, min(t.num_stages, 2))
                     for t in (tiling.fwd, tiling.dq, tiling.dkv)), tiling.block_d)
 
@@ -122,7 +118,7 @@ def compile_variant(traced: TracedVariant) -> Variant:
 @dataclass
 class KernelPlan:
     variant: Variant
-    kernel: int
+    kind: TermKind
     tiling: Tiling
     layout: BlockLayout  # tile states and block tables at the tiling's tiles
     nk: int
@@ -144,19 +140,19 @@ def fine_tiles(tiling: Tiling) -> tuple[int, int]:
     return min(t.block_m for t in tiles), min(t.block_n for t in tiles)
 
 
-def make_plan(fq: Tensor, fk: Tensor, mask, kernel: int, variant: Variant, dropout_p: float,
-              seed: int) -> KernelPlan:
+def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: Variant,
+              dropout_p: float, seed: int) -> KernelPlan:
     """The launch plan for features fq (B, H, Nq, D) and fk (B, Hk, Nk, D): tilings and the
     block tables of ``mask`` (read here, at run time)."""
     batch, heads, nq = fq.shape[:3]
     nk = fk.shape[2]
     if mask is not None:
         mask.check(batch, heads, nq, nk)
-    tiling = choose_tiling(kernel, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
+    tiling = choose_tiling(kind, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
     fine_m, fine_n = fine_tiles(tiling)
     return KernelPlan(
         variant=variant,
-        kernel=kernel,
+        kind=kind,
         tiling=tiling,
         layout=block_layout(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
         nk=nk,
@@ -175,20 +171,16 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _strides(t: Tensor) -> tuple[int, ...]:
-    """(batch, head, row) strides; 0 along a broadcast (size-1) batch or head dim."""
-    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(2)) + (t.stride(2),)
-
-
-def _slot_args(slots: list[Tensor], device) -> tuple[list[Tensor], Tensor]:
-    """Slot pointers (padded with a dummy) and their int64 info (strides, numel, bit length)."""
+def _slot_args(slots: list[Tensor], device) -> tuple[Tensor, ...]:
+    """The kernels' SLOTS: the slot pointers (padded with a dummy), then their int64 info
+    (strides, numel, bit length)."""
     info = [[0] * SLOT_INFO for _ in range(MAX_SLOTS)]
     for i, t in enumerate(slots):
         info[i][: t.dim()] = t.stride()
         info[i][4:6] = t.numel(), t.numel().bit_length()
     table = _info_on(tuple(v for row in info for v in row), torch.device(device))
     args = [t.view(torch.uint8) if t.dtype == torch.bool else t for t in slots]
-    return args + [table] * (MAX_SLOTS - len(args)), table
+    return (*args, *[table] * (MAX_SLOTS - len(args)), table)
 
 
 @functools.lru_cache(maxsize=256)
@@ -204,67 +196,70 @@ def row_dots(x: Tensor, y: Tensor) -> Tensor:
     out = torch.empty(batch, heads, n, dtype=torch.float32, device=x.device)
     block = 64
     kernels.row_dots_kernel[(-(-n // block), batch * heads)](
-        x, y, out, *_strides(x), *_strides(y), heads, n, D=d, D_PAD=_pad(d), BLOCK=block,
-        num_warps=4, num_stages=1)
+        mat(x), mat(y), out, heads, n, D=d, D_PAD=_pad(d), BLOCK=block, num_warps=4,
+        num_stages=1)
     return out
 
 
 def squared_norms(plan: KernelPlan, q: Tensor, k: Tensor, dummy: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 ‖q‖² (B, H, Nq) and ‖k‖² (B, Hkv, Nk) for neg_sqdist, whose kernels read them (once
-    per call, not once per tile); ``dummy`` twice for the other kernels, which read neither."""
-    if plan.kernel != KERNELS_OF_TERMS[NEG_SQDIST.term]:
+    """fp32 ‖q‖² (B, H, Nq) and ‖k‖² (B, Hkv, Nk) for SQDIST, whose kernels read them (once
+    per call, not once per tile); ``dummy`` twice for the other terms, which read neither."""
+    if plan.kind != TermKind.SQDIST:
         return dummy, dummy
     return row_dots(q, q), row_dots(k, k)
 
 
-def _common(plan: KernelPlan, q: Tensor, k: Tensor, v: Tensor) -> dict:
-    return dict(
-        GROUP=q.shape[1] // k.shape[1], D=q.shape[3], D_PAD=_pad(q.shape[3]),
-        DV_PAD=_pad(v.shape[3]), BLOCK_D=plan.tiling.block_d, KERNEL=plan.kernel,
-        HAS_MASK=plan.variant.has_mask, MASK_FN=plan.variant.mask_fn,
-        HAS_MOD=plan.variant.has_mod, MOD_FN=plan.variant.mod_fn, PRECISION=plan.precision,
-        DROPOUT=plan.dropout_p > 0, TERM_FN=plan.variant.term_fns[0],
+def _shape(plan: KernelPlan, t: Tiles, q: Tensor, k: Tensor, v: Tensor) -> Shape:
+    return constants(
+        Shape, GROUP=q.shape[1] // k.shape[1], D=q.shape[3], DV=v.shape[3], D_PAD=_pad(q.shape[3]),
+        DV_PAD=_pad(v.shape[3]), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_D=plan.tiling.block_d, PRECISION=plan.precision,
     )
+
+
+def _code(plan: KernelPlan, slot_grad: bool = False, scale_grad: bool = False) -> Code:
+    var = plan.variant
+    term_fn, term_dq_fn, term_dk_fn, term_grad_fn = var.term_fns
+    return constants(
+        Code, KIND=plan.kind.value, PRODUCTS=plan.kind.products, HAS_MASK=var.has_mask,
+        MASK_FN=var.mask_fn, HAS_MOD=var.has_mod, MOD_FN=var.mod_fn, MOD_BWD_FN=var.mod_bwd_fn,
+        TERM_FN=term_fn, TERM_DQ_FN=term_dq_fn, TERM_DK_FN=term_dk_fn,
+        TERM_GRAD_FN=term_grad_fn, DROPOUT=plan.dropout_p > 0, SLOT_GRAD=slot_grad,
+        SCALE_GRAD=scale_grad,
+    )
+
+
+def _sizes(plan: KernelPlan, q: Tensor, k: Tensor) -> Sizes:
+    return Sizes(q.shape[1], q.shape[2], k.shape[2], plan.offset, plan.seed, plan.dropout_p)
+
+
+def _launch(kernel, t: Tiles, blocks: int, rows: int, *args) -> None:
+    """``kernel`` on a grid of ``blocks`` tiles by ``rows`` (batch, head) pairs."""
+    kernel[(blocks, rows)](*args, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, Tensor]:
     """out (B, H, Nq, Dv) and base-2 lse (B, H, Nq) (+inf for rows with no key)."""
     batch, heads, nq, _ = q.shape
-    nk, dv = k.shape[2], v.shape[3]
-    out = torch.empty(batch, heads, nq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(batch, heads, nq, v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, nq, dtype=torch.float32, device=q.device)
-    slot_args, strides = _slot_args(slots, q.device)
     t = plan.tiling.fwd
-    table = plan.table(t)
-    qn, kn = squared_norms(plan, q, k, scale)
-    kernels.fwd_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, v, out, lse, scale, table, qn, kn, *slot_args, strides,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(table),
-        heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, DV=dv, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
-        num_warps=t.num_warps, num_stages=t.num_stages, **_common(plan, q, k, v),
-    )
+    _launch(kernels.fwd_kernel, t, -(-nq // t.block_m), batch * heads,
+            mat(q), mat(k), mat(v), mat(out), lse, scale, mat(plan.table(t)),
+            squared_norms(plan, q, k, scale), _slot_args(slots, q.device), _sizes(plan, q, k),
+            _shape(plan, t, q, k, v), _code(plan))
     return out, lse
 
 
 def attention_weights(plan: KernelPlan, q, k, lse, scale, slots) -> Tensor:
     """The weights (B, H, Nq, Nk) that multiplied v, recomputed from the base-2 lse."""
     batch, heads, nq, _ = q.shape
-    nk = k.shape[2]
-    weights = torch.zeros(batch, heads, nq, nk, dtype=q.dtype, device=q.device)
-    slot_args, info = _slot_args(slots, q.device)
+    weights = torch.zeros(batch, heads, nq, k.shape[2], dtype=q.dtype, device=q.device)
     t = plan.tiling.fwd
-    table = plan.table(t)
-    qn, kn = squared_norms(plan, q, k, scale)
-    common = _common(plan, q, k, k)
-    del common["DV_PAD"]
-    kernels.weights_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, weights, lse, scale, table, qn, kn, *slot_args, info,
-        *_strides(q), *_strides(k), *_strides(weights), *_strides(table),
-        heads, nq, nk, plan.offset, plan.seed, plan.dropout_p, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
-        num_warps=t.num_warps, num_stages=t.num_stages, **common,
-    )
+    _launch(kernels.weights_kernel, t, -(-nq // t.block_m), batch * heads,
+            mat(q), mat(k), mat(weights), lse, scale, mat(plan.table(t)),
+            squared_norms(plan, q, k, scale), _slot_args(slots, q.device), _sizes(plan, q, k),
+            _shape(plan, t, q, k, k), _code(plan))
     return weights
 
 
@@ -273,50 +268,36 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     """dq, dk, dv (input dtypes), dscale (H,) fp32 and fp32 gradients of the slots in
     ``need_slots`` (None elsewhere). ``grad_lse`` is the gradient of the base-2 lse, if
     anything read it: d lse / d score = p, so it joins delta (in natural units)."""
-    batch, heads, nq, d = q.shape
-    kv_heads, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    batch, heads, nq, _ = q.shape
+    kv_heads, nk = k.shape[1], k.shape[2]
     grad_out = _rows(grad_out)
     delta = row_dots(grad_out, out)
     if grad_lse is not None:
         delta = (delta - grad_lse.float() * _LOG2E).contiguous()
     # Each program stores its rows of dq, dk (product terms) and dv once, in the inputs'
     # dtype; the chunked terms' loops add into fp32 dq and dk tile by tile.
-    stored = plan.kernel < 2
+    stored = plan.kind.products
     dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=x.device) if stored
               else torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k))
-    dvv = torch.empty(batch, kv_heads, nk, dv, dtype=v.dtype, device=q.device)
+    dvv = torch.empty(batch, kv_heads, nk, v.shape[3], dtype=v.dtype, device=q.device)
     dscale = torch.zeros(heads, dtype=torch.float32, device=q.device)
-    slot_args, strides = _slot_args(slots, q.device)
+    slot_args = _slot_args(slots, q.device)
     grads = [
         torch.zeros(t.shape, dtype=torch.float32, device=q.device) if i in need_slots else None
         for i, t in enumerate(slots)
     ]
     grad_args = [g if g is not None else dscale for g in grads]
-    grad_args += [dscale] * (MAX_SLOTS - len(grad_args))
-    common = _common(plan, q, k, v)
-    _, term_dq, term_dk, term_grad = plan.variant.term_fns
-    common.update(DVD=dv, MOD_BWD_FN=plan.variant.mod_bwd_fn, TERM_DQ_FN=term_dq,
-                  TERM_DK_FN=term_dk, TERM_GRAD=bool(need_slots), TERM_GRAD_FN=term_grad)
-    strides_qkvo = (*_strides(q), *_strides(k), *_strides(v), *_strides(grad_out))
-    qn, kn = squared_norms(plan, q, k, dscale)
+    grad_args = (*grad_args, *[dscale] * (MAX_SLOTS - len(grad_args)))
+    inputs = (mat(q), mat(k), mat(v), mat(grad_out), lse, delta, scale)
+    norms, sizes = squared_norms(plan, q, k, dscale), _sizes(plan, q, k)
     t = plan.tiling.dkv
-    table = plan.table(t, by_keys=True)
-    backward.bwd_kv_kernel[(-(-nk // t.block_n), batch * kv_heads)](
-        q, k, v, grad_out, lse, delta, scale, table, qn, kn, dk, dvv, *slot_args, strides,
-        *strides_qkvo, *_strides(table), heads, kv_heads, nq, nk, plan.offset,
-        plan.seed, plan.dropout_p,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-        **common,
-    )
+    _launch(backward.bwd_kv_kernel, t, -(-nk // t.block_n), batch * kv_heads,
+            *inputs, mat(plan.table(t, by_keys=True)), norms, dk, dvv, slot_args, sizes,
+            _shape(plan, t, q, k, v), _code(plan))
     t = plan.tiling.dq
-    table = plan.table(t)
-    backward.bwd_q_kernel[(-(-nq // t.block_m), batch * heads)](
-        q, k, v, grad_out, lse, delta, scale, table, qn, kn, dq, dscale, *slot_args, strides,
-        *grad_args, *strides_qkvo, *_strides(table), heads, nq, nk, plan.offset, plan.seed,
-        plan.dropout_p,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
-        MOD_GRAD=bool(need_slots), SCALE_GRAD=need_scale, **common,
-    )
+    _launch(backward.bwd_q_kernel, t, -(-nq // t.block_m), batch * heads,
+            *inputs, mat(plan.table(t)), norms, dq, dscale, slot_args, grad_args, sizes,
+            _shape(plan, t, q, k, v), _code(plan, bool(need_slots), need_scale))
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dscale, grads
 
 
@@ -326,8 +307,8 @@ def _prepare(fq: Tensor, fk: Tensor, variant: Lowered, dropout_p: float,
     pair = variant.pair
     traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1],
                            max(fq.shape[2], fk.shape[2]))
-    kernel = TRACED if traced.has_term else kernel_id(pair)
-    return make_plan(fq, fk, variant.mask, kernel, compile_variant(traced), dropout_p, seed)
+    return make_plan(fq, fk, variant.mask, term_kind(pair), compile_variant(traced), dropout_p,
+                     seed)
 
 
 def _kernel_forward(fq, fk, v, variant: Lowered, dropout_p, want_weights):

@@ -12,7 +12,7 @@ from ..kernelgen import memo
 from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import POSITION_LIMIT, generate_source
-from .terms import kernel_id
+from ..terms import TermKind, term_kind
 
 
 @dataclass
@@ -45,11 +45,11 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
     call on ``device`` with query head dim ``head_dim`` and ``positions`` = max(Nq, Nk),
     traced into one Triton module (or found traced, ``memo``). Raises CompileError naming
     what cannot be compiled."""
-    kernel = kernel_id(pair)
+    kind = term_kind(pair)
     float_positions = positions <= POSITION_LIMIT
-    keyed = memo.variant_key(pair.term if kernel is None else None, mask, score_mod)
+    keyed = memo.variant_key(pair.term if kind == TermKind.TRACED else None, mask, score_mod)
     if keyed is not None:
-        key = (kernel, keyed[0], device, head_dim, float_positions, torch.is_grad_enabled())
+        key = (kind, keyed[0], device, head_dim, float_positions, torch.is_grad_enabled())
         found = _TRACES.lookup(key, keyed[1], device)
         if found is not None:
             traced, slots = found
@@ -57,7 +57,7 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
                 return replace(traced, slots=slots)
     graph = Graph(device, head_dim)
     term_root = (
-        None if kernel is not None
+        None if kind != TermKind.TRACED
         else _trace("the pairwise term", pair.term, trace_term, graph)
     )
     mask_root = None if mask is None else _trace("mask", mask, trace_mask, graph)
