@@ -49,8 +49,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (output, gradients) relative error vs float64 on the same rounded inputs.
 LOW_PRECISION = {"bf16": (1.2e-2, 3e-2), "fp16": (1.5e-3, 4e-3)}
 # The gradient of a scalar a score modifier reads sums ds·∂mod/∂t over every pair, with
-# cancellation: its error was 10x that of q's gradient in fp32 and 19-35x in fp16/bf16
-# (H200, 2026-11-26), so in low precision it gets 5x the gradient bound.
+# cancellation: on an H200 its error is about 10x that of q's gradient in fp32 and 19-35x in
+# fp16/bf16, so in low precision it gets 5x the gradient bound.
 SCALAR_FACTOR = 5.0
 RESULTS: dict[str, dict] = {}
 
@@ -189,8 +189,8 @@ def triton_only(monkeypatch):
 
 
 # Dynamo traces qkv's variant objects (vars() of their attributes) from torch 2.12 on; torch
-# 2.11 (the GPU image of 2026-11) cannot, so there the compiled call breaks the graph around
-# qkv.attention and the kernels run eagerly in between (checked here on CPU with 2.11).
+# 2.11 (the GPU machine's) cannot, so there the compiled call breaks the graph around
+# qkv.attention and the kernels run eagerly in between.
 ONE_GRAPH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
