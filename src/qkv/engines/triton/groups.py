@@ -14,6 +14,7 @@ parameter, functions included.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import triton.language as tl
@@ -142,9 +143,20 @@ class BackwardRows(NamedTuple):
 
 def mat(t: Tensor) -> Mat:
     """``t`` with its (batch, head, row) strides; 0 along a broadcast (size-1) batch or head."""
-    return Mat(t, *(0 if t.shape[i] == 1 else t.stride(i) for i in range(2)), t.stride(2))
+    batch, heads = t.shape[:2]
+    sb, sh, sm = t.stride()[:3]
+    return Mat(t, 0 if batch == 1 else sb, 0 if heads == 1 else sh, sm)
 
 
 def constants(group: type, **values):
-    """A ``Shape`` or ``Code`` of ``values``, each a ``tl.constexpr``."""
-    return group(**{name: tl.constexpr(value) for name, value in values.items()})
+    """A ``Shape`` or ``Code`` of ``values`` (every field, by name, in order), each a
+    ``tl.constexpr``: made once per distinct set of values and shared, as it is immutable
+    (making one would cost a few microseconds of every launch)."""
+    if tuple(values) != group._fields:
+        raise TypeError(f"{group.__name__} takes {', '.join(group._fields)}, in that order")
+    return _constants(group, tuple(values.values()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _constants(group: type, values: tuple):
+    return group(*map(tl.constexpr, values))
