@@ -15,7 +15,7 @@ from qkv.core import EMPTY, FULL
 from qkv.core.problem import build_problem
 from qkv.core.similarity import DOT
 from qkv.engines import plan
-from qkv.engines.cpu import fused_cpu, graph_gather, native_blocks, tiles, workers
+from qkv.engines.cpu import fused_backward, graph_gather, native_blocks, tiles, workers
 from qkv.engines.cpu.tiles import TileSpec, block_sizes, tile_plan
 from qkv.engines.lowering import Lowered
 
@@ -437,7 +437,7 @@ def test_the_backward_sums_the_same_bits_whichever_worker_is_slow(monkeypatch):
     cases = (("fused", {"mask": qkv.causal(), "score_mod": qkv.alibi(4)}),
              ("fused", {"mask": qkv.causal(), "score_mod": qkv.alibi(slopes=slopes)}),
              ("graph", {"mask": graph}))
-    steps = ((fused_cpu, "_backward_block"), (graph_gather, "_backward_chunk"),
+    steps = ((fused_backward, "_backward_block"), (graph_gather, "_backward_chunk"),
              (native_blocks.Blocks, "run"))
     real = {name: getattr(module, name) for module, name in steps}
     threads = torch.get_num_threads()

@@ -10,7 +10,7 @@ import qkv
 from qkv.core.problem import build_problem
 from qkv.core.similarity import PAIRWISE, pairwise_sum
 from qkv.engines import sdpa as sdpa_engine
-from qkv.engines.cpu import tiles
+from qkv.engines.lowering import lower
 
 from .conftest import rand_qkv
 
@@ -94,7 +94,7 @@ def test_a_learnable_scale_on_the_fused_engine(similarity):
     for fused, reference in zip(*results, strict=True):
         torch.testing.assert_close(fused, reference, rtol=1e-10, atol=1e-12)
     problem = build_problem(q, k, v, similarity=similarity, scale=temperature)
-    folded = tiles.features(problem)[3] is None
+    folded = lower(problem).variant.scale is None
     assert folded == (similarity in ("cosine", "dot"))
 
 

@@ -32,31 +32,26 @@ from .. import ops
 from ..kernelgen import c as c_target
 from ..kernelgen import c_mod
 from ..lowering import Lowered, lower
-from . import native, native_blocks
+from . import native, native_blocks, paths
+from .fused_backward import backward, exp_, probabilities
+from .paths import CpuPath
 from .tiles import (
     TileSpec,
-    add_grads,
-    analytic_kernel,
     cpu_why_not,
     draw_seed,
     dropout_keep,
-    elementwise_needs_grad,
     extra_tensors,
-    grad_sums,
     group_heads,
     keys_visited,
-    mod_tile,
-    modify_scores,
     score_features,
     scratch_for,
     tile_index,
     tile_mask,
     tile_plan,
-    tile_raw,
     tile_scores,
     tile_spec,
 )
-from .workers import run_in_chains, run_queued, sum_chains
+from .workers import run_queued
 
 
 def _needs_grad(p: Problem) -> bool:
@@ -77,16 +72,6 @@ def why_not(p: Problem) -> str | None:
     return None
 
 
-_LOG2E = 1.4426950408889634
-
-
-def _exp_(x: Tensor) -> Tensor:
-    """exp(x) in place, as exp2(x·log2 e). torch's exp takes a slow path (about 30x) on inputs
-    below about -88, which far ALiBi keys and masked -inf fill on much of a tile; exp2 does
-    not, and is faster on ordinary inputs too."""
-    return x.mul_(_LOG2E).exp2_()
-
-
 def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor,
                   allowed: Tensor | None) -> Tensor:
     """One online-softmax update for a tile's scores s (B, H, bq, bk): returns
@@ -102,24 +87,12 @@ def _softmax_step(s: Tensor, row_max: Tensor, row_sum: Tensor, acc: Tensor,
         s = s.masked_fill_(~allowed, float("-inf"))
     new_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
     safe = new_max.masked_fill(new_max == float("-inf"), 0.0)
-    p = _exp_(s.sub_(safe))
+    p = exp_(s.sub_(safe))
     correction = (row_max - safe).exp_()
     row_sum.mul_(correction).add_(p.sum(-1, keepdim=True))
     acc.mul_(correction)
     row_max.copy_(new_max)
     return p
-
-
-def _probabilities(s: Tensor, lse: Tensor, copy: bool, allowed: Tensor | None = None) -> Tensor:
-    """exp(s - lse) for scores s (B, H, bq, bk) and lse (B, H, bq, 1) (+inf on rows with no
-    allowed key, giving 0), and 0 where the bool mask ``allowed`` forbids; in s's memory
-    unless ``copy`` (s is part of an autograd graph)."""
-    s = s.detach().clone() if copy else s.contiguous()
-    if native.available(s.dtype):
-        return native.exp_sub_rows(s, lse, allowed)
-    if allowed is not None:
-        s = s.masked_fill_(~allowed, float("-inf"))
-    return _exp_(s.sub_(lse))
 
 
 def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse, scratch) -> None:
@@ -154,7 +127,7 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     out = fq.new_zeros(spec.batch, spec.heads, spec.nq, v.shape[-1])
     lse = fq.new_full((spec.batch, spec.heads, spec.nq, 1), float("-inf"))
     blocks_in_c = None
-    if native_blocks.why_not(spec, fq) is None:
+    if paths.choose(spec, fq)[0] is CpuPath.BLOCKS:
         blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, out=out, lse=lse)
 
     def rows(blocks):
@@ -172,166 +145,6 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
     return out, lse
 
 
-def _add_tensor_grads(sums: list, extras, tensors, grads) -> None:
-    """Add the gradients of ``tensors`` (some of ``extras``) into their place in ``sums``
-    (2 + their index in ``extras``)."""
-    for tensor, grad in zip(tensors, grads, strict=True):
-        for e, extra in enumerate(extras):
-            if extra is tensor:
-                add_grads(sums, 2 + e, [grad])  # float64 sums; cast once at the end
-
-
-def _add_pair_grads(spec: TileSpec, draw: Tensor, fq_t: Tensor, fk_t: Tensor, dq: Tensor,
-                    dk: Tensor, sums: list, extras) -> None:
-    """Add the pairwise term's gradients for the query and key tile into dq (like fq_t) and
-    dk (like fk_t), and those of the tensors its C loops read into their place in ``sums``
-    (2 + their index in ``extras``), from draw = d(loss)/d(term scores)
-    (B, Hk, (H/Hk)·bq, bk): the torch derivative registered with the term, else its C loops
-    (``analytic_kernel`` said which)."""
-    if spec.pair.tile_grads is not None:
-        spec.pair.tile_grads(draw, fq_t, fk_t, dq, dk)
-        return
-    tensor_grads = spec.loops.add_grads(draw, fq_t, fk_t, dq, dk)
-    _add_tensor_grads(sums, extras, spec.loops.tensors, tensor_grads)
-
-
-def _softmax_grad(p: Tensor, dp: Tensor, delta: Tensor, slope: Tensor | None = None,
-                  scale: float = 1.0) -> Tensor:
-    """d(loss)/d(scores) = p (dp - delta) of a tile, in dp's memory; with ``slope`` (from a
-    modifier's C loops, which exist only with the C kernels), times slope · scale."""
-    if native.available(p.dtype):
-        return native.softmax_grad_rows(p, dp, delta, slope, scale)
-    return dp.sub_(delta).mul_(p)
-
-
-def _backward_block(spec, i, tiles, saved, dout, delta, dfq, sums, extras, scratch) -> None:
-    """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums
-    [dfk, dv transposed, *extras] (``grad_sums``).
-    ``scratch`` holds the worker's flat tile buffers: raw scores, d(loss)/d(weights), and
-    with a modifier's C loops the modified scores (the raw ones stay for its gradient).
-
-    The kernels stay out of autograd: only the elementwise part (scale, score modifier, mask)
-    runs under autograd when it has anything to differentiate, giving d(loss)/d(raw scores)
-    and the modifier's tensor gradients; the kernel's gradients are matmuls or C
-    (``_add_pair_grads``). A term without either (L1 without its C loops, a user's term) is
-    differentiated by autograd."""
-    fq, fk, sq, sk, v, lse = saved
-    batch, heads = spec.batch, spec.heads
-    hk, hv = fk.shape[1], v.shape[1]
-    by_autograd = not analytic_kernel(spec)
-    elementwise_grad = elementwise_needs_grad(spec)
-    q0, q1 = spec.q_range(i)
-    n = q1 - q0
-    fq_t, sq_t = group_heads(fq[:, :, q0:q1], hk), group_heads(sq[:, :, q0:q1], hk)
-    do_t = group_heads(dout[:, :, q0:q1], hv)
-    lse_t, delta_t = lse[:, :, q0:q1], delta[:, :, q0:q1]
-    dfq_t = torch.zeros_like(fq_t, memory_format=torch.contiguous_format)
-    for k0, k1, masked in tiles:
-        fk_t, sk_t, v_t = fk[:, :, k0:k1], sk[:, :, k0:k1], v[:, :, k0:k1]
-        idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-        shape = (batch, heads, n, k1 - k0)
-        if by_autograd:
-            with torch.enable_grad():
-                leaves = (fq_t.detach().requires_grad_(), fk_t.detach().requires_grad_())
-                s = tile_scores(spec, *leaves, idx, masked)
-        elif elementwise_grad:
-            raw = tile_raw(spec, sq_t, sk_t, scratch[0]).view(shape).requires_grad_()
-            leaves = (raw,)
-            with torch.enable_grad():
-                s = modify_scores(spec, raw, idx, masked)
-        else:  # the mask goes to _probabilities, not into the scores
-            raw = tile_raw(spec, sq_t, sk_t, scratch[0]).view(shape)
-            if spec.mod_loops is None:
-                s = modify_scores(spec, raw, idx, False)
-            else:  # in place unless the modifier's gradient reads the raw scores
-                out = scratch[2][: raw.numel()].view(shape) if len(scratch) > 2 else raw
-                if spec.mod_loops.keeps_slope:  # raw <- d mod / d score, from the same pass
-                    s = spec.mod_loops.scores_ds(raw, out, idx.q0, idx.k0, spec.offset,
-                                                 spec.mod_scale)
-                else:
-                    s = mod_tile(spec, raw, idx, out)
-        graph = by_autograd or elementwise_grad
-        allowed = tile_mask(spec, idx) if masked and not graph else None
-        p = _probabilities(s, lse_t, copy=graph, allowed=allowed)
-        dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
-        torch.matmul(do_t, v_t.transpose(-1, -2), out=dp)
-        dp = dp.view(shape)
-        kept = p
-        if spec.dropout_p > 0:
-            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
-            kept = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
-            dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        # dv is summed transposed, (B, Hv, Dv, Nk): doᵀ·p multiplies 20% faster than pᵀ·do
-        # (MKL on a transposed left operand) on 128 x 512 tiles.
-        sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
-            do_t.flatten(0, 1).transpose(1, 2), kept.view(batch * hv, -1, k1 - k0))
-        # A modifier's slope (in raw, from scores_ds) and scale multiply ds in the same pass.
-        slope_in_ds = not graph and spec.mod_loops is not None and spec.mod_loops.keeps_slope
-        ds = (_softmax_grad(p, dp, delta_t, raw, spec.mod_scale) if slope_in_ds
-              else _softmax_grad(p, dp, delta_t))
-        if graph:
-            if not s.requires_grad:  # a modifier that ignores the score and reads no tensor
-                continue
-            found = torch.autograd.grad(s, (*leaves, *extras), ds, allow_unused=True)
-            add_grads(sums, 2, found[len(leaves):])
-            if by_autograd:
-                if found[0] is not None:
-                    dfq_t += found[0]
-                    sums[0][:, :, k0:k1] += found[1]
-                continue
-            ds = found[0]
-            if ds is None:  # a modifier that ignores the score: no gradient reaches q or k
-                continue
-        elif slope_in_ds:
-            pass  # ds is already the raw scores' gradient
-        elif spec.mod_loops is not None and not spec.mod_loops.grads_are_scale:  # and scale
-            _add_tensor_grads(sums, extras, spec.mod_loops.tensors, spec.mod_loops.grads(
-                raw, ds, q0, k0, spec.offset, spec.mod_scale))
-        elif spec.scale is not None:
-            ds = ds.mul_(spec.scale)
-        _add_pair_grads(spec, group_heads(ds, hk), fq_t, fk_t, dfq_t, sums[0][:, :, k0:k1],
-                        sums, extras)
-    dfq[:, :, q0:q1] = dfq_t.view(batch, heads, n, -1)
-
-
-def _backward(spec, plan, fq, fk, v, out, lse, dout, dlse, extras):
-    """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad), from
-    those of out and of lse (None when nothing read lse). d lse / d score = p, so a gradient
-    on lse joins the softmax's: d(loss)/d(score) = p (dp - (delta - dlse))."""
-    delta = (dout * out).sum(-1, keepdim=True)
-    if dlse is not None:
-        delta = delta - dlse
-    # Rows with no allowed key: +inf makes exp(score - lse) exactly 0, so their gradients are 0.
-    saved = (fq, fk, *score_features(spec, fq, fk), v,
-             lse.masked_fill(lse == float("-inf"), float("inf")))
-    dfq = torch.zeros_like(fq, memory_format=torch.contiguous_format)  # rows the C blocks write
-    needs_raw = spec.mod_loops is not None and spec.mod_loops.needs_raw
-
-    blocks_in_c = None
-    if native_blocks.why_not(spec, fq, extras) is None:
-        blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, scores=saved[2:4], lse=saved[-1],
-                                           dout=dout, delta=delta, dq=dfq)
-
-    def block(i, sums, scratch):
-        if blocks_in_c is not None:
-            blocks_in_c.run(i, plan[i], scratch, sums[0], sums[1])
-        else:
-            _backward_block(spec, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
-
-    def start_worker():
-        if blocks_in_c is not None:
-            return blocks_in_c.scratch(fq)
-        return [scratch_for(spec, fq) for _ in range(3 if needs_raw else 2)]
-
-    sums = run_in_chains(
-        block, plan, keys_visited,
-        start_chain=lambda: grad_sums((fk, v.transpose(-1, -2)), len(extras)),  # dv transposed
-        start_worker=start_worker,
-        chain_bytes=(fk.numel() + v.numel()) * fk.element_size())
-    dfk, dv_t, *dextras = sum_chains(sums, buffers=2)
-    return dfq, dfk, dv_t.transpose(-1, -2).contiguous(), dextras
-
-
 def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Tensor:
     """The attention weights (B, H, Nq, Nk) recomputed tile by tile from the saved
     log-sum-exp (with the call's dropout applied, as the weights that multiplied v), for the
@@ -344,7 +157,7 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
         for k0, k1, masked in tiles:
             idx = tile_index(spec, q0, q1, k0, k1, fq.device)
             s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-            p = _probabilities(s, lse[:, :, q0:q1], copy=False)
+            p = probabilities(s, lse[:, :, q0:q1], copy=False)
             if spec.dropout_p > 0:
                 keep = dropout_keep(spec, i, k0, p.shape, fq.device)
                 p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
@@ -397,7 +210,7 @@ def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant, dropout_p, 
     with torch.enable_grad():  # what the tracer derives from a wanted tensor keeps its graph
         spec = _spec(fq, fk, variant, dropout_p, seed, grads=True)
     extras = extra_tensors(spec, wanted)
-    dfq, dfk, dv, dextras = _backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
+    dfq, dfk, dv, dextras = backward(spec, tile_plan(spec, fq.device), fq, fk, v, out, lse,
                                       dout, dlse, extras)
     return dfq, dfk, dv, ops.grads_of_wanted(wanted, extras, dextras)
 
