@@ -27,6 +27,8 @@ from .files import (
     built_on_meta,
     built_to_load,
     check_filled,
+    fill,
+    materialize,
     read_config,
     read_safetensors,
     resolve,
@@ -36,8 +38,8 @@ from .gguf import GGUFFile
 from .tokenizer import PretrainedTokenizer, from_directory, from_gguf
 
 __all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "built_on_meta",
-           "encoder_from_pretrained", "gpt_from_pretrained", "is_encoder", "load_gpt_config",
-           "load_gpt_weights", "load_tokenizer", "resolve"]
+           "encoder_from_pretrained", "fill", "gpt_from_pretrained", "is_encoder",
+           "load_gpt_config", "load_gpt_weights", "load_tokenizer", "materialize", "resolve"]
 
 DECODER_TYPES = ("gpt2", "llama")
 

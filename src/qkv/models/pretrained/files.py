@@ -271,6 +271,29 @@ def built_on_meta(make: Callable[[], nn.Module]) -> nn.Module:
         nn.Module.register_parameter = register
 
 
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate the parameters of a ``built_on_meta`` model on ``device`` (after FSDP has
+    sharded it: this rank's shard of each), their values left for a checkpoint to fill. The
+    buffers keep the values they were built with (``to_empty`` would leave them unset too),
+    one tensor where several modules share one; tied parameters stay tied (``to_empty``
+    gives each module its own)."""
+    params = [(module, name, param) for module in model.modules()
+              for name, param in module.named_parameters(recurse=False)]
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module.named_buffers(recurse=False)]
+    model.to_empty(device=device)
+    first: dict[int, tuple[nn.Module, str]] = {}
+    for module, name, param in params:
+        owner, owned = first.setdefault(id(param), (module, name))
+        setattr(module, name, getattr(owner, owned))
+    moved: dict[int, Tensor] = {}
+    for module, name, buffer in buffers:
+        if id(buffer) not in moved:
+            moved[id(buffer)] = buffer.to(device)
+        setattr(module, name, moved[id(buffer)])
+    return model
+
+
 def fill(param: Tensor, value: Tensor) -> None:
     """Copy ``value`` (the whole tensor) into ``param``; into a sharded parameter (a DTensor,
     as FSDP makes them) only this rank's part of it, cut locally (no communication: every
