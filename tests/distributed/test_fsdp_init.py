@@ -1,6 +1,7 @@
 """``train.fsdp`` with ``--init``: each rank builds the model on the meta device, shards it,
 and fills its shard from the checkpoint one tensor at a time; the weights, the tie and the
-RoPE table are the one-process load's, and so are the losses."""
+RoPE table are the one-process load's, and so are the losses. The whole model gathered to
+rank 0 at the end is the shards', tied."""
 
 import json
 import os
@@ -90,6 +91,13 @@ def sharded_fine_tune(rank: int, world: int, init, text, run_dir) -> dict:
                        for name, b in model.named_buffers()),
     }
     trainer.run()
+    # The whole trained model gathered to rank 0 (for the sample): the shards' values, tied.
+    copy = trainer.whole_model()
+    gathered = {name: p.full_tensor() for name, p in model.named_parameters()}
+    if rank == 0:
+        report["whole"] = (copy.lm_head.weight is copy.tok_emb.weight and all(
+            torch.equal(p, gathered[name]) for name, p in copy.named_parameters()) and all(
+            torch.equal(b, whole.get_buffer(name)) for name, b in copy.named_buffers()))
     return report
 
 
@@ -101,6 +109,7 @@ def test_a_sharded_fine_tune_fills_each_rank_s_shard_and_follows_one_process(tmp
     assert main(["train", "lm", "--run-dir", str(tmp_path / "one"), "--quiet", *argv]) == 0
     reports = values(run_ranks(sharded_fine_tune, 2, tmp_path / "llama", text,
                                tmp_path / "two", timeout=240))
+    assert reports[0].pop("whole") is True
     for report in reports:
         assert report == {"built on": {"meta"}, "sharded": True, "equal": True, "tied": True,
                           "buffers": True}

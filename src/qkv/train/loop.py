@@ -19,7 +19,7 @@ FSDP (``train.fsdp``, ``sharding``): the model is sharded in place before the op
 made, in place of DDP; its gradient reduction averages over every rank as DDP's does, so the
 same scaling holds, and its checkpoints are sharded (``checkpoint.save_sharded``). A model
 a checkpoint fills (``train.init``, a sharded checkpoint resumed) is built on the meta device
-and sharded before it takes memory (``sharding.materialize``).
+and sharded before it takes memory (``qkv.models.pretrained.materialize``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -44,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from .. import threads
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
-from ..models.pretrained import built_on_meta
+from ..models.pretrained import built_on_meta, fill, materialize
 from ..nn.blocks import checkpoint_blocks
 from . import checkpoint, distributed, plan, sharding
 from .config import RunConfig
@@ -147,6 +146,8 @@ class Trainer:
         plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device, shards,
                         whole=not on_meta)
         threads.configure(t.threads)  # after the checks: a refused run prints one line
+        if t.fsdp:  # memory is what sharding is for
+            sharding.map_large_allocations()
         build = functools.partial(task.build_model, cfg, self.data)
         self.model = built_on_meta(build) if on_meta else build()
         if init and not on_meta:
@@ -170,7 +171,7 @@ class Trainer:
                 carried = found.load_unsharded(self.model, make_optimizer(self.model, t))
             sharding.shard(self.model, env, t)
         if on_meta:  # filled here from train.init, or by resume() from the checkpoint
-            sharding.materialize(self.model, env.device)
+            materialize(self.model, env.device)
             if init:
                 task.initialize(self.model, init)
         self.optimizer = make_optimizer(self.model, t)
@@ -252,16 +253,22 @@ class Trainer:
 
     def whole_model(self) -> torch.nn.Module | None:
         """The trained model with all its weights on rank 0 (None on the other ranks): the
-        model itself, or under train.fsdp an unsharded copy (gathering it is collective)."""
+        model itself, or under train.fsdp an unsharded copy, built on the meta device and
+        filled one parameter at a time as each is gathered (collective: every rank gathers
+        it, then drops it), so rank 0 holds the whole weights once."""
         if not self.cfg.train.fsdp:
             return self.model if self.env.is_main else None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(self.model, options=options)
-        if not self.env.is_main:
-            return None
-        model = self.task.build_model(self.cfg, self.data)
-        model.load_state_dict(weights)
-        return model.to(self.env.device).eval()
+        self.model.reshard()  # evaluation may leave the root unit's weights gathered
+        whole = None
+        if self.env.is_main:
+            build = functools.partial(self.task.build_model, self.cfg, self.data)
+            whole = materialize(built_on_meta(build), self.env.device)
+        into = dict(whole.named_parameters()) if whole is not None else {}
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor()
+            if whole is not None:
+                fill(into[name], full)
+        return whole.eval() if whole is not None else None
 
     def wrapped_model(self) -> torch.nn.Module:
         model = self.model

@@ -12,12 +12,15 @@ the same sequences and need the same weights: the mesh is (context, data), FSDP 
 its gradients are summed over the group as well.
 
 A model whose weights come from a checkpoint (``train.init``, or a sharded checkpoint resumed)
-is built with its parameters on the meta device, sharded, then ``materialize``d: each rank
-allocates its shard alone, and the checkpoint fills it one tensor at a time, so no rank ever
-holds the whole model.
+is built with its parameters on the meta device, sharded, then materialized
+(``qkv.models.pretrained.materialize``): each rank allocates its shard alone, and the
+checkpoint fills it one tensor at a time, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -27,6 +30,8 @@ from ..nn.blocks import TransformerBlock
 from .distributed import Env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# glibc's mallopt parameter: allocations of at least this many bytes are mapped pages.
+M_MMAP_THRESHOLD = -3
 
 
 def check(t, env: Env) -> None:
@@ -39,6 +44,24 @@ def check(t, env: Env) -> None:
     if not env.distributed:
         raise ValueError("train.fsdp shards the model over torchrun's processes; this run has "
                          "one (WORLD_SIZE=1): start it with torchrun --nproc_per_node=N, N >= 2")
+
+
+@functools.cache
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapped
+    pages, returned to the system when freed. A sharded step gathers and frees each unit's
+    weights and gradients while the shards of the gradients it keeps (1 to 2 MB each for
+    SmolLM2) accumulate until the optimizer step; glibc otherwise raises its threshold to
+    32 MB after the first large free, carves all of these from the heap, and the kept shards
+    pin the freed space: SmolLM2's ranks peak about 0.9 GB lower with the threshold fixed,
+    for some more CPU time a step in page faults (docs/distributed.md, "Memory"). Once per
+    process; elsewhere than glibc this does nothing."""
+    try:
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
+    except (OSError, TypeError):  # Windows has no CDLL(None)
+        return
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 def fsdp_mesh(env: Env, context_parallel: int) -> DeviceMesh:
@@ -64,21 +87,4 @@ def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
         # its call gathers the root unit's weights (the translate model's encode and
         # decode read its embeddings directly)
         register_fsdp_forward_method(model, "generate")
-    return model
-
-
-def materialize(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Allocate this rank's shard of every parameter of a model built with its parameters on
-    the meta device (``qkv.models.pretrained.built_on_meta``) and sharded, with values left
-    for a checkpoint to fill; the buffers keep the values they were built with (``to_empty``
-    would leave them unset too), moved to ``device``, one tensor where several modules share
-    one. Tied parameters stay tied (FSDP holds one shard for both names)."""
-    built = [(module, name, buffer) for module in model.modules()
-             for name, buffer in module.named_buffers(recurse=False)]
-    model.to_empty(device=device)
-    moved: dict[int, torch.Tensor] = {}
-    for module, name, buffer in built:
-        if id(buffer) not in moved:
-            moved[id(buffer)] = buffer.to(device)
-        setattr(module, name, moved[id(buffer)])
     return model
