@@ -6,13 +6,25 @@ local shard), not of the process: activations and gathered weights come and go.
 
     python benchmarks/fsdp_memory.py                    # P = 1 and 4
     python benchmarks/fsdp_memory.py --worlds 1 2 --layers 4
+
+``--fine-tune`` measures the processes instead: ``qkv train lm --init smollm2`` on the text of
+docs/*.md (``train.steps`` 4 of 1,024 tokens, the fine-tune defaults: activation
+checkpointing, a checkpoint per step), in one process, on two torchrun ranks with
+``train.fsdp=true``, and in one process with the allocator setting FSDP takes, one run after
+the other; each process's peak resident set (VmHWM, read as it exits) and the losses.
+
+    python benchmarks/fsdp_memory.py --fine-tune
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import pickle
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,14 +83,84 @@ def measure(world: int, args: argparse.Namespace) -> list[dict]:
         return [pickle.loads(Path(folder, f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (VmHWM): ru_maxrss would keep the peak of the
+    launcher it was forked from."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no VmHWM in /proc/self/status (Linux only)")
+
+
+def as_rank(folder: str, argv: list[str]) -> int:
+    """``qkv`` with ``argv`` in this process (one torchrun rank, or the only process), then
+    its peak into FOLDER/peak-WORLD-RANK.txt."""
+    from qkv.cli import main as qkv_main
+
+    code = qkv_main(argv)
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    Path(folder, f"peak-{world}-{rank}.txt").write_text(str(peak_resident_bytes()))
+    return code
+
+
+# The runs of --fine-tune: (label, processes, environment). train.fsdp fixes glibc's mmap
+# threshold at 1 MiB (sharding.map_large_allocations); the third run gives one process the same.
+FINE_TUNE_RUNS = (("1 process", 1, {}), ("2 FSDP ranks", 2, {}),
+                  ("1 process, MALLOC_MMAP_THRESHOLD_=1048576", 1,
+                   {"MALLOC_MMAP_THRESHOLD_": "1048576"}))
+
+
+def fine_tune(steps: int) -> int:
+    """The SmolLM2 fine-tune in one process, on two FSDP ranks, and in one process with the
+    allocator setting FSDP takes, one after the other; peaks and losses."""
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as folder:
+        text = Path(folder, "docs.txt")
+        text.write_text("\n\n".join(p.read_text() for p in sorted(root.glob("docs/*.md"))))
+        runs = []
+        for i, (label, world, env) in enumerate(FINE_TUNE_RUNS):
+            run_dir, peaks = Path(folder, f"run-{i}"), Path(folder, f"peaks-{i}")
+            peaks.mkdir()
+            argv = ["train", "lm", "--init", "smollm2", "--run-dir", str(run_dir),
+                    "--set", f"data.path={text}", "--set", f"train.steps={steps}"]
+            launch = [sys.executable]
+            if world > 1:
+                launch += ["-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={world}"]
+                argv += ["--set", "train.fsdp=true"]
+            subprocess.run([*launch, __file__, "--as-rank", str(peaks), "--", *argv],
+                           check=True, env={**os.environ, **env})
+            records = [json.loads(line) for line in
+                       (run_dir / "metrics.jsonl").read_text().splitlines()]
+            runs.append((label, [int(Path(peaks, f"peak-{world}-{r}.txt").read_text())
+                                 for r in range(world)],
+                         [r["loss"] for r in records if "loss" in r]))
+    one = runs[0][1][0]
+    for label, peaks, losses in runs:
+        ranks = ", ".join(f"rank {r} {peak / 1e9:.2f} GB ({peak / one:.2f}x)"
+                          for r, peak in enumerate(peaks))
+        print(f"{label}: peak {ranks}; losses {', '.join(f'{x:.4f}' for x in losses)}")
+    print(f"the largest FSDP rank against one process with the same setting: "
+          f"{max(runs[1][1]) / runs[2][1][0]:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--as-rank"]:  # a process of --fine-tune: FOLDER -- qkv's arguments
+        return as_rank(argv[1], argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fine-tune", action="store_true",
+                        help="SmolLM2's fine-tune: peak memory of 1 process and 2 FSDP ranks")
+    parser.add_argument("--steps", type=int, default=4, help="--fine-tune's steps")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--tokens", type=int, default=64, help="one sequence of this length")
     args = parser.parse_args(argv)
+    if args.fine_tune:
+        return fine_tune(args.steps)
     totals = {}
     for world in args.worlds:
         for rank, sizes in enumerate(measure(world, args)):
