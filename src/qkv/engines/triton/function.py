@@ -23,7 +23,7 @@ from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
 from ..lowering import Lowered
-from ..terms import TermKind, term_kind
+from ..terms import TermKind
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
 from .groups import Code, Shape, Sizes, constants, mat
@@ -80,44 +80,22 @@ def choose_tiling(kind: TermKind, d_pad: int, on_gpu: bool, element_bytes: int =
                     for t in (tiling.fwd, tiling.dq, tiling.dkv)), tiling.block_d)
 
 
-@dataclass
-class Variant:
-    """The compiled mask / score modifier / traced pairwise term of one call and the tensors
-    they read."""
-
-    mask_fn: object
-    mod_fn: object
-    mod_bwd_fn: object
-    term_fns: tuple  # term_fn, term_dq_fn, term_dk_fn, term_grad_fn
-    has_mask: bool
-    has_mod: bool
-    has_term: bool
-    slots: list[Tensor]
-    grad_slots: set[int]
-
-
-def compile_variant(traced: TracedVariant) -> Variant:
-    """Load the generated Triton functions of the call's traced mask, score modifier and
-    pairwise term."""
+def _functions(traced: TracedVariant) -> tuple:
+    """The generated Triton functions of a traced variant (its module is loaded once per
+    source, ``load_module``), or the kernels' no-ops for the parts it lacks: mask_fn, mod_fn,
+    mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn."""
     module = load_module(traced.source)
-    return Variant(
-        mask_fn=module.mask_fn if traced.has_mask else kernels.noop_mask,
-        mod_fn=module.mod_fn if traced.has_mod else kernels.noop_mod,
-        mod_bwd_fn=module.mod_bwd_fn if traced.has_mod else kernels.noop_mod_bwd,
-        term_fns=(module.term_fn, module.term_dq_fn, module.term_dk_fn, module.term_grad_fn)
-        if traced.has_term else (kernels.noop_term, kernels.noop_term, kernels.noop_term,
-                                 kernels.noop_term_grad),
-        has_mask=traced.has_mask,
-        has_mod=traced.has_mod,
-        has_term=traced.has_term,
-        slots=traced.slots,
-        grad_slots=traced.grad_slots,
-    )
+    mod = (module.mod_fn, module.mod_bwd_fn) if traced.has_mod else (kernels.noop_mod,
+                                                                       kernels.noop_mod_bwd)
+    term = ((module.term_fn, module.term_dq_fn, module.term_dk_fn, module.term_grad_fn)
+            if traced.has_term else (kernels.noop_term, kernels.noop_term, kernels.noop_term,
+                                     kernels.noop_term_grad))
+    return (module.mask_fn if traced.has_mask else kernels.noop_mask, *mod, *term)
 
 
 @dataclass
 class KernelPlan:
-    variant: Variant
+    variant: TracedVariant
     kind: TermKind
     tiling: Tiling
     layout: BlockLayout  # tile states and block tables at the tiling's tiles
@@ -140,7 +118,7 @@ def fine_tiles(tiling: Tiling) -> tuple[int, int]:
     return min(t.block_m for t in tiles), min(t.block_n for t in tiles)
 
 
-def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: Variant,
+def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: TracedVariant,
               dropout_p: float, seed: int) -> KernelPlan:
     """The launch plan for features fq (B, H, Nq, D) and fk (B, Hk, Nk, D): tilings and the
     block tables of ``mask`` (read here, at run time)."""
@@ -219,10 +197,10 @@ def _shape(plan: KernelPlan, t: Tiles, q: Tensor, k: Tensor, v: Tensor) -> Shape
 
 def _code(plan: KernelPlan, slot_grad: bool = False, scale_grad: bool = False) -> Code:
     var = plan.variant
-    term_fn, term_dq_fn, term_dk_fn, term_grad_fn = var.term_fns
+    mask_fn, mod_fn, mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn = _functions(var)
     return constants(
         Code, KIND=plan.kind.value, PRODUCTS=plan.kind.products, HAS_MASK=var.has_mask,
-        MASK_FN=var.mask_fn, HAS_MOD=var.has_mod, MOD_FN=var.mod_fn, MOD_BWD_FN=var.mod_bwd_fn,
+        MASK_FN=mask_fn, HAS_MOD=var.has_mod, MOD_FN=mod_fn, MOD_BWD_FN=mod_bwd_fn,
         TERM_FN=term_fn, TERM_DQ_FN=term_dq_fn, TERM_DK_FN=term_dk_fn,
         TERM_GRAD_FN=term_grad_fn, DROPOUT=plan.dropout_p > 0, SLOT_GRAD=slot_grad,
         SCALE_GRAD=scale_grad,
@@ -303,12 +281,10 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
 
 def _prepare(fq: Tensor, fk: Tensor, variant: Lowered, dropout_p: float,
              seed: int) -> KernelPlan:
-    """Trace and load the variant's Triton functions, and plan the launch."""
-    pair = variant.pair
-    traced = trace_variant(pair, variant.mask, variant.score_mod, fq.device, fq.shape[-1],
-                           max(fq.shape[2], fk.shape[2]))
-    return make_plan(fq, fk, variant.mask, term_kind(pair), compile_variant(traced), dropout_p,
-                     seed)
+    """Trace the variant's Triton functions (or find them traced) and plan the launch."""
+    traced = trace_variant(variant.pair, variant.mask, variant.score_mod, fq.device,
+                           fq.shape[-1], max(fq.shape[2], fk.shape[2]))
+    return make_plan(fq, fk, variant.mask, variant.term, traced, dropout_p, seed)
 
 
 def _kernel_forward(fq, fk, v, variant: Lowered, dropout_p, want_weights):
