@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Package -> the qkv packages it may import (besides itself). Top-level modules count as
 # packages of their own name.
 MAY_IMPORT = {
-    "cache": set(), "bars": set(), "limits": set(), "threads": set(),
+    "cache": set(), "bars": set(), "limits": set(), "threads": set(), "allocations": set(),
     "core": {"cache"},
     "engines": {"core", "cache"},
     "distributed": {"engines", "core"},
@@ -23,9 +23,9 @@ MAY_IMPORT = {
     "nn": {"engines", "core", "distributed", "limits"},
     "models": {"nn", "engines", "core", "distributed", "data", "bars", "cache", "limits"},
     "train": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
-              "limits", "threads"},
+              "limits", "threads", "allocations"},
     "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
-            "limits", "threads"},
+            "limits", "threads", "allocations"},
 }
 COMMANDS = {"cli", "model_commands", "chat", "__main__"}  # may import everything
 # Modules that import an optional dependency when they load: the only qkv modules another

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .. import threads
+from ..allocations import map_large_allocations
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
 from ..models.pretrained import built_on_meta, fill, materialize
@@ -147,7 +148,7 @@ class Trainer:
                         whole=not on_meta)
         threads.configure(t.threads)  # after the checks: a refused run prints one line
         if t.fsdp:  # memory is what sharding is for
-            sharding.map_large_allocations()
+            map_large_allocations()
         build = functools.partial(task.build_model, cfg, self.data)
         self.model = built_on_meta(build) if on_meta else build()
         if init and not on_meta:

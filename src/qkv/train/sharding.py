@@ -19,9 +19,6 @@ checkpoint fills it one tensor at a time, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -30,8 +27,6 @@ from ..nn.blocks import TransformerBlock
 from .distributed import Env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# glibc's mallopt parameter: allocations of at least this many bytes are mapped pages.
-M_MMAP_THRESHOLD = -3
 
 
 def check(t, env: Env) -> None:
@@ -44,24 +39,6 @@ def check(t, env: Env) -> None:
     if not env.distributed:
         raise ValueError("train.fsdp shards the model over torchrun's processes; this run has "
                          "one (WORLD_SIZE=1): start it with torchrun --nproc_per_node=N, N >= 2")
-
-
-@functools.cache
-def map_large_allocations(threshold: int = 1 << 20) -> None:
-    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mapped
-    pages, returned to the system when freed. A sharded step gathers and frees each unit's
-    weights and gradients while the shards of the gradients it keeps (1 to 2 MB each for
-    SmolLM2) accumulate until the optimizer step; glibc otherwise raises its threshold to
-    32 MB after the first large free, carves all of these from the heap, and the kept shards
-    pin the freed space: SmolLM2's ranks peak about 0.9 GB lower with the threshold fixed,
-    for some more CPU time a step in page faults (docs/distributed.md, "Memory"). Once per
-    process; elsewhere than glibc this does nothing."""
-    try:
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
-    except (OSError, TypeError):  # Windows has no CDLL(None)
-        return
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 def fsdp_mesh(env: Env, context_parallel: int) -> DeviceMesh:

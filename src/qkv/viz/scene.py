@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..allocations import map_large_allocations
 from ..bars import bar
-from .allocations import map_large_allocations
 from .capture import AttentionMaps, capture, watch
 from .long_record import LongRecorder
 from .page import PageImage, PageView

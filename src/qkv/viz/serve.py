@@ -25,8 +25,8 @@ from urllib.parse import parse_qs, urlparse
 import torch
 
 from .. import models
+from ..allocations import map_large_allocations
 from ..train.rundir import load_run
-from .allocations import map_large_allocations
 from .labels import token_labels
 from .pretrained import greedy_with_rows, load_with_tokenizer
 from .qk_store import QKStore

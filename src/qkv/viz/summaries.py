@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..allocations import map_large_allocations
 from ..core.masks.rules import CausalMask, TopLeftCausalMask
 from ..engines.cpu.workers import run_queued
-from .allocations import map_large_allocations
 from .capture import CapturedMap, watch
 from .row_stats import library, row_stats
 from .weights import check_heads, head_weights
