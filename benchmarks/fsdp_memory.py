@@ -104,7 +104,8 @@ def as_rank(folder: str, argv: list[str]) -> int:
 
 
 # The runs of --fine-tune: (label, processes, environment). train.fsdp fixes glibc's mmap
-# threshold at 1 MiB (qkv.allocations.map_large_allocations); the third run gives one process the same.
+# threshold at 1 MiB (qkv.allocations.map_large_allocations); the third run gives one process
+# the same.
 FINE_TUNE_RUNS = (("1 process", 1, {}), ("2 FSDP ranks", 2, {}),
                   ("1 process, MALLOC_MMAP_THRESHOLD_=1048576", 1,
                    {"MALLOC_MMAP_THRESHOLD_": "1048576"}))
