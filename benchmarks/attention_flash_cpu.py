@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.engines.cpu import cpu_flash
-from qkv.engines.cpu.native import cpuinfo_line
+from qkv.engines.cpu.build import cpuinfo_line
 from results import write_results  # beside this script
 
 COLUMNS = ("qkv fp32", "qkv fp32, bf16 products", "qkv bf16", "SDPA fp32", "SDPA bf16")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import qkv
 from qkv import engines
 from qkv.core.problem import build_problem
-from qkv.engines.cpu import cpu_flash, native
+from qkv.engines.cpu import build, cpu_flash, native
 
 needs_bf16 = pytest.mark.skipif(not cpu_flash.available("bf16"),
                                 reason="no bf16 kernel here (the flash engine's refusal says why)")
@@ -181,7 +181,7 @@ def fresh_library():
 def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch, fresh_library):
     """Measured on AMD only: elsewhere every call it could take says so, whatever else is
     wrong with it, and the dispatcher goes on to SDPA."""
-    monkeypatch.setattr(native, "amd_cpu", lambda: False)
+    monkeypatch.setattr(build, "amd_cpu", lambda: False)
     q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.float32)
     with torch.no_grad():
         for call in ({}, {"mask": qkv.causal()}, {"fp32_precision": "bf16"}):
@@ -198,9 +198,9 @@ def test_a_build_target_without_the_instructions_says_so(monkeypatch, tmp_path,
                                                           fresh_library, target):
     """QKV_MARCH=x86-64-v3 has no AVX-512, x86-64-v4 no AVX512-BF16: the engine refuses
     those products with the target's name (on an AMD CPU; the build alone decides)."""
-    if native.missing_features(target):
+    if build.missing_features(target):
         pytest.skip(f"this CPU does not run {target}")
-    monkeypatch.setattr(native, "amd_cpu", lambda: True)
+    monkeypatch.setattr(build, "amd_cpu", lambda: True)
     monkeypatch.setenv("QKV_MARCH", target)
     monkeypatch.setenv("QKV_CACHE", str(tmp_path))
     q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.bfloat16)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qkv.core.scores import UserScoreMod
-from qkv.engines.cpu import cpu_flash, native
+from qkv.engines.cpu import build, cpu_flash, native
 from qkv.engines.kernelgen import c as c_target
 from qkv.engines.kernelgen import c_mod
 from qkv.engines.kernelgen.graph import Graph
@@ -27,7 +27,7 @@ CROSS, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", Path("/usr/aarch
 ENGINES = Path(native.__file__).parent
 HARNESS = Path(__file__).with_name("native_harness.c")
 # What native.py builds with, less -shared (the harness links the kernels in).
-FLAGS = [f for f in native._FLAGS if f != "-shared"]
+FLAGS = [f for f in build.FLAGS if f != "-shared"]
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 
 if not (shutil.which(CROSS) and shutil.which(QEMU) and (SYSROOT / "lib/libgomp.so.1").exists()):
@@ -35,7 +35,7 @@ if not (shutil.which(CROSS) and shutil.which(QEMU) and (SYSROOT / "lib/libgomp.s
         raise RuntimeError("the aarch64 cross tools are missing; .ci/run installs them")
     pytest.skip("apt-get install gcc-aarch64-linux-gnu libc6-arm64-cross libgomp1-arm64-cross "
                 "qemu-user", allow_module_level=True)
-if native._compiler() is None:
+if build.compiler() is None:
     pytest.skip("no C compiler for this machine's build", allow_module_level=True)
 
 # native_harness.c's shapes and its generator (next_value).
@@ -74,8 +74,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("aarch64")
     arm = _build([CROSS], out / "harness_arm", *WARNINGS)
     # gcc where there is one: $CC may lack -fopenmp (Debian's clang without libomp-dev)
-    here = _build([shutil.which("gcc")] if shutil.which("gcc") else native._compiler(),
-                  out / "harness_here", f"-march={native.march()}")
+    here = _build([shutil.which("gcc")] if shutil.which("gcc") else build.compiler(),
+                  out / "harness_here", f"-march={build.march()}")
     return _outputs(_on_arm(arm)), _outputs([str(here)])
 
 

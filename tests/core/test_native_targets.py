@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from qkv.engines.cpu import native
+from qkv.engines.cpu import build, native
 
 pytestmark = [
     pytest.mark.slow,  # a process and a build per case, about 10 s each
@@ -71,12 +71,12 @@ def _probe(tmp_path, **env) -> dict:
 def test_each_x86_level_builds_and_matches_float64(tmp_path, level, vector_bytes):
     """v2 has no AVX (16-byte vectors), v3 AVX2 (32), v4 AVX-512 (64); the flash engine
     needs AVX-512 and says so on the others."""
-    if native.missing_features(level):
+    if build.missing_features(level):
         pytest.skip(f"this CPU does not run {level}")
     found = _probe(tmp_path, QKV_MARCH=level)
     assert found["available"] and not found["warnings"] and found["team"]
     assert found["vector_bytes"] == vector_bytes
-    if native.amd_cpu():
+    if build.amd_cpu():
         assert (found["flash"] == "built") == (level == "x86-64-v4"), found["flash"]
     # one build per target: the level names the library, not this CPU's flags
     assert len(list((tmp_path / "cache").glob("cpu_kernels_*.so"))) == 1
@@ -94,7 +94,7 @@ def test_clang_builds_them(tmp_path):
 def _refusing(tmp_path, flag: str) -> str:
     """A compiler command that fails on ``flag`` and is this machine's otherwise."""
     wrapper = tmp_path / f"cc-without{flag}"
-    compiler = " ".join(native._compiler())
+    compiler = " ".join(build.compiler())
     wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{flag}" ] && '
                        f'{{ echo "unsupported option {flag}" >&2; exit 1; }}; done\n'
                        f'exec {compiler} "$@"\n')
@@ -107,7 +107,7 @@ def test_without_openmp_the_workers_use_a_thread_pool(tmp_path):
     kernels build without it and the workers run on a thread pool, with the same results."""
     found = _probe(tmp_path, CC=_refusing(tmp_path, "-fopenmp"))
     assert found["available"] and not found["warnings"] and not found["team"]
-    if native.amd_cpu():
+    if build.amd_cpu():
         assert found["flash"] == "cpu_flash.c did not build (it needs a compiler with -fopenmp)"
 
 
@@ -119,10 +119,10 @@ def test_a_compiler_without_march_native_builds_for_its_default(tmp_path):
 def test_a_level_this_cpu_lacks_is_refused_with_one_warning(monkeypatch):
     """Code for a higher level would stop at its first unknown instruction: the kernels stay
     off instead, and say which features are missing."""
-    monkeypatch.setattr(native, "cpuinfo_line", lambda key: "flags\t\t: avx avx2 avx512f")
-    assert native.missing_features("x86-64-v4")[:3] == ["cx16", "lahf_lm", "popcnt"]
-    assert "avx512bw" in native.missing_features("x86-64-v4")
-    assert native.missing_features("native") == native.missing_features("armv8-a") == []
+    monkeypatch.setattr(build, "cpuinfo_line", lambda key: "flags\t\t: avx avx2 avx512f")
+    assert build.missing_features("x86-64-v4")[:3] == ["cx16", "lahf_lm", "popcnt"]
+    assert "avx512bw" in build.missing_features("x86-64-v4")
+    assert build.missing_features("native") == build.missing_features("armv8-a") == []
     monkeypatch.setenv("QKV_MARCH", "x86-64-v4")
     monkeypatch.setattr(native, "_functions", None)
     monkeypatch.setattr(native, "_tried", False)

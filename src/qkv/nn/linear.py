@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engines.cpu.native import amd_cpu
+from ..engines.cpu.build import amd_cpu
 
 
 @functools.cache

@@ -19,7 +19,7 @@
  * heads share the packed K and V), rows stacked head by head and padded to a multiple of 8.
  * The softmax is online, a block of BN keys at a time.
  *
- * Built for native.march()'s target: without the instructions there, flash_available() = 0.
+ * Built for build.march()'s target: without the instructions there, flash_available() = 0.
  */
 #include <stdint.h>
 #include <stdlib.h>

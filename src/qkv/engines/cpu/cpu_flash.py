@@ -37,7 +37,7 @@ from torch import Tensor
 from ...core.problem import Problem
 from ...core.result import Result
 from ...core.similarity import BUILTIN
-from . import native
+from . import build, native
 
 _DOT = BUILTIN["dot"]
 # Below this many query rows SDPA is as fast or faster (packing K and V, and the call's own
@@ -66,7 +66,7 @@ _NEEDS = {"bf16": "AVX512-BF16", "fp32": "AVX-512"}
 @functools.cache
 def _library(products: str) -> ctypes.CDLL | str:
     """The kernel with ``products`` ("bf16" or "fp32"), or why this machine has none."""
-    if not native.amd_cpu():
+    if not build.amd_cpu():
         return ("it runs on AMD CPUs only: it was measured there, and is not enabled on others "
                 "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves)")
     if not native.available(torch.float32):
@@ -78,7 +78,7 @@ def _library(products: str) -> ctypes.CDLL | str:
         return "cpu_flash.c did not build (it needs a compiler with -fopenmp)"
     lib.flash_available.restype = _I
     if not lib.flash_available():
-        return f"it needs {_NEEDS[products]}, which -march={native.march()} does not have here"
+        return f"it needs {_NEEDS[products]}, which -march={build.march()} does not have here"
     lib.flash_attention.argtypes = [_P, _I]
     lib.flash_attention.restype = _I
     return lib

@@ -25,14 +25,8 @@ docs/portability.md covers the targets, compilers and machines.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import os
-import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -41,23 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...cache import cache_dir
-from ..terms import TermKind, c_defines, term_kind
+from ..terms import TermKind, term_kind
+from . import build
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_blocks.c")]
-# -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
-# keep each libm call, division or select that could set errno or trap under its condition,
-# which keeps such loops from vectorizing. The target (-march) comes first, from march().
-# The term kinds come by name (-DQKV_TERM_DOT=0, ...): the C branches on the one enum.
-_FLAGS = ["-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
-          *c_defines()]
-# The CPU features (as /proc/cpuinfo names them) each x86-64 level adds to the one before.
-_X86_LEVELS = {
-    "x86-64-v2": "cx16 lahf_lm popcnt pni sse4_1 sse4_2 ssse3",
-    "x86-64-v3": "avx avx2 bmi1 bmi2 f16c fma abm movbe xsave",
-    "x86-64-v4": "avx512f avx512bw avx512cd avx512dq avx512vl",
-}
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -87,102 +69,15 @@ _CHECKED = {"edge_scores", "edge_kernel_grads"}
 EDGE_TERMS = frozenset({TermKind.DOT, TermKind.SQDIST, TermKind.L1})
 
 
-def cpuinfo_line(key: str) -> str:
-    """The first line of /proc/cpuinfo that starts with ``key`` ("" without one, or without
-    /proc)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(key)), "")
-    except OSError:
-        return ""
-
-
-@functools.cache
-def amd_cpu() -> bool:
-    """Whether this is an AMD processor, on whose AVX-512 torch's MKL runs its AVX2 code."""
-    # Without /proc (Windows), platform.processor(): "AMD64 Family 25 ..., AuthenticAMD".
-    return "AuthenticAMD" in (cpuinfo_line("vendor_id") or platform.processor())
-
-
-def march() -> str:
-    """The target the C sources are built for: ``$QKV_MARCH``, default ``native`` (this CPU's
-    own features). An x86-64 level (``x86-64-v3``) builds code that any CPU of that level
-    runs, so a cache built on one machine serves the others."""
-    return os.environ.get("QKV_MARCH") or "native"
-
-
-def missing_features(target: str) -> list[str]:
-    """The CPU features x86-64 level ``target`` (and those below it) needs that this CPU lacks
-    by /proc/cpuinfo; [] for other targets, or without /proc."""
-    if target not in _X86_LEVELS:
-        return []
-    have = set(cpuinfo_line("flags").split(":")[-1].split())
-    if not have:
-        return []
-    levels = list(_X86_LEVELS)
-    needed = " ".join(_X86_LEVELS[level] for level in levels[:levels.index(target) + 1])
-    return [feature for feature in needed.split() if feature not in have]
-
-
-def _compile(compiler: list[str], flags: list[str], source: bytes, stem: str) -> Path:
-    """The shared library of C ``source`` built with ``flags``, once per source, compiler,
-    flags and, for ``-march=native``, CPU (a content hash names it: a changed source never
-    loads a stale build)."""
-    # -march=native code is only valid on a CPU with the same feature flags; an x86-64
-    # level's on any CPU of that level.
-    cpu = cpuinfo_line("flags") if "-march=native" in flags else ""
-    key = hashlib.sha256(b"\0".join(
-        [source, " ".join(compiler).encode(), " ".join(flags).encode(), cpu.encode()]
-    )).hexdigest()[:16]
-    target = cache_dir() / f"{stem}_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: another process never loads a half-written file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([*compiler, *flags, "-x", "c", "-", "-o", partial], input=source,
-                       check=True, capture_output=True, timeout=120)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
-def _build(compiler: list[str], source: bytes, stem: str,
-           extra_flags: tuple[str, ...] = ()) -> Path:
-    """``_compile`` for ``-march=`` ``march()``. A compiler that does not know
-    ``-march=native`` (a cross compiler; clang before 15 on ARM) builds for its own default
-    target instead."""
-    flags = [f"-march={march()}", *_FLAGS, *extra_flags]
-    try:
-        return _compile(compiler, flags, source, stem)
-    except subprocess.CalledProcessError:
-        if march() != "native":
-            raise
-        return _compile(compiler, flags[1:], source, stem)
-
-
-def _compiler() -> list[str] | None:
-    """The C compiler's command (``$CC`` may hold arguments: ``ccache gcc``), or None."""
-    if os.environ.get("QKV_NATIVE", "1") == "0":
-        return None
-    command = shlex.split(os.environ.get("CC", ""))
-    found = shutil.which("cc") or shutil.which("gcc")
-    return command or ([found] if found else None)
-
-
 def compile_library(source: str, stem: str,
                     extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """Build (or find in ``$QKV_CACHE``) and load generated C source, with ``extra_flags``
     after the usual ones; None without a compiler or with ``QKV_NATIVE=0``. Raises
     ``OSError`` / ``SubprocessError`` when the source does not compile."""
-    compiler = _compiler()
+    compiler = build.compiler()
     if compiler is None or _load() is None:
         return None
-    return ctypes.CDLL(str(_build(compiler, source.encode(), stem, extra_flags)))
+    return ctypes.CDLL(str(build.build(compiler, source.encode(), stem, extra_flags)))
 
 
 def optional_library(source: Path, stem: str, extra_flags: tuple[str, ...] = ()):
@@ -214,17 +109,18 @@ def _notice(reason: str) -> None:
 
 def _open() -> dict | None:
     """The C functions, or None with one warning saying why not (once per process)."""
-    compiler = _compiler()
+    compiler = build.compiler()
     if compiler is None:
         _notice("QKV_NATIVE=0" if os.environ.get("QKV_NATIVE", "1") == "0"
                 else "no C compiler (set CC, or install cc or gcc)")
         return None
-    if missing := missing_features(march()):
-        _notice(f"QKV_MARCH={march()} needs CPU features this CPU lacks ({' '.join(missing)})")
+    target = build.march()
+    if missing := build.missing_features(target):
+        _notice(f"QKV_MARCH={target} needs CPU features this CPU lacks ({' '.join(missing)})")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler, b"\n".join(p.read_bytes() for p in _SOURCES),
-                                     "cpu_kernels")))
+        lib = ctypes.CDLL(str(build.build(
+            compiler, b"\n".join(p.read_bytes() for p in _SOURCES), "cpu_kernels")))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         _notice(f"the C tile kernels did not build ({detail})")
