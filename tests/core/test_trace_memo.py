@@ -155,6 +155,24 @@ def test_a_trace_that_may_have_read_values_is_not_kept(monkeypatch):
     assert len(calls) == (2 if native.available(torch.float32) else 0)
 
 
+def _assert_step_matches_reference(score_mod, weight, reference_mod) -> None:
+    """One fused training step on causal ``_inputs`` with ``score_mod``, which reads the
+    learnable ``weight``: its output and the gradients of q, k, v and ``weight`` equal the
+    float64 reference's, whose modifier is ``reference_mod`` of a float64 copy of it."""
+    q, k, v = _inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = qkv.attention(*leaves, mask=qkv.causal(), score_mod=score_mod, backend="fused")
+    got = torch.autograd.grad(out.square().sum(), [*leaves, weight])
+    ref_weight = weight.detach().double().requires_grad_()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = qkv.attention(*ref_leaves, mask=qkv.causal(), score_mod=reference_mod(ref_weight),
+                        backend="reference")
+    want = torch.autograd.grad(ref.square().sum(), [*ref_leaves, ref_weight])
+    assert rel_err(out, ref) < 1e-5
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 1e-4
+
+
 def _times_head_weight(weight):
     return lambda s, b, h, q_idx, kv_idx: s * weight[h]
 
@@ -168,20 +186,8 @@ def test_user_closure_over_a_changing_tensor_reads_each_steps_values(monkeypatch
     def per_head(s, b, h, q_idx, kv_idx):
         return s * bias[h]
 
-    q, k, v = _inputs()
     for step in range(3):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = qkv.attention(*leaves, mask=qkv.causal(), score_mod=per_head, backend="fused")
-        got = torch.autograd.grad(out.square().sum(), [*leaves, bias])
-        ref_bias = bias.detach().double().requires_grad_()
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref = qkv.attention(*ref_leaves, mask=qkv.causal(),
-                            score_mod=_times_head_weight(ref_bias),
-                            backend="reference")
-        want = torch.autograd.grad(ref.square().sum(), [*ref_leaves, ref_bias])
-        assert rel_err(out, ref) < 1e-5
-        for g, w in zip(got, want, strict=True):
-            assert rel_err(g, w) < 1e-4
+        _assert_step_matches_reference(per_head, bias, _times_head_weight)
         with torch.no_grad():
             bias.add_(0.5 * (step + 1))
         if step == 0:
@@ -221,21 +227,10 @@ def test_fused_cpu_engine_reads_each_calls_values(monkeypatch, make):
 def test_fused_cpu_engine_in_place_update_and_gradient():
     """A learnable slope updated in place between calls (an optimizer step) is read as it is
     now, and its gradient reaches the tensor of this call."""
-    q, k, v = _inputs()
     slopes = torch.rand(4, requires_grad=True)
     mod = qkv.alibi(4, slopes=slopes)
     for step in range(3):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = qkv.attention(*leaves, mask=qkv.causal(), score_mod=mod, backend="fused")
-        grads = torch.autograd.grad(out.square().sum(), [*leaves, slopes])
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_slopes = slopes.detach().double().requires_grad_()
-        ref = qkv.attention(*ref_leaves, mask=qkv.causal(),
-                            score_mod=qkv.alibi(4, slopes=ref_slopes), backend="reference")
-        ref_grads = torch.autograd.grad(ref.square().sum(), [*ref_leaves, ref_slopes])
-        assert rel_err(out, ref) < 1e-5
-        for got, want in zip(grads, ref_grads, strict=True):
-            assert rel_err(got, want) < 1e-4
+        _assert_step_matches_reference(mod, slopes, lambda w: qkv.alibi(4, slopes=w))
         with torch.no_grad():
             slopes.add_(0.25 * (step + 1))
 
