@@ -96,6 +96,7 @@ def _functions(traced: TracedVariant) -> tuple:
 @dataclass
 class KernelPlan:
     variant: TracedVariant
+    functions: tuple  # the variant's Triton functions (``_functions``), looked up once
     kind: TermKind
     tiling: Tiling
     layout: BlockLayout  # tile states and block tables at the tiling's tiles
@@ -130,6 +131,7 @@ def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: TracedVaria
     fine_m, fine_n = fine_tiles(tiling)
     return KernelPlan(
         variant=variant,
+        functions=_functions(variant),
         kind=kind,
         tiling=tiling,
         layout=block_layout(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
@@ -197,7 +199,7 @@ def _shape(plan: KernelPlan, t: Tiles, q: Tensor, k: Tensor, v: Tensor) -> Shape
 
 def _code(plan: KernelPlan, slot_grad: bool = False, scale_grad: bool = False) -> Code:
     var = plan.variant
-    mask_fn, mod_fn, mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn = _functions(var)
+    mask_fn, mod_fn, mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn = plan.functions
     return constants(
         Code, KIND=plan.kind.value, PRODUCTS=plan.kind.products, HAS_MASK=var.has_mask,
         MASK_FN=mask_fn, HAS_MOD=var.has_mod, MOD_FN=mod_fn, MOD_BWD_FN=mod_bwd_fn,
