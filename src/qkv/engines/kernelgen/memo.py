@@ -16,6 +16,7 @@ the variant untraceable here: it is traced on every call.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Hashable
 
@@ -63,13 +64,15 @@ def _key(value, tensors: list[Tensor], depth: int = 0) -> Hashable:
     raise _NotKeyable
 
 
-def _names(code: types.CodeType) -> set[str]:
-    """The global names ``code`` and the functions defined inside it may read."""
+@functools.lru_cache(maxsize=1024)
+def _names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names ``code`` and the functions defined inside it may read, sorted (once
+    per code object: every call of a keyed variant asks)."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
+            names.update(_names(const))
+    return tuple(sorted(names))
 
 
 def _function_key(fn: types.FunctionType, tensors: list[Tensor], depth: int) -> Hashable:
@@ -83,7 +86,7 @@ def _function_key(fn: types.FunctionType, tensors: list[Tensor], depth: int) -> 
             raise _NotKeyable from None
     scope = fn.__globals__
     read = tuple((name, _key(scope[name], tensors, depth + 1))
-                 for name in sorted(_names(fn.__code__)) if name in scope)
+                 for name in _names(fn.__code__) if name in scope)
     defaults = tuple(_key(v, tensors, depth + 1) for v in fn.__defaults__ or ())
     kwdefaults = tuple((name, _key(v, tensors, depth + 1))
                        for name, v in sorted((fn.__kwdefaults__ or {}).items()))
