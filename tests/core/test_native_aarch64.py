@@ -44,8 +44,7 @@ NB, M, N, D, E, NODES, HEADS = 2, 37, 70, 48, 90, 11, 2
 
 def _build(compiler: list[str], out: Path, *flags: str) -> Path:
     kernels = out.with_suffix(".kernels.c")  # one library's sources, as native builds them
-    kernels.write_bytes(b"\n".join((ENGINES / f).read_bytes()
-                                   for f in ("cpu_kernels.c", "cpu_blocks.c")))
+    kernels.write_bytes(b"\n".join(f.read_bytes() for f in native.SOURCES))
     _run([*compiler, *flags, *FLAGS, "-fopenmp", str(kernels),
           str(ENGINES / "workers_team.c"), str(HARNESS), "-o", str(out), "-lm"])
     return out

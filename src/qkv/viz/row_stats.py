@@ -35,23 +35,6 @@ SOURCE = r"""
 #include <stdint.h>
 #include <math.h>
 
-/* exp(x) for x <= 0 (and small x > 0): x = n ln2 + t with t reduced by ln 2 in two parts,
- * then 2^n times a degree-6 polynomial of t (relative error about 2e-7); 0 below 2^-126.
- * Written without branches so that the loops that call it vectorize. */
-static inline float exp_small(float x) {
-    float y = x * 1.44269504088896341f;
-    float below = y < -126.0f ? 1.0f : 0.0f;
-    y = y < -126.0f ? -126.0f : y;
-    x = x < -87.33654475f ? -87.33654475f : x;
-    float n = (y + 12582912.0f) - 12582912.0f;
-    float t = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f + t * (1.0f + t * (0.5f + t * (1.0f / 6 + t * (1.0f / 24 + t * (
-        1.0f / 120 + t * (1.0f / 720))))));
-    union { int32_t i; float f; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return below > 0.0f ? 0.0f : p * scale.f;
-}
-
 /* s: (heads, rows, n) scores, row i of each head at position first + i; shift: (heads,
  * rows) or 0; stats: (heads, rows, 4); received: per head a row of at least n sums, head h's
  * at received + h * received_step; top_keys, top_values: (heads, rows, k). */
@@ -81,7 +64,7 @@ void qkv_row_stats(float *s, int64_t heads, int64_t rows, int64_t n, const float
             const float at = (float)pos;
             #pragma omp simd reduction(+:z, zt, zd)
             for (int64_t j = 0; j <= hi; j++) {
-                const float t = row[j] - m, e = exp_small(t);
+                const float t = row[j] - m, e = exp_nonpositive_f32(t);
                 row[j] = e;
                 z += e;
                 zt += e * t;
@@ -134,7 +117,7 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 def library():
     """The compiled ``qkv_row_stats``, or None without a C compiler (or with QKV_NATIVE=0)."""
     try:
-        lib = native.compile_library(SOURCE, "viz_row_stats")
+        lib = native.compile_library(native.EXP_SOURCE + SOURCE, "viz_row_stats")
     except (OSError, subprocess.SubprocessError):
         return None
     if lib is None:

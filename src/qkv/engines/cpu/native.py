@@ -39,7 +39,10 @@ from ..terms import TermKind, term_kind
 from . import build
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_blocks.c")]
+SOURCES = [Path(__file__).with_name(name)
+            for name in ("exp_nonpositive.c", "cpu_kernels.c", "cpu_blocks.c")]
+# exp(x) for x <= 0 as the C loops compute it, for other sources to begin with
+EXP_SOURCE = SOURCES[0].read_text()
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -120,7 +123,7 @@ def _open() -> dict | None:
         return None
     try:
         lib = ctypes.CDLL(str(build.build(
-            compiler, b"\n".join(p.read_bytes() for p in _SOURCES), "cpu_kernels")))
+            compiler, b"\n".join(p.read_bytes() for p in SOURCES), "cpu_kernels")))
     except (OSError, subprocess.SubprocessError) as err:
         detail = getattr(err, "stderr", "") or err
         _notice(f"the C tile kernels did not build ({detail})")
