@@ -7,7 +7,7 @@ import torch
 import qkv
 from qkv.core.similarity import PAIRWISE
 from qkv.engines.cpu import native, paths
-from qkv.engines.terms import TermKind, term_kind
+from qkv.engines.lowering import TermKind, term_kind
 
 pytestmark = pytest.mark.skipif(
     not native.available(torch.float32), reason="no C compiler on this machine"

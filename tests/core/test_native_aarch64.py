@@ -19,7 +19,7 @@ from qkv.engines.kernelgen import c as c_target
 from qkv.engines.kernelgen import c_mod
 from qkv.engines.kernelgen.graph import Graph
 from qkv.engines.kernelgen.trace import trace_score_mod, trace_term
-from qkv.engines.terms import TermKind
+from qkv.engines.lowering import TermKind
 
 from .test_traced_functions import mod, term
 

@@ -29,7 +29,7 @@ from qkv.core.scores import as_score_mod
 from qkv.core.similarity import SIMILARITIES
 from qkv.engines import engine_names
 from qkv.engines import triton as triton_engine
-from qkv.engines.terms import TermKind, term_kind
+from qkv.engines.lowering import TermKind, term_kind
 from qkv.engines.triton.blocks import classify
 
 from .conftest import EXAMPLE_D, registered_similarities

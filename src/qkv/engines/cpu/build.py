@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ...cache import cache_dir
-from ..terms import c_defines
+from ..lowering import c_defines
 
 # -fno-math-errno and -fno-trapping-math change no result; without them the compiler must
 # keep each libm call, division or select that could set errno or trap under its condition,

@@ -20,7 +20,7 @@
 struct qkv_blocks {
     void *gemm;          /* sgemm_ or dgemm_ (Fortran interface; integers passed as int64) */
     int64_t batch, heads, kv_heads, nq, nk, d, dv;
-    /* The term's kind (engines/terms.py TermKind, by name from the compile flags):
+    /* The term's kind (engines/lowering.py TermKind, by name from the compile flags):
      * QKV_TERM_DOT: scores sq.sk; QKV_TERM_SQDIST: -|q-k|^2 as min(sq.sk, 0) of the lifted
      * features [q, |q|^2, 1] and [2k, -1, -|k|^2] (sd = d + 2), whose gradient in q and k
      * adds -2 rowsum(ds) q and -2 colsum(ds) k to the products' (similarity.

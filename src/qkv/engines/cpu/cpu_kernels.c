@@ -344,7 +344,7 @@ DEFINE_SOFTMAX(double, f64)
  * (B, N, heads, d) contiguous: q and the target side (Nq, H heads), k and v the source side
  * (Nk, Hk heads; query head h reads key head h / (H / Hk)). Edge e joins target[e] (a query)
  * and source[e] (a key); per-edge values are (B, E, H). kernel: the term's kind
- * (engines/terms.py TermKind, by name from the compile flags): QKV_TERM_DOT q.k,
+ * (engines/lowering.py TermKind, by name from the compile flags): QKV_TERM_DOT q.k,
  * QKV_TERM_SQDIST -|q-k|^2, QKV_TERM_L1 -|q-k|_1; any other is rejected, never defaulted.
  */
 static inline int known_kernel(int64_t kernel) {

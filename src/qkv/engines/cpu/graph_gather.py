@@ -34,8 +34,7 @@ from ...core.scores import modified_scores
 from ...core.similarity import DOT
 from .. import ops
 from ..kernelgen import c as c_target
-from ..lowering import lower
-from ..terms import TermKind, term_kind
+from ..lowering import TermKind, lower, term_kind
 from . import native
 from .tiles import (
     TileSpec,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..terms import TermKind, term_kind
+from ..lowering import TermKind, term_kind
 from . import build
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..terms import TermKind, term_kind
+from ..lowering import TermKind, term_kind
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 

@@ -22,8 +22,7 @@ from ...core.result import Result
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
-from ..lowering import Lowered
-from ..terms import TermKind
+from ..lowering import Lowered, TermKind
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
 from .groups import Code, Shape, Sizes, constants, mat

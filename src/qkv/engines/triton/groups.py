@@ -20,7 +20,7 @@ from typing import NamedTuple
 import triton.language as tl
 from torch import Tensor
 
-from ..terms import TermKind
+from ..lowering import TermKind
 
 # The term kinds as the kernels compare them (``C.KIND == SQDIST``), from the one enum.
 DOT = tl.constexpr(TermKind.DOT.value)

@@ -12,7 +12,7 @@ from ..kernelgen import memo
 from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import POSITION_LIMIT, generate_source
-from ..terms import TermKind, term_kind
+from ..lowering import TermKind, term_kind
 
 
 @dataclass
