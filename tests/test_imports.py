@@ -27,7 +27,8 @@ MAY_IMPORT = {
     "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
             "limits", "threads", "allocations"},
 }
-COMMANDS = {"cli", "model_commands", "chat", "__main__"}  # may import everything
+# The command modules, which may import everything.
+COMMANDS = {"cli", "run_commands", "model_commands", "chat", "__main__"}
 # Modules that import an optional dependency when they load: the only qkv modules another
 # module may import inside a function.
 OPTIONAL = {
