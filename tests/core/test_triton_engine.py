@@ -416,7 +416,7 @@ def test_position_arithmetic_is_float_below_the_bound_only():
     """ALiBi's |q - k| in float from the position vectors below POSITION_LIMIT; above it, in
     integers (float32 holds every integer only up to 2**24). Index arithmetic that is not a
     sum of positions (a floor division, the head index) stays integer."""
-    from qkv.engines.kernelgen.triton import POSITION_LIMIT
+    from qkv.engines.kernelgen.triton_emit import POSITION_LIMIT
     from qkv.engines.triton.variant import trace_variant
 
     pair, cpu = SIMILARITIES["dot"].pairwise, torch.device("cpu")

@@ -11,7 +11,8 @@ from torch import Tensor
 from ..kernelgen import memo
 from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
-from ..kernelgen.triton import POSITION_LIMIT, generate_source
+from ..kernelgen.triton import generate_source
+from ..kernelgen.triton_emit import POSITION_LIMIT
 from ..lowering import TermKind, term_kind
 
 
