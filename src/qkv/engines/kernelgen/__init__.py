@@ -5,7 +5,7 @@
   (slots).
 - ``derivative``: that graph's forward-mode derivatives, as graphs.
 - ``emit``: one emitter; a target is a table of what each operation is in its language
-  (``CEmitter`` in ``c``, ``TritonEmitter`` in ``triton_emit``).
+  (``c_emit``, ``triton_emit``).
 - ``c`` and ``triton``: the two targets, with the functions each engine loads (C tile loops
   for the fused and graph CPU engines; ``@triton.jit`` functions for the Triton kernels).
 

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..cpu import native
 from . import memo
-from .c import _C_TYPES, CEmitter, flat_offset, load_functions
+from .c import _C_TYPES, load_functions
+from .c_emit import CEmitter, flat_offset
 from .c_text import HEADER
 from .derivative import depends_on, derivative, loads_in
 from .graph import FLOAT, INT, MAX_SLOTS, CompileError, Graph, Sym

@@ -1,7 +1,7 @@
 """The C text of generated tile loops: the header every generated library starts with (inline
 math and helpers), and the templates of a pairwise term's loops (``c``), formatted with the
 float type ``{T}`` and the term's functions. A modifier's loops (``c_mod``) start with the same
-header. Keeping the text here leaves ``c`` to the emitter and the building."""
+header. Keeping the text here leaves ``c`` to the building."""
 
 # Branch-free float exp and tanh that the compiler vectorizes inside ``omp simd`` loops.
 FAST_MATH = """

@@ -1,7 +1,7 @@
 """One emitter for every target: a traced graph written out as straight-line code.
 
 Each node gets one local, assigned after its operands (post-order), so a value used twice is
-computed once. A target (``c.CEmitter``, ``triton_emit.TritonEmitter``) is a subclass with a
+computed once. A target (``c_emit.CEmitter``, ``triton_emit.TritonEmitter``) is a subclass with a
 table ``OPS`` of what each operation's expression is in its language, how it writes a constant
 and how it assigns a local. An operation missing from a target's table is a ``CompileError``
 naming it, so the engine that asked can decline the call with that reason.
