@@ -21,6 +21,7 @@ from ...core.problem import Problem
 from ...core.scores import ScoreMod, modified_scores
 from ...core.similarity import Pairwise
 from ..kept import Kept
+from ..kernelgen.c_mod import ModLoops
 from ..lowering import Lowered
 from . import native
 
@@ -56,7 +57,7 @@ class TileSpec:
     block_k: int
     span_k: int = 0  # the widest merged key span; 0 means block_k
     loops: native.TileLoops | None = None  # the pairwise term's C loops, when it has them
-    mod_loops: object = None  # the score modifier's C loops (``kernelgen.c_mod.ModLoops``)
+    mod_loops: ModLoops | None = None  # the score modifier's C loops, when it has them
 
     @property
     def pair(self) -> Pairwise:
