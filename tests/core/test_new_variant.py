@@ -11,7 +11,8 @@ from qkv.core.scores import ScoreMod
 from qkv.core.similarity import DOT
 from qkv.engines.cpu import native
 from qkv.engines.kernelgen import c_mod
-from qkv.engines.triton.variant import trace_variant
+from qkv.engines.lowering import Lowered
+from qkv.engines.triton.traced import trace_functions
 
 from .conftest import rand_qkv, rel_err
 
@@ -48,7 +49,8 @@ def test_a_new_modifier_runs_fused_with_its_gradients():
 
 def test_a_new_modifier_compiles_for_triton_from_the_same_definition():
     weight = torch.ones(4, requires_grad=True)
-    traced = trace_variant(DOT, qkv.causal(), SquashedBias(weight), torch.device("cpu"), 16, 64)
+    variant = Lowered(DOT, SquashedBias(weight), qkv.causal(), None)
+    traced = trace_functions(variant, torch.device("cpu"), 16, 64)
     assert traced.has_mod and traced.has_mask
     assert traced.slots[0] is weight and traced.grad_slots == {0}
     assert "def mod_fn(" in traced.source and "def mod_bwd_fn(" in traced.source

@@ -13,7 +13,8 @@ from qkv.core.similarity import BUILTIN
 from qkv.engines.cpu import native
 from qkv.engines.kernelgen import c as c_target
 from qkv.engines.kernelgen import c_mod, memo
-from qkv.engines.triton import variant as triton_variant
+from qkv.engines.lowering import Lowered
+from qkv.engines.triton import traced as triton_traced
 
 from .conftest import rel_err
 
@@ -21,9 +22,14 @@ DOT = BUILTIN["dot"].pairwise
 CPU = torch.device("cpu")
 
 
+def _triton_trace(pair, mask, score_mod, device, head_dim, positions):
+    return triton_traced.trace_functions(Lowered(pair, score_mod, mask, None), device, head_dim,
+                                         positions)
+
+
 @pytest.fixture(autouse=True)
 def empty_caches():
-    for cache in (triton_variant._TRACES, c_mod._TRACES):
+    for cache in (triton_traced._TRACES, c_mod._TRACES):
         cache.clear()
     yield
 
@@ -58,12 +64,12 @@ def test_key_covers_structure_and_tensor_metadata():
 
 def test_key_says_which_places_share_a_tensor(monkeypatch):
     """One tensor read twice is one slot; two tensors in those places are two."""
-    calls = _count_traces(monkeypatch, triton_variant)
+    calls = _count_traces(monkeypatch, triton_traced)
     shared = torch.rand(4)
-    once = triton_variant.trace_variant(DOT, None, Alibi(shared).then(Alibi(shared)), CPU, 16,
+    once = _triton_trace(DOT, None, Alibi(shared).then(Alibi(shared)), CPU, 16,
                                         64)
     a, b = torch.rand(4), torch.rand(4)
-    twice = triton_variant.trace_variant(DOT, None, Alibi(a).then(Alibi(b)), CPU, 16, 64)
+    twice = _triton_trace(DOT, None, Alibi(a).then(Alibi(b)), CPU, 16, 64)
     assert len(calls) == 2
     assert len(once.slots) == 1
     assert len(twice.slots) == 2 and twice.slots[0] is a and twice.slots[1] is b
@@ -104,10 +110,10 @@ def test_values_no_key_stands_for_and_outside_subclasses_have_no_key():
 
 
 def test_triton_trace_is_reused_with_this_calls_tensors(monkeypatch):
-    calls = _count_traces(monkeypatch, triton_variant)
-    first = triton_variant.trace_variant(DOT, qkv.causal(), qkv.alibi(4), CPU, 16, 64)
+    calls = _count_traces(monkeypatch, triton_traced)
+    first = _triton_trace(DOT, qkv.causal(), qkv.alibi(4), CPU, 16, 64)
     slopes = torch.rand(4, requires_grad=False)
-    second = triton_variant.trace_variant(DOT, qkv.causal(), Alibi(slopes), CPU, 16, 64)
+    second = _triton_trace(DOT, qkv.causal(), Alibi(slopes), CPU, 16, 64)
     assert len(calls) == 1
     assert second.source == first.source
     assert second.slots[0] is slopes
@@ -115,26 +121,26 @@ def test_triton_trace_is_reused_with_this_calls_tensors(monkeypatch):
 
 
 def test_triton_trace_follows_requires_grad(monkeypatch):
-    calls = _count_traces(monkeypatch, triton_variant)
-    plain = triton_variant.trace_variant(DOT, None, qkv.alibi(4), CPU, 16, 64)
+    calls = _count_traces(monkeypatch, triton_traced)
+    plain = _triton_trace(DOT, None, qkv.alibi(4), CPU, 16, 64)
     learnable = torch.rand(4, requires_grad=True)
-    traced = triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16, 64)
+    traced = _triton_trace(DOT, None, Alibi(learnable), CPU, 16, 64)
     assert len(calls) == 2  # requires_grad is in the key: the code differs
     assert traced.grad_slots == {0} and plain.grad_slots == set()
     assert traced.slots[0] is learnable
     with torch.no_grad():  # grad mode is in the key too
-        assert triton_variant.trace_variant(DOT, None, Alibi(learnable), CPU, 16, 64).slots[0] \
+        assert _triton_trace(DOT, None, Alibi(learnable), CPU, 16, 64).slots[0] \
             is learnable
     assert len(calls) == 3
 
 
 def test_user_score_mod_is_traced_once(monkeypatch):
-    calls = _count_traces(monkeypatch, triton_variant)
+    calls = _count_traces(monkeypatch, triton_traced)
     for _ in range(3):
-        triton_variant.trace_variant(DOT, None, as_score_mod(lambda s, b, h, q, k: s * 2), CPU,
+        _triton_trace(DOT, None, as_score_mod(lambda s, b, h, q, k: s * 2), CPU,
                                      16, 64)
     assert len(calls) == 1
-    assert len(triton_variant._TRACES) == 1
+    assert len(triton_traced._TRACES) == 1
 
 
 def test_a_trace_that_may_have_read_values_is_not_kept(monkeypatch):
@@ -241,9 +247,9 @@ def test_user_similarity_term_is_traced_once():
     weight = torch.rand(16)
     sim = qkv.Similarity(lambda a, b: -(a - b).abs() * weight)
     for _ in range(3):
-        triton_variant.trace_variant(sim.pairwise, None, None, CPU, 16, 64)
+        _triton_trace(sim.pairwise, None, None, CPU, 16, 64)
         c_target.traced_loops(sim.pairwise, torch.float32, 16)
-    assert len(triton_variant._TRACES) == 1
+    assert len(triton_traced._TRACES) == 1
     assert len(c_target._TRACES) == (1 if native.available(torch.float32) else 0)
     q, k, v = _inputs()
     out = qkv.attention(q, k, v, similarity=sim, backend="fused")

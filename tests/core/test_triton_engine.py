@@ -397,19 +397,19 @@ def run_integer_positions_case(device="cpu", dtype=torch.float32) -> dict:
     """Runs in the interpreter subprocess (or on CUDA): learned ALiBi with positions past the
     bound up to which the kernels compute |q - k| in float (lowered here to 16 of the case's
     40), so the integer form of the generated code runs."""
-    from qkv.engines.triton import variant
+    from qkv.engines.triton import traced
 
-    limit = variant.POSITION_LIMIT
-    variant.POSITION_LIMIT = 16
-    variant._TRACES.clear()
+    limit = traced.POSITION_LIMIT
+    traced.POSITION_LIMIT = 16
+    traced._TRACES.clear()
     try:
         result = run_case("dot_alibi_learned_slopes", device, dtype)
         result["float_sources"] = [value.source.count("q_idx.to(tl.float32)")
-                                   for value in variant._TRACES.values()]
+                                   for value in traced._TRACES.values()]
         return result
     finally:
-        variant.POSITION_LIMIT = limit
-        variant._TRACES.clear()
+        traced.POSITION_LIMIT = limit
+        traced._TRACES.clear()
 
 
 def test_position_arithmetic_is_float_below_the_bound_only():
@@ -417,15 +417,17 @@ def test_position_arithmetic_is_float_below_the_bound_only():
     integers (float32 holds every integer only up to 2**24). Index arithmetic that is not a
     sum of positions (a floor division, the head index) stays integer."""
     from qkv.engines.kernelgen.triton_emit import POSITION_LIMIT
-    from qkv.engines.triton.variant import trace_variant
+    from qkv.engines.lowering import Lowered
+    from qkv.engines.triton.traced import trace_functions
 
     pair, cpu = SIMILARITIES["dot"].pairwise, torch.device("cpu")
-    short = trace_variant(pair, qkv.causal(), qkv.alibi(4), cpu, 64, POSITION_LIMIT).source
-    long = trace_variant(pair, qkv.causal(), qkv.alibi(4), cpu, 64, POSITION_LIMIT + 1).source
+    alibi = Lowered(pair, qkv.alibi(4), qkv.causal(), None)
+    short = trace_functions(alibi, cpu, 64, POSITION_LIMIT).source
+    long = trace_functions(alibi, cpu, 64, POSITION_LIMIT + 1).source
     assert "q_idx.to(tl.float32)" in short and "kv_idx.to(tl.float32)" in short
     assert "q_idx.to(tl.float32)" not in long and "tl.abs(" in long
     halved = as_score_mod(lambda s, b, h, q, k: s - ((q - k) // 2).abs().float())
-    source = trace_variant(pair, None, halved, cpu, 64, 128).source
+    source = trace_functions(Lowered(pair, halved, None, None), cpu, 64, 128).source
     assert "q_idx.to(tl.float32)" not in source
 
 

@@ -12,7 +12,8 @@ import torch
 
 from ...core.problem import Problem
 from ..kernelgen.graph import CompileError
-from .variant import trace_variant
+from ..lowering import Lowered
+from .traced import trace_functions
 
 __all__ = ["MAX_HEAD_DIM", "plan", "unsupported"]
 
@@ -48,8 +49,8 @@ def unsupported(p: Problem) -> str | None:
     if torch.compiler.is_compiling():
         return None
     try:
-        trace_variant(p.similarity.pairwise, p.mask, p.score_mod, p.q.device, p.q.shape[-1],
-                      max(p.nq, p.nk))
+        trace_functions(Lowered(p.similarity.pairwise, p.score_mod, p.mask, None), p.q.device,
+                        p.q.shape[-1], max(p.nq, p.nk))
     except CompileError as e:
         return str(e)
     return None

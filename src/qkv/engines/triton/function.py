@@ -26,7 +26,7 @@ from ..lowering import Lowered, TermKind
 from . import backward, kernels
 from .blocks import BlockLayout, block_layout
 from .groups import Code, Shape, Sizes, constants, mat
-from .variant import TracedVariant, trace_variant
+from .traced import TracedFunctions, trace_functions
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -79,7 +79,7 @@ def choose_tiling(kind: TermKind, d_pad: int, on_gpu: bool, element_bytes: int =
                     for t in (tiling.fwd, tiling.dq, tiling.dkv)), tiling.block_d)
 
 
-def _functions(traced: TracedVariant) -> tuple:
+def _functions(traced: TracedFunctions) -> tuple:
     """The generated Triton functions of a traced variant (its module is loaded once per
     source, ``load_module``), or the kernels' no-ops for the parts it lacks: mask_fn, mod_fn,
     mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn."""
@@ -94,8 +94,8 @@ def _functions(traced: TracedVariant) -> tuple:
 
 @dataclass
 class KernelPlan:
-    variant: TracedVariant
-    functions: tuple  # the variant's Triton functions (``_functions``), looked up once
+    traced: TracedFunctions
+    functions: tuple  # the traced module's functions (``_functions``), looked up once
     kind: TermKind
     tiling: Tiling
     layout: BlockLayout  # tile states and block tables at the tiling's tiles
@@ -118,10 +118,11 @@ def fine_tiles(tiling: Tiling) -> tuple[int, int]:
     return min(t.block_m for t in tiles), min(t.block_n for t in tiles)
 
 
-def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: TracedVariant,
+def make_plan(fq: Tensor, fk: Tensor, variant: Lowered, traced: TracedFunctions,
               dropout_p: float, seed: int) -> KernelPlan:
     """The launch plan for features fq (B, H, Nq, D) and fk (B, Hk, Nk, D): tilings and the
-    block tables of ``mask`` (read here, at run time)."""
+    block tables of the variant's mask (read here, at run time)."""
+    mask, kind = variant.mask, variant.term
     batch, heads, nq = fq.shape[:3]
     nk = fk.shape[2]
     if mask is not None:
@@ -129,8 +130,8 @@ def make_plan(fq: Tensor, fk: Tensor, mask, kind: TermKind, variant: TracedVaria
     tiling = choose_tiling(kind, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
     fine_m, fine_n = fine_tiles(tiling)
     return KernelPlan(
-        variant=variant,
-        functions=_functions(variant),
+        traced=traced,
+        functions=_functions(traced),
         kind=kind,
         tiling=tiling,
         layout=block_layout(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
@@ -197,7 +198,7 @@ def _shape(plan: KernelPlan, t: Tiles, q: Tensor, k: Tensor, v: Tensor) -> Shape
 
 
 def _code(plan: KernelPlan, slot_grad: bool = False, scale_grad: bool = False) -> Code:
-    var = plan.variant
+    var = plan.traced
     mask_fn, mod_fn, mod_bwd_fn, term_fn, term_dq_fn, term_dk_fn, term_grad_fn = plan.functions
     return constants(
         Code, KIND=plan.kind.value, PRODUCTS=plan.kind.products, HAS_MASK=var.has_mask,
@@ -283,15 +284,14 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
 def _prepare(fq: Tensor, fk: Tensor, variant: Lowered, dropout_p: float,
              seed: int) -> KernelPlan:
     """Trace the variant's Triton functions (or find them traced) and plan the launch."""
-    traced = trace_variant(variant.pair, variant.mask, variant.score_mod, fq.device,
-                           fq.shape[-1], max(fq.shape[2], fk.shape[2]))
-    return make_plan(fq, fk, variant.mask, variant.term, traced, dropout_p, seed)
+    traced = trace_functions(variant, fq.device, fq.shape[-1], max(fq.shape[2], fk.shape[2]))
+    return make_plan(fq, fk, variant, traced, dropout_p, seed)
 
 
 def _kernel_forward(fq, fk, v, variant: Lowered, dropout_p, want_weights):
     seed = int(torch.randint(0, 2**30, ())) if dropout_p > 0 else 0  # dropout's Philox seed
     plan = _prepare(fq, fk, variant, dropout_p, seed)
-    slots = plan.variant.slots
+    slots = plan.traced.slots
     out, lse = attention_forward(plan, fq, fk, v, variant.scale, slots)
     weights = attention_weights(plan, fq, fk, lse, variant.scale, slots) if want_weights else None
     return out, lse, weights, seed
@@ -301,9 +301,9 @@ def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant: Lowered, dr
                      wanted):
     with torch.enable_grad():  # a slot copied from a wanted tensor keeps its graph
         plan = _prepare(fq, fk, variant, dropout_p, seed)
-    slots, scale = plan.variant.slots, variant.scale
+    slots, scale = plan.traced.slots, variant.scale
     need_scale = any(t is scale for t in wanted)
-    need_slots = {i for i in plan.variant.grad_slots if slots[i].requires_grad}
+    need_slots = {i for i in plan.traced.grad_slots if slots[i].requires_grad}
     dq, dk, dv, dscale, grads = attention_backward(
         plan, fq, fk, v, scale, out, lse, dout, slots, need_scale, need_slots, dlse)
     extras = ([scale] if need_scale else []) + [slots[i] for i in sorted(need_slots)]

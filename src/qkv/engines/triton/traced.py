@@ -1,5 +1,6 @@
-"""Tracing one call's mask, score modifier and pairwise term into Triton source (no Triton
-import needed)."""
+"""A lowered variant's Triton functions: its mask, score modifier and pairwise term (when the
+kernels have no code of their own for it) traced into one Triton module's source (no Triton
+import needed), once per variant and shape class (``kernelgen.memo``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from ..kernelgen.graph import CompileError, Graph
 from ..kernelgen.trace import trace_mask, trace_score_mod, trace_term
 from ..kernelgen.triton import generate_source
 from ..kernelgen.triton_emit import POSITION_LIMIT
-from ..lowering import TermKind, term_kind
+from ..lowering import Lowered, TermKind
 
 
 @dataclass
-class TracedVariant:
+class TracedFunctions:
+    """The Triton source of a variant's functions and the tensors they read."""
+
     source: str
     has_mask: bool
     has_mod: bool
@@ -40,13 +43,13 @@ def _trace(what: str, obj, trace, graph: Graph):
 _TRACES = memo.Traces()
 
 
-def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
-                  positions: int) -> TracedVariant:
-    """The pairwise term (unless the kernels have its code), mask and score modifier of a
-    call on ``device`` with query head dim ``head_dim`` and ``positions`` = max(Nq, Nk),
+def trace_functions(variant: Lowered, device: torch.device, head_dim: int,
+                    positions: int) -> TracedFunctions:
+    """``variant``'s pairwise term (unless the kernels have its code), mask and score modifier
+    on ``device`` with query head dim ``head_dim`` and ``positions`` = max(Nq, Nk),
     traced into one Triton module (or found traced, ``memo``). Raises CompileError naming
     what cannot be compiled."""
-    kind = term_kind(pair)
+    pair, mask, score_mod, kind = variant.pair, variant.mask, variant.score_mod, variant.term
     float_positions = positions <= POSITION_LIMIT
     keyed = memo.variant_key(pair.term if kind == TermKind.TRACED else None, mask, score_mod)
     if keyed is not None:
@@ -67,7 +70,7 @@ def trace_variant(pair, mask, score_mod, device: torch.device, head_dim: int,
         else _trace("score_mod", score_mod, trace_score_mod, graph)
     )
     grad_slots = _grad_slots(graph.slots)
-    traced = TracedVariant(
+    traced = TracedFunctions(
         source=generate_source(mask_root, mod_root, grad_slots, term_root, float_positions),
         has_mask=mask_root is not None,
         has_mod=mod_root is not None,
