@@ -27,8 +27,10 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def unsupported(p: Problem) -> str | None:
     """Why the kernels cannot run this problem on any device (None if they can).
 
-    The variant is traced here to find out, and traced again where the kernels run, on the
-    tensors they receive (inside a custom op under torch.compile). While torch.compile
+    The variant is traced here to find out; where the kernels run, on the tensors they
+    receive (inside a custom op under torch.compile), that trace is found again
+    (``traced.trace_functions``), or traced again when its functions read values no memo
+    key stands for. While torch.compile
     traces, Dynamo cannot follow qkv's own tracer, so the variant is not traced here: one the
     Triton tracer cannot compile raises its reason when the compiled call first runs,
     instead of falling back to another engine."""
