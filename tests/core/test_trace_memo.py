@@ -256,3 +256,31 @@ def test_user_similarity_term_is_traced_once():
     ref = qkv.attention(q.double(), k.double(), v.double(), backend="reference",
                         similarity=qkv.Similarity(lambda a, b: -(a - b).abs() * weight.double()))
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(("term", "checks"), [
+    (lambda a, b: -(a - b).square(), 0),  # no sign in its gradient: nothing to check
+    (lambda a, b: -(a - b).abs(), 2),  # sign(q - k): halved for plain values, checked
+], ids=["square", "l1"])
+def test_backward_checks_for_plain_values_only_where_the_code_differs(monkeypatch, term,
+                                                                     checks):
+    """A user's term's backward looks over q and k for NaN, infinity and -0 only when its
+    gradient loops have a shorter form without them (``c_vec.halved_sign``); gradients match
+    the float64 reference either way."""
+    if not native.available(torch.float32):
+        pytest.skip("no C compiler")
+    c_target._TRACES.clear()
+    seen = []
+    real = c_target.plain_values
+    monkeypatch.setattr(c_target, "plain_values", lambda *t: seen.append(1) or real(*t))
+    sim = qkv.Similarity(term)
+    q, k, v = (t.requires_grad_() for t in _inputs())
+    for _ in range(2):
+        out = qkv.attention(q, k, v, similarity=sim, mask=qkv.causal(), backend="fused")
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert len(seen) == checks
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = qkv.attention(*ref_inputs, similarity=sim, mask=qkv.causal(), backend="reference")
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), ref_inputs),
+                         strict=True):
+        assert rel_err(got, want) < 1e-4

@@ -187,13 +187,20 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
     if dtype not in _C_TYPES or not native.available(dtype):
         return None
     keyed = memo.variant_key(pair.term)
-    # The backward's code depends on whether its inputs hold only plain values (c_vec).
+    base = None if keyed is None else (keyed[0], dtype, head_dim)
+    # A trace is kept with whether its gradient loops differ for inputs that hold only plain
+    # values (``_reads_plain``): under plain None when they do not, so a backward whose term
+    # has no such form makes no pass over q and k to find out (``plain_values``).
+    found = None if base is None else _TRACES.lookup((*base, None), keyed[1], "cpu")
+    if found is not None:
+        (functions, reads_plain), slots = found
+        if inputs is None or not reads_plain:
+            return _loops(functions, tuple(slots), dtype, scale)
     plain = None if inputs is None else plain_values(*inputs)
-    if keyed is not None:
-        key = (keyed[0], dtype, head_dim, plain)
-        found = _TRACES.lookup(key, keyed[1], "cpu")
+    if base is not None and plain is not None:
+        found = _TRACES.lookup((*base, plain), keyed[1], "cpu")
         if found is not None:
-            functions, slots = found
+            (functions, _), slots = found
             return _loops(functions, tuple(slots), dtype, scale)
     graph = Graph("cpu", head_dim)
     try:
@@ -203,6 +210,9 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
         return None
     if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
         return None
+    reads_plain = _reads_plain(root)
+    if not reads_plain:
+        plain = None  # the same code either way: built and kept once
     try:
         source = _source(root, dtype, plain)
     except CompileError:
@@ -210,9 +220,16 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
     functions = load_functions(source, "similarity_term", _TERM_SIGNATURES)
     if functions is None:
         return None
-    if keyed is not None:
-        _TRACES.store(key, keyed[1], functions, graph)
+    if base is not None:
+        _TRACES.store((*base, plain), keyed[1], (functions, reads_plain), graph)
     return _loops(functions, tuple(graph.slots), dtype, scale)
+
+
+def _reads_plain(root: Sym) -> bool:
+    """Whether the term's gradient loops take a shorter form for q and k that hold only plain
+    values (``c_vec.halved_sign``), so that the backward checks its inputs."""
+    pq, pk = root.graph.leaf(TERM_ARGS[0], FLOAT), root.graph.leaf(TERM_ARGS[1], FLOAT)
+    return c_vec.halved_sign(derivative(root, pq, {}), derivative(root, pk, {})) is not None
 
 
 def _loops(functions, slots: tuple[Tensor, ...], dtype: torch.dtype,
