@@ -117,7 +117,7 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 def library():
     """The compiled ``qkv_row_stats``, or None without a C compiler (or with QKV_NATIVE=0)."""
     try:
-        lib = native.compile_library(native.EXP_SOURCE + SOURCE, "viz_row_stats")
+        lib = native.compile_library(native.exp_source() + SOURCE, "viz_row_stats")
     except (OSError, subprocess.SubprocessError):
         return None
     if lib is None:

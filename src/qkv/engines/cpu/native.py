@@ -41,8 +41,6 @@ from . import build
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
 SOURCES = [Path(__file__).with_name(name)
             for name in ("exp_nonpositive.c", "cpu_kernels.c", "cpu_blocks.c")]
-# exp(x) for x <= 0 as the C loops compute it, for other sources to begin with
-EXP_SOURCE = SOURCES[0].read_text()
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
@@ -70,6 +68,12 @@ _SIGNATURES = {
 _CHECKED = {"edge_scores", "edge_kernel_grads"}
 # The term kinds the C edge loops compute (``cpu_kernels.c``).
 EDGE_TERMS = frozenset({TermKind.DOT, TermKind.SQDIST, TermKind.L1})
+
+
+def exp_source() -> str:
+    """exp(x) for x <= 0 as the C loops compute it (``exp_nonpositive.c``), for another
+    source to begin with."""
+    return SOURCES[0].read_text()
 
 
 def compile_library(source: str, stem: str,
