@@ -2,6 +2,7 @@
 checkpoints resume in one process and load for inference there."""
 
 import functools
+import json
 import os
 import shutil
 import socket
@@ -38,6 +39,12 @@ def assert_same_losses(a, b, rel: float = 1e-5) -> None:
         assert y == pytest.approx(x, rel=rel)
 
 
+def held_out(run_dir) -> float:
+    """The final evaluation's held-out loss, from RUN/metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval"]["loss"] for r in records if "eval" in r][-1]
+
+
 @pytest.mark.slow
 def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
     args = ["--set", "train.checkpoint_every=4", "--set", "train.keep_checkpoints=3",
@@ -47,6 +54,8 @@ def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
     torchrun(2, tiny_lm(tmp_path / "two", 8, *args, "--set", "train.fsdp=true",
                         "--set", "train.checkpointing=true"))
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
+    # The held-out loss, which the sharded ranks score without whole logits.
+    assert held_out(tmp_path / "two") == pytest.approx(held_out(tmp_path / "one"), rel=1e-5)
     newest = checkpoint.list_checkpoints(tmp_path / "two")[0]
     assert sorted(p.name for p in (newest / "state").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -79,6 +88,18 @@ def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
     shard.write_bytes(bytes(data))
     found = checkpoint.load_latest(tmp_path / "two")
     assert found.step == 4 and "__1_0.distcp does not match" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bfloat16_weights_with_float32_reduction_follow_float32(tmp_path):
+    """train.param_dtype=bfloat16: the blocks, the vocabulary-split embedding and head compute
+    in bfloat16 from float32 shards; the losses stay within bfloat16's rounding of float32's."""
+    assert main(tiny_lm(tmp_path / "one", 4)) == 0
+    torchrun(2, tiny_lm(tmp_path / "two", 4, "--set", "train.fsdp=true",
+                        "--set", "train.param_dtype=bfloat16"))
+    assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"), rel=3e-4)
+    assert losses(tmp_path / "two") != losses(tmp_path / "one")  # bfloat16 did compute
+    assert held_out(tmp_path / "two") == pytest.approx(held_out(tmp_path / "one"), rel=3e-4)
 
 
 def test_fsdp_needs_torchrun(tmp_path, capsys):
@@ -218,6 +239,8 @@ def test_two_launchers_meet_as_two_nodes_and_follow_one_process(tmp_path):
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "two"))
+    # The held-out loss, which the sharded ranks score without whole logits.
+    assert held_out(tmp_path / "two") == pytest.approx(held_out(tmp_path / "one"), rel=1e-5)
     newest = checkpoint.list_checkpoints(tmp_path / "two")[0]
     assert sorted(p.name for p in (newest / "state").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]

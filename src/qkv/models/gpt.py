@@ -51,9 +51,11 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: Tensor, *, left_pad: Tensor | None = None, cache: ModelCache | None = None,
-        last_only: bool = False,
+        last_only: bool = False, head: bool = True,
     ) -> Tensor:
-        """idx (B, N) token ids -> logits (B, N, V), or (B, 1, V) with ``last_only``.
+        """idx (B, N) token ids -> logits (B, N, V), or (B, 1, V) with ``last_only``; with
+        ``head=False`` the final norm's output (B, N, D) instead, for a loss that applies the
+        head itself (``qkv.distributed.vocab.ShardedHead.cross_entropy_sum``).
 
         left_pad (B,): rows start with that many padding tokens, which no query attends to;
         positions count from each row's first real token. cache: continue after the
@@ -92,7 +94,8 @@ class GPT(nn.Module):
                       cache=layer_cache, last=last if i == len(self.blocks) - 1 else None)
         if cache is not None:
             cache.length += idx.shape[1]
-        return self.lm_head(self.norm(x[:, -1:] if last_only else x))
+        x = self.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x) if head else x
 
     @torch.no_grad()
     def generate(

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..bars import bar
+from ..distributed.vocab import ShardedHead
 
 
 def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
@@ -26,9 +27,12 @@ def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
     with torch.no_grad():
         for group in bar(groups, enabled=progress, desc="scoring", unit="batch"):
             x = torch.stack(group)
-            logits = model(x[:, :-1])
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(),
-                                           reduction="sum"))
+            if isinstance(getattr(model, "lm_head", None), ShardedHead):  # no whole logits
+                nll = model.lm_head.cross_entropy_sum(model(x[:, :-1], head=False), x[:, 1:])
+            else:
+                nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten(),
+                                      reduction="sum")
+            total += float(nll)
             count += x[:, 1:].numel()
     return total, count
 

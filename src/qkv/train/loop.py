@@ -205,9 +205,13 @@ class Trainer:
         """The trained model with all its weights on rank 0 (None on the other ranks): the
         model itself, or under train.fsdp an unsharded copy, built on the meta device and
         filled one parameter at a time as each is gathered (collective: every rank gathers
-        it, then drops it), so rank 0 holds the whole weights once."""
+        it, then drops it), so rank 0 holds the whole weights once. Under train.fsdp this
+        ends the training: the optimizer's state is dropped first."""
         if not self.cfg.train.fsdp:
             return self.model if self.env.is_main else None
+        # Training is over and its last checkpoint holds the optimizer's state: rank 0's
+        # whole copy takes that memory instead of coming on top of it.
+        self.optimizer.state.clear()
         self.model.reshard()  # evaluation may leave the root unit's weights gathered
         whole = None
         if self.env.is_main:

@@ -2,9 +2,15 @@
 
 Every ``TransformerBlock`` is one FSDP unit (compiled first with ``train.compile``, as
 torchtitan does: each block is one graph and FSDP's gathers stay outside it); the root unit
-holds the rest (embeddings, positions, final norm, head, tied or not). A unit's weights are
-all-gathered just before its forward and backward and freed after; its gradients are
-reduce-scattered, so each rank keeps 1/D of them and its optimizer updates that 1/D.
+holds the rest (positions, final norm). A unit's weights are all-gathered just before its forward
+and backward and freed after; its gradients are reduce-scattered, so each rank keeps 1/D of
+them and its optimizer updates that 1/D.
+
+A GPT's token embedding and LM head (tied or not) are split by vocabulary rows over the same
+ranks instead (``qkv.distributed.vocab``): gathered, the embedding would be the largest
+weight of the step, held whole from the lookup to the end of the backward with its gradient
+and the reduce-scatter's copy (docs/distributed.md, "Memory"). Their parameters are DTensors
+placed as FSDP's are, so checkpoints, the optimizer and gradient clipping see one layout.
 
 With ``train.context_parallel`` = C the ranks of a context group read different tokens of
 the same sequences and need the same weights: the mesh is (context, data), FSDP shards over
@@ -22,7 +28,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from ..distributed.vocab import ShardedEmbedding, ShardedHead, VocabShards, check_vocab
+from ..models import GPT
 from ..nn.blocks import TransformerBlock
 from .distributed import Env
 
@@ -59,9 +68,37 @@ def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
         if t.compile:
             block.compile()  # in place: the state dict keeps its names
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    vocab = shard_vocabulary(model, mesh, DTYPES[t.param_dtype])
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=vocab)
     if hasattr(model, "generate"):  # evaluation decodes through it, not through forward:
         # its call gathers the root unit's weights (the translate model's encode and
         # decode read its embeddings directly)
         register_fsdp_forward_method(model, "generate")
     return model
+
+
+def shard_vocabulary(model: torch.nn.Module, mesh: DeviceMesh,
+                     dtype: torch.dtype) -> set[torch.nn.Parameter]:
+    """Replace a GPT's ``tok_emb`` and ``lm_head`` by their vocabulary-parallel forms over
+    ``mesh``'s "data" ranks (replicated over "context"); return their parameters, which FSDP
+    then leaves alone. Other models keep their embeddings in the root unit."""
+    if not isinstance(model, GPT):
+        return set()
+    data = mesh.get_group("data")
+    vocab = model.config.vocab_size
+    check_vocab(vocab, mesh["data"].size())
+    shards = VocabShards(data, mesh.get_group("context") if mesh.ndim == 2 else None, vocab,
+                         dtype)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+
+    def rows(weight: torch.Tensor) -> torch.nn.Parameter:
+        # each rank cuts its rows locally, as fully_shard does: every rank built the same model
+        return torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, placements,
+                                                    src_data_rank=None))
+
+    tied = model.lm_head.weight is model.tok_emb.weight
+    embedding = rows(model.tok_emb.weight)
+    head = embedding if tied else rows(model.lm_head.weight)
+    model.tok_emb = ShardedEmbedding(embedding, shards)
+    model.lm_head = ShardedHead(head, shards)
+    return {embedding, head}
