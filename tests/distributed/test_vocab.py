@@ -68,6 +68,14 @@ def _rank(rank: int, world: int, context: int, smoothing: float,
         if r == rank:
             mine = h_r.grad * world
     tol = tol or {"rtol": 1e-5, "atol": 1e-5}
+    bad = targets.clone()
+    bad[0, 0] = VOCAB if rank == world - 1 else 0
+    try:  # one rank's bad target: every rank refuses the call
+        head.cross_entropy_sum(h, bad)
+    except ValueError as e:
+        assert f"targets: expected token ids in [0, {VOCAB})" in str(e)
+    else:
+        raise AssertionError("a target outside the vocabulary was accepted")
     assert h.grad.dtype == torch.float32 and param.grad.dtype == torch.float32
     torch.testing.assert_close(h.grad.double(), mine, **tol)
     torch.testing.assert_close(param.grad.full_tensor().double(), w.grad, **tol)

@@ -102,6 +102,15 @@ def _local_index(ids: Tensor, shards: VocabShards) -> tuple[Tensor, Tensor]:
     return torch.where(inside, ids - start, 0), inside
 
 
+def _anywhere(flags: Tensor, shards: VocabShards) -> bool:
+    """Whether any of the group's ``flags`` (already gathered), or a replica's, is set: every
+    rank gets the same answer, so a refusal leaves no rank waiting in a collective."""
+    found = flags.any().to(torch.int32).reshape(1)
+    if shards.replicas is not None:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=shards.replicas)
+    return bool(found.item())
+
+
 def _compute_dtype(x: Tensor, weight: Tensor, shards: VocabShards) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
@@ -160,7 +169,11 @@ class _CrossEntropySum(Function):
         dtype = _compute_dtype(hidden, weight, shards)
         with torch.autocast(hidden.device.type, enabled=False):
             h = _gather(hidden.to(dtype), shards.group)
-            index, inside = _local_index(_gather(targets, shards.group), shards)
+            every = _gather(targets, shards.group)
+            if _anywhere((every < 0) | (every >= shards.vocab), shards):
+                raise ValueError(f"targets: expected token ids in [0, {shards.vocab}) on every "
+                                 "rank (no ignored positions)")
+            index, inside = _local_index(every, shards)
             lse, target, total = _row_stats(h, weight.to(dtype), index, inside, shards)
             loss = lse - (1 - smoothing) * target - smoothing / shards.vocab * total
         ctx.save_for_backward(h, weight, index, inside, lse)
