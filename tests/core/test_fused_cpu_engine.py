@@ -39,9 +39,9 @@ def test_causal_plan_skips_empty_and_unmasks_full_tiles():
             assert masked == (k1 - 1 > 4 * i)  # only tiles crossing the diagonal are masked
 
 
-def test_plans_of_masks_without_tensors_are_kept():
-    """Causal and window plans are made once per shape and tiling; a segments mask, which
-    reads a tensor, is classified every call."""
+def test_plans_are_kept_per_rule_shape_and_tiling():
+    """Causal and window plans are made once per shape and tiling; a segments mask's while
+    its tensor is unchanged."""
     plan = tile_plan(spec_for(qkv.causal(), 45, 45, 8, 8), "cpu")
     assert tile_plan(spec_for(qkv.causal(), 45, 45, 8, 8), "cpu") is plan
     assert tile_plan(spec_for(qkv.causal(), 45, 45, 8, 16), "cpu") is not plan
@@ -53,7 +53,20 @@ def test_plans_of_masks_without_tensors_are_kept():
     assert tile_plan(spec_for(qkv.sliding_window(9), 45, 45, 8, 8), "cpu") is window
     ids = torch.arange(45) // 10
     segments = tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu")
-    assert tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu") is not segments
+    assert tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu") is segments
+    ids[:20] = 0  # in place: two documents become one
+    assert tile_plan(spec_for(qkv.segments(ids), 45, 45, 8, 8), "cpu") != segments
+
+
+def test_a_segments_mask_changed_in_place_between_calls_is_followed():
+    """The kept plans never serve a tensor written in place: each call matches float64."""
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, 16)
+    ids = torch.arange(64) // 16
+    for step in range(3):
+        mask = qkv.segments(ids)
+        out = qkv.attention(q, k, v, mask=mask, backend="fused")
+        assert rel_err(out, qkv.attention(q, k, v, mask=mask, backend="reference")) < 1e-12
+        ids[16 * step:16 * step + 24] = 7 + step  # documents merged, then split anew
 
 
 def test_plan_merges_neighbouring_blocks_up_to_the_span():

@@ -82,17 +82,35 @@ def test_a_layout_follows_a_changed_window():
     assert torch.equal(after.fine, classify(qkv.sliding_window(60), 2, 3, 100, 100, 16, 16, "cpu"))
 
 
-@pytest.mark.parametrize(
-    "make",
-    [lambda: qkv.segments(torch.arange(100) // 30),
-     lambda: qkv.custom_mask(lambda b, h, q, kv: kv <= q),
-     lambda: qkv.causal() & qkv.segments(torch.arange(100) // 30)],
-    ids=["segments", "custom", "causal_and_segments"],
-)
-def test_a_mask_reading_tensors_or_user_code_is_classified_every_call(make):
-    mask = make()
+def test_a_mask_reading_user_code_is_classified_every_call():
+    mask = qkv.custom_mask(lambda b, h, q, kv: kv <= q)
     assert mask.layout_key() is None
     assert _layout(mask) is not _layout(mask)
+
+
+@pytest.mark.parametrize(
+    ("make", "values"),
+    [(lambda t: qkv.segments(t), torch.arange(100) // 30),
+     (lambda t: qkv.causal() & qkv.segments(t), torch.arange(100) // 30),
+     (lambda t: qkv.padding(t), torch.tensor([70, 100]))],
+    ids=["segments", "causal_and_segments", "padding"],
+)
+def test_a_mask_over_an_unchanged_tensor_keeps_its_layout_until_the_tensor_changes(make, values):
+    first = _layout(make(values))
+    assert _layout(make(values)) is first  # a new mask object over the same tensor
+    assert _layout(make(values.clone())) is not first  # equal values elsewhere: made anew
+    values[-1:] -= 20  # in place: the version moves, the layout is made again
+    after = _layout(make(values))
+    assert after is not first and not torch.equal(after.fine, first.fine)
+    assert torch.equal(after.fine, classify(make(values), 2, 3, 100, 100, 16, 16, "cpu"))
+
+
+def test_tensors_that_keep_no_version_are_not_keyed():
+    with torch.inference_mode():
+        ids = torch.arange(100) // 30
+    assert qkv.segments(ids).layout_key() is None
+    assert qkv.segments(torch.arange(100, device="meta")).layout_key() is None
+    assert qkv.segments(torch.arange(100) // 30).layout_key() is not None
 
 
 def test_only_the_last_layouts_are_kept(monkeypatch):

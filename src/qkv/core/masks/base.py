@@ -42,6 +42,37 @@ def block_count(n: int, block: int) -> int:
     return (n + block - 1) // block
 
 
+class TensorKey:
+    """A tensor a mask reads, as part of a layout key: equal for the same memory, shape,
+    strides, dtype and device at the same version. The version counts the tensor's in-place
+    writes (through any view); writes through ``.data`` or NumPy are not counted, so a mask
+    over a tensor written that way is built anew. The key holds the tensor, so its memory
+    cannot be freed and then reused by another tensor while a layout is kept under it."""
+
+    __slots__ = ("tensor", "_identity")
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+        self._identity = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
+                          tensor.device, tensor._version)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TensorKey) and self._identity == other._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
+
+
+def tensor_keys(*tensors: Tensor) -> tuple[TensorKey, ...] | None:
+    """Keys for tensors a mask reads, or None where one cannot be followed: a tensor subclass
+    (a fake tensor while tracing, a functional tensor), a meta tensor, or an inference tensor
+    (which keeps no version)."""
+    if any(type(t) is not Tensor or t.device.type == "meta" or t.is_inference()
+           for t in tensors):
+        return None
+    return tuple(TensorKey(t) for t in tensors)
+
+
 class Mask(Node):
     """Base class. Subclasses define ``mask_mod`` and may speed up ``tile_states``."""
 
@@ -57,7 +88,7 @@ class Mask(Node):
 
     def layout_key(self) -> tuple | None:
         """A hashable key that, with the problem's shape, fixes ``tile_states``; None when the
-        rule reads tensors or user code, which can change between calls."""
+        rule reads user code, or tensors that ``TensorKey`` cannot follow."""
         return None
 
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:

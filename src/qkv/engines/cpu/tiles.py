@@ -117,10 +117,10 @@ def tile_plan(spec: TileSpec, device) -> tuple[tuple[Span, ...], ...]:
 
     A key block EMPTY for every (batch, head) is skipped; neighbouring visited blocks merge
     into spans of up to ``span_k`` keys, and a span evaluates the mask rule unless all its
-    blocks are FULL for every (batch, head). A mask that reads no tensors
-    (``Mask.layout_key``: causal, sliding windows) keeps its plan for later calls of the same
-    shape: classifying its tiles would be a quarter of a decode step's host time
-    (docs/performance.md, "CPU: host time")."""
+    blocks are FULL for every (batch, head). A mask with a ``Mask.layout_key`` (causal,
+    sliding windows; segments and padding over the same unchanged tensor) keeps its plan for
+    later calls of the same shape: classifying its tiles would be a quarter of a decode
+    step's host time (docs/performance.md, "CPU: host time")."""
     rule = ("none",) if spec.mask is None else spec.mask.layout_key()
     if rule is None:
         return _make_plan(spec, device)

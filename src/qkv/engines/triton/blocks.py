@@ -6,8 +6,9 @@ ascending order). A column table (B|1, H|1, KB, 2 + QB) lists query tiles per ke
 the dK/dV kernel. EMPTY tiles are never listed, so the kernels never visit them.
 
 Classifying and sorting take dozens of small GPU operations, as long as the kernels of a
-sparse mask on a long sequence: a mask that reads no tensors (``Mask.layout_key``) keeps
-its layout between calls of the same shape, as a FlexAttention user keeps a BlockMask.
+sparse mask on a long sequence: a mask with a ``Mask.layout_key`` (a rule alone, or a rule
+over tensors unchanged since: segments, padding) keeps its layout between calls of the same
+shape, as a FlexAttention user keeps a BlockMask.
 """
 
 from __future__ import annotations
