@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -103,6 +106,15 @@ def test_a_mask_over_an_unchanged_tensor_keeps_its_layout_until_the_tensor_chang
     after = _layout(make(values))
     assert after is not first and not torch.equal(after.fine, first.fine)
     assert torch.equal(after.fine, classify(make(values), 2, 3, 100, 100, 16, 16, "cpu"))
+
+
+def test_a_kept_layout_does_not_keep_the_mask_s_tensor_alive():
+    ids = torch.arange(100) // 30
+    gone = weakref.ref(ids)
+    _layout(qkv.segments(ids))
+    del ids
+    gc.collect()
+    assert gone() is None
 
 
 def test_tensors_that_keep_no_version_are_not_keyed():

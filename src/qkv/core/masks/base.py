@@ -4,6 +4,8 @@ data rather than a rule: a bool tensor. The built-in rules are in ``rules``."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -43,21 +45,27 @@ def block_count(n: int, block: int) -> int:
 
 
 class TensorKey:
-    """A tensor a mask reads, as part of a layout key: equal for the same memory, shape,
-    strides, dtype and device at the same version. The version counts the tensor's in-place
-    writes (through any view); writes through ``.data`` or NumPy are not counted, so a mask
-    over a tensor written that way is built anew. The key holds the tensor, so its memory
-    cannot be freed and then reused by another tensor while a layout is kept under it."""
+    """A tensor a mask reads, as part of a layout key: equal while the tensor it views is the
+    same living object and the view has the same memory, shape, strides, dtype and version.
+    The version counts in-place writes through any view; writes through ``.data`` or NumPy
+    are not counted, so a mask over a tensor written that way is built anew. The key holds a
+    weak reference: a kept layout never keeps the user's tensor alive, and a tensor made
+    later at the same address is another object, so it never matches."""
 
-    __slots__ = ("tensor", "_identity")
+    __slots__ = ("_source", "_identity")
 
     def __init__(self, tensor: Tensor):
-        self.tensor = tensor
+        # a mask keeps a view of the user's tensor (segments ids get a batch dim): the
+        # user's tensor is the view's base, the same object from one mask to the next
+        self._source = weakref.ref(tensor if tensor._base is None else tensor._base)
         self._identity = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
                           tensor.device, tensor._version)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, TensorKey) and self._identity == other._identity
+        if not isinstance(other, TensorKey) or self._identity != other._identity:
+            return False
+        source = self._source()
+        return source is not None and source is other._source()
 
     def __hash__(self) -> int:
         return hash(self._identity)
@@ -88,7 +96,8 @@ class Mask(Node):
 
     def layout_key(self) -> tuple | None:
         """A hashable key that, with the problem's shape, fixes ``tile_states``; None when the
-        rule reads user code, or tensors that ``TensorKey`` cannot follow."""
+        rule reads user code, or tensors it does not key (segments and padding key theirs
+        with ``TensorKey``)."""
         return None
 
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:
