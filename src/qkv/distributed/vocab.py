@@ -70,9 +70,10 @@ class VocabShards:
 
 def check_vocab(vocab: int, size: int) -> None:
     """Every rank needs at least one row."""
-    if (size - 1) * -(-vocab // size) >= vocab:
+    per_rank = -(-vocab // size)
+    if (size - 1) * per_rank >= vocab:
         raise ValueError(f"a vocabulary of {vocab} tokens cannot be split over {size} ranks "
-                         f"by blocks of {-(-vocab // size)} rows: the last rank gets none")
+                         f"by blocks of {per_rank} rows: the last rank gets none")
 
 
 def _gather(x: Tensor, group) -> Tensor:

@@ -12,6 +12,19 @@ from ..bars import bar
 from ..distributed.vocab import ShardedHead
 
 
+def summed_cross_entropy(model, x: Tensor, targets: Tensor,
+                         label_smoothing: float = 0.0) -> Tensor:
+    """The cross-entropy (float32, summed) of a language model's logits for ids x (B, N)
+    against targets (B, N). A head split by vocabulary rows (``train.fsdp``) computes it
+    itself, and no rank forms the whole (B, N, V) logits."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, ShardedHead):
+        return head.cross_entropy_sum(model(x, head=False), targets,
+                                      label_smoothing=label_smoothing)
+    return F.cross_entropy(model(x).flatten(0, 1).float(), targets.flatten(),
+                           label_smoothing=label_smoothing, reduction="sum")
+
+
 def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
               progress: bool = False) -> tuple[float, int]:
     """Summed negative log-likelihood (nats) of a token stream ids (N,) under a GPT, and the
@@ -27,12 +40,7 @@ def token_nll(model, ids: Tensor, window: int, batch_size: int = 8,
     with torch.no_grad():
         for group in bar(groups, enabled=progress, desc="scoring", unit="batch"):
             x = torch.stack(group)
-            if isinstance(getattr(model, "lm_head", None), ShardedHead):  # no whole logits
-                nll = model.lm_head.cross_entropy_sum(model(x[:, :-1], head=False), x[:, 1:])
-            else:
-                nll = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten(),
-                                      reduction="sum")
-            total += float(nll)
+            total += float(summed_cross_entropy(model, x[:, :-1], x[:, 1:]))
             count += x[:, 1:].numel()
     return total, count
 

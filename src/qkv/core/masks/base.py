@@ -71,14 +71,15 @@ class TensorKey:
         return hash(self._identity)
 
 
-def tensor_keys(*tensors: Tensor) -> tuple[TensorKey, ...] | None:
-    """Keys for tensors a mask reads, or None where one cannot be followed: a tensor subclass
-    (a fake tensor while tracing, a functional tensor), a meta tensor, or an inference tensor
-    (which keeps no version)."""
+def keyed_by_tensors(mask: Mask) -> tuple | None:
+    """``layout_key`` for a rule fixed by its class and the tensors it reads (``tensors()``);
+    None where a tensor cannot be followed: a tensor subclass (a fake tensor while tracing, a
+    functional tensor), a meta tensor, or an inference tensor (which keeps no version)."""
+    tensors = mask.tensors()
     if any(type(t) is not Tensor or t.device.type == "meta" or t.is_inference()
            for t in tensors):
         return None
-    return tuple(TensorKey(t) for t in tensors)
+    return (type(mask), *(TensorKey(t) for t in tensors))
 
 
 class Mask(Node):
@@ -96,8 +97,8 @@ class Mask(Node):
 
     def layout_key(self) -> tuple | None:
         """A hashable key that, with the problem's shape, fixes ``tile_states``; None when the
-        rule reads user code, or tensors it does not key (segments and padding key theirs
-        with ``TensorKey``)."""
+        rule reads user code, or tensors it does not key (segments and padding key theirs:
+        ``keyed_by_tensors``)."""
         return None
 
     def materialize(self, batch: int, heads: int, nq: int, nk: int, device=None) -> Tensor:

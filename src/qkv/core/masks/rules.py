@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..pointwise import pointwise
 from ..structure import values_readable
-from .base import Mask, as_4d, block_count, states_from, tensor_keys, tile_bounds
+from .base import Mask, as_4d, block_count, keyed_by_tensors, states_from, tile_bounds
 
 
 class CausalMask(Mask):
@@ -103,9 +103,7 @@ class PaddingMask(Mask):
     def tensors(self):
         return (self.lengths,)
 
-    def layout_key(self):
-        keys = tensor_keys(self.lengths)
-        return None if keys is None else (type(self), *keys)
+    layout_key = keyed_by_tensors
 
     def check(self, batch, heads, nq, nk):
         if self.lengths.numel() != batch:
@@ -160,9 +158,7 @@ class SegmentMask(Mask):
     def tensors(self):
         return (self.q_ids, self.kv_ids)
 
-    def layout_key(self):
-        keys = tensor_keys(self.q_ids, self.kv_ids)
-        return None if keys is None else (type(self), *keys)
+    layout_key = keyed_by_tensors
 
     def check(self, batch, heads, nq, nk):
         for name, ids, n in (("q_ids", self.q_ids, nq), ("kv_ids", self.kv_ids, nk)):

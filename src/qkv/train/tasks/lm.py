@@ -13,16 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ...data.docstrings import stdlib_docstrings
 from ...data.text import read_text_file, split_text
 from ...distributed import shard
-from ...distributed.vocab import ShardedHead
 from ...models import GPT, GPTConfig, load_tokenizer
 from ...models.pretrained import load_gpt_config, load_gpt_weights
 from ...models.pretrained.usage import TextStream
-from ...models.scoring import token_nll
+from ...models.scoring import summed_cross_entropy, token_nll
 from ..config import ConfigError, Schema, flatten, limited, nest
 from ..plan import FINE_TUNE_TOKENS_PER_STEP
 from .common import build, run_tokenizer
@@ -216,16 +214,7 @@ class LMTask:
         return build(GPT, GPTConfig, {"vocab_size": data.tokenizer.vocab_size}, cfg.model)
 
     def loss_sum(self, model, batch: dict, train_cfg) -> torch.Tensor:
-        # train.fsdp: no rank holds the whole logits (DDP's wrapper has no lm_head)
-        if isinstance(getattr(model, "lm_head", None), ShardedHead):
-            hidden = model(batch["x"], head=False)
-            return model.lm_head.cross_entropy_sum(hidden, batch["y"],
-                                                   label_smoothing=train_cfg.label_smoothing)
-        logits = model(batch["x"])
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), batch["y"].flatten(),
-            label_smoothing=train_cfg.label_smoothing, reduction="sum",
-        )
+        return summed_cross_entropy(model, batch["x"], batch["y"], train_cfg.label_smoothing)
 
     def evaluate(self, model, data: TextData, cfg, final: bool) -> dict:
         """Held-out loss (nats/token), perplexity and bits per character over non-overlapping
