@@ -60,9 +60,13 @@ def test_fsdp_follows_one_process_and_resumes_in_one(tmp_path, capsys):
     assert sorted(p.name for p in (newest / "state").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
 
-    # Resumed at one rank from step 4 (as after a crash): the same steps 5 to 8.
+    # Resumed at one rank from step 4 (as after a crash): the same steps 5 to 8. Without the
+    # override the refusal names it.
     shutil.copytree(tmp_path / "two", tmp_path / "resumed")
     shutil.rmtree(checkpoint.list_checkpoints(tmp_path / "resumed")[0])
+    capsys.readouterr()
+    assert main(tiny_lm(tmp_path / "resumed", 8, *args, "--resume")) == 2
+    assert "resume it in one process with --set train.fsdp=false\n" in capsys.readouterr().err
     assert main(tiny_lm(tmp_path / "resumed", 8, *args, "--resume",
                         "--set", "train.fsdp=false")) == 0
     assert_same_losses(losses(tmp_path / "one"), losses(tmp_path / "resumed"))
@@ -106,9 +110,22 @@ def test_fsdp_needs_torchrun(tmp_path, capsys):
     assert main(tiny_lm(tmp_path / "run", 2, "--set", "train.fsdp=true")) == 2
     err = capsys.readouterr().err
     assert err.startswith("qkv: error: train.fsdp ") and "WORLD_SIZE=1" in err
+    assert "torchrun --nproc_per_node=N" in err
+    assert err.endswith("or train in one process with --set train.fsdp=false\n")
     assert main(tiny_lm(tmp_path / "run", 2, "--set", "train.param_dtype=bfloat16")) == 2
     assert "train.param_dtype applies with train.fsdp=true only" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_sharded_resume_in_one_process_names_the_overrides_that_run_it(tmp_path, capsys):
+    """Every override the one-process resume needs: train.fsdp and the FSDP-only dtypes."""
+    assert main(tiny_lm(tmp_path / "run", 3)) == 0
+    capsys.readouterr()
+    assert main(tiny_lm(tmp_path / "run", 6, "--resume", "--set", "train.fsdp=true",
+                        "--set", "train.param_dtype=bfloat16")) == 2
+    assert capsys.readouterr().err.endswith(
+        "or resume it in one process with --set train.fsdp=false "
+        "--set train.param_dtype=float32\n")
 
 
 @pytest.mark.slow

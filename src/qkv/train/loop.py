@@ -78,7 +78,7 @@ class Trainer:
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
-        sharding.check(t, env)
+        sharding.check(t, env, resume)
         distributed.check_context_parallel(env, t.context_parallel)
         # The checkpoint first: a run without one fails before any data is read.
         found = checkpoint.load_latest(self.run_dir) if resume else None

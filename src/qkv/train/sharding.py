@@ -38,16 +38,23 @@ from .distributed import Env
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check(t, env: Env) -> None:
-    """One line for settings FSDP cannot use; every rank reaches the same verdict."""
+def check(t, env: Env, resume: bool = False) -> None:
+    """One line for settings FSDP cannot use; every rank reaches the same verdict. In one
+    process it names both ways on: torchrun, or the overrides that run without sharding (a
+    sharded checkpoint resumes there too: DCP reshards it)."""
     if not t.fsdp:
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(t, key) != "float32":
                 raise ValueError(f"train.{key} applies with train.fsdp=true only")
         return
     if not env.distributed:
+        overrides = " ".join(["--set train.fsdp=false"] + [
+            f"--set train.{key}=float32" for key in ("param_dtype", "reduce_dtype")
+            if getattr(t, key) != "float32"])
+        alone = "resume it" if resume else "train"
         raise ValueError("train.fsdp shards the model over torchrun's processes; this run has "
-                         "one (WORLD_SIZE=1): start it with torchrun --nproc_per_node=N, N >= 2")
+                         "one (WORLD_SIZE=1): start it with torchrun --nproc_per_node=N, N >= 2, "
+                         f"or {alone} in one process with {overrides}")
 
 
 def fsdp_mesh(env: Env, context_parallel: int) -> DeviceMesh:
