@@ -6,11 +6,11 @@ lowers a request and runs it on an engine (``qkv.engines``); the layers and mode
 ``qkv.nn`` and ``qkv.models``.
 """
 
-from . import core, engines, models, nn  # noqa: F401  (qkv.core, qkv.engines, ...)
+from . import core, engines, models, nn, weighting  # noqa: F401  (qkv.core, qkv.engines, ...)
 from .core import *  # noqa: F403
 from .core import __all__ as _core_names
-from .engines.api import attention
+from .engines.api import attention, explain
 
-__all__ = ["attention", *_core_names]
+__all__ = ["attention", "explain", *_core_names]
 
 __version__ = "0.1.0"

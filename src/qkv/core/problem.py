@@ -12,6 +12,7 @@ from .masks import CausalMask, Mask, as_mask
 from .scores import ScoreMod, as_score_mod
 from .similarity import Similarity, get_similarity
 from .structure import values_readable
+from .weighting import SOFTMAX, Carry, Weighting, as_weighting
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 FP32_PRECISIONS = ("ieee", "bf16")
@@ -25,7 +26,8 @@ class Problem(NamedTuple):
     ``scale`` is a float, or a tensor of shape () or (H,) (a learnable temperature).
     ``needs_lse``: the caller reads the log-sum-exp (``return_lse``, sinks), so an engine
     that cannot return a differentiable one must decline. ``fp32_precision``: "ieee", or
-    "bf16" where float32 inputs may have their products rounded to bf16."""
+    "bf16" where float32 inputs may have their products rounded to bf16. ``weighting``: how
+    scores become weights (``core.weighting``), softmax by default."""
 
     q: Tensor
     k: Tensor
@@ -39,6 +41,7 @@ class Problem(NamedTuple):
     return_weights: bool
     needs_lse: bool = False
     fp32_precision: str = "ieee"
+    weighting: Weighting = SOFTMAX
 
     @property
     def batch(self) -> int:
@@ -83,6 +86,7 @@ class Problem(NamedTuple):
         if isinstance(self.scale, Tensor):
             extra.append(self.scale)
         extra.extend(self.similarity.tensors())
+        extra.extend(self.weighting.tensors())
         if self.score_mod is not None:
             extra.extend(self.score_mod.tensors())
         return tuple(t for t in extra if t.is_floating_point())
@@ -189,13 +193,23 @@ def _check_scale(scale, similarity: Similarity, q: Tensor):
 def build_problem(
     q, k, v, *, mask=None, score_mod=None, similarity="dot", scale=None, metric=None,
     dropout_p=0.0, return_weights=False, needs_lse=False, fp32_precision="ieee",
+    weighting="softmax", lse_reader="return_lse=True",
 ) -> Problem:
+    """``lse_reader`` names what reads the log-sum-exp when ``needs_lse`` (for the message
+    a weighting without one gives)."""
     _check_qkv(q, k, v)
     sim = get_similarity(similarity)
     mask = as_mask(mask)
     batch, heads, nq, _ = q.shape
     if mask is not None:
         mask.check(batch, heads, nq, k.shape[2])
+    weighting = as_weighting(weighting)
+    weighting.check_heads(heads)
+    if needs_lse and not weighting.is_softmax:
+        raise ValueError(f"{lse_reader} needs a softmax's log-sum-exp; the weighting "
+                         f"{weighting!r} has none")
+    if weighting.carry is Carry.STICK and values_readable():
+        weighting.check_mask(mask, batch, heads, nq, k.shape[2], q.device)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1); got {dropout_p!r}")
     score_mod = as_score_mod(score_mod)
@@ -217,4 +231,5 @@ def build_problem(
         return_weights=bool(return_weights),
         needs_lse=bool(needs_lse),
         fp32_precision=fp32_precision,
+        weighting=weighting,
     )

@@ -54,12 +54,33 @@ def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
                            mask=p.mask)
 
 
+def weighted(p: Problem, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """The weights (B, H, Nq, Nk) of ``p``'s weighting and the lse (B, H, Nq): softmax's, or
+    zeros for a weighting without one. A weighting other than softmax reads the scores
+    without the mask and gives 0 where the mask forbids."""
+    if p.weighting.is_softmax:
+        return masked_softmax(scores_of(p, q, k))
+    scale = p.scale_tensor()
+    if isinstance(scale, Tensor):
+        scale = scale.to(q.dtype)
+    metric = None if p.metric is None else p.metric.to(q.dtype)
+    raw = p.similarity.raw_scores(q, expand_kv_heads(k, p.heads), metric)
+    index = index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
+    s = modified_scores(raw, index, p.offset, scale=scale, score_mod=p.score_mod)
+    allowed = (torch.ones((), dtype=torch.bool, device=q.device) if p.mask is None else
+               torch.as_tensor(p.mask.mask_mod(*index, p.offset), device=q.device))
+    pos_q = torch.arange(p.nq, device=q.device).view(-1, 1) + p.offset
+    kv_idx = torch.arange(p.nk, device=q.device).view(1, -1)
+    weights = p.weighting.weights(s, allowed.expand(s.shape), pos_q, kv_idx)
+    return weights, q.new_zeros(p.batch, p.heads, p.nq)
+
+
 def reference_attention(p: Problem) -> tuple[Tensor, Tensor, Tensor]:
     """Returns out (B, H, Nq, Dv) and weights (B, H, Nq, Nk) in q's dtype, and lse (B, H, Nq)
     in the accumulation dtype."""
     acc = accumulation_dtype(p.q.dtype)
     q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
-    weights, lse = masked_softmax(scores_of(p, q, k))
+    weights, lse = weighted(p, q, k)
     if p.dropout_p > 0:
         weights = F.dropout(weights, p.dropout_p)
     out = weights @ expand_kv_heads(v, p.heads)

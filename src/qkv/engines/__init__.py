@@ -67,6 +67,33 @@ def engine_names() -> list[str]:
     return [e.name for e in ENGINES]
 
 
+class Explanation(NamedTuple):
+    """Which engine runs a request (``engine``), and why each engine before it refused
+    (``refused``: (engine, reason) in dispatch order)."""
+
+    engine: str
+    refused: tuple[tuple[str, str], ...]
+
+    def __str__(self) -> str:
+        lines = [f"runs on: {self.engine}"]
+        lines += [f"  {name}: {reason}" for name, reason in self.refused]
+        return "\n".join(lines)
+
+
+def explain(problem: Problem, backend: str = "auto") -> Explanation:
+    """The engine ``plan`` picks for ``problem`` and the refusals of those asked before it
+    (with a named ``backend``, only that engine, which raises when it cannot)."""
+    if backend != "auto":
+        return Explanation(plan(problem, backend).engine, ())
+    refused = []
+    for engine in ENGINES:
+        planned = engine.plan(problem)
+        if isinstance(planned, Plan):
+            return Explanation(engine.name, tuple(refused))
+        refused.append((engine.name, planned))
+    raise RuntimeError("no attention engine can run this request")  # reference always can
+
+
 def plan(problem: Problem, backend: str = "auto") -> Plan:
     """The plan of the engine that runs ``problem``: the first that can, or the one named."""
     if backend == "auto":
@@ -84,4 +111,5 @@ def plan(problem: Problem, backend: str = "auto") -> Plan:
     raise ValueError(f"backend must be 'auto' or one of {engine_names()}; got {backend!r}")
 
 
-__all__ = ["ENGINES", "Engine", "Plan", "Result", "engine_names", "plan"]
+__all__ = ["ENGINES", "Engine", "Explanation", "Plan", "Result", "engine_names", "explain",
+           "plan"]

@@ -36,9 +36,11 @@ def attention(
     metric: Tensor | None = None,
     backend: str = "auto",
     fp32_precision: str = "ieee",
+    weighting="softmax",
     **unknown,
 ):
-    """Attention softmax(score(q, k)) v with masks, score modifiers and pluggable similarity.
+    """Attention weighting(score(q, k)) v, softmax by default, with masks, score modifiers
+    and pluggable similarity.
 
     The first six arguments are SDPA's, in SDPA's order and with SDPA's meaning, so that
     ``qkv.attention`` is a drop-in for ``F.scaled_dot_product_attention``; ``block_mask`` and
@@ -88,6 +90,13 @@ def attention(
             torch's products. The "flash" CPU engine (plain or causal dot products, no
             gradients, AMD CPUs with AVX512-BF16) then multiplies in bf16; other engines
             keep float32.
+        weighting: how scores become weights: "softmax" (default), "sigmoid", "softpick",
+            "stick_breaking", "relu", "identity", or an object from ``qkv.weighting``
+            (``sigmoid(bias=...)``, ``stick_breaking(include_self=...)``,
+            ``elementwise(fn)``, ...). Only softmax has a log-sum-exp, so the others refuse
+            ``return_lse`` and ``sinks``; stick-breaking needs a mask within
+            ``qkv.causal()``. Masked keys get weight 0 under every weighting (a float
+            ``attn_mask`` is a score bias: -inf there is w(-inf)).
 
     Returns:
         out (B, H, Nq, Dv); with return_weights and/or return_lse, the tuple (out, weights,
@@ -105,24 +114,9 @@ def attention(
     unbatched = getattr(q, "ndim", 4) == 3 and spellings.unbatch(q, k, v)
     if unbatched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    if not (attn_mask is None and block_mask is None and is_causal is False
-            and enable_gqa is None and (mask is None or isinstance(mask, Mask))):
-        mask, score_mod = _spelled_mask(q, k, attn_mask, mask, block_mask, is_causal,
-                                        enable_gqa, score_mod)
-    problem = build_problem(
-        q,
-        k,
-        v,
-        mask=mask,
-        score_mod=score_mod,
-        similarity=similarity,
-        scale=scale,
-        metric=metric,
-        dropout_p=dropout_p,
-        return_weights=return_weights,
-        needs_lse=return_lse or sinks is not None,
-        fp32_precision=fp32_precision,
-    )
+    problem = _problem(q, k, v, attn_mask, dropout_p, is_causal, mask, score_mod, similarity,
+                       scale, enable_gqa, block_mask, return_weights, return_lse, sinks, metric,
+                       fp32_precision, weighting)
     if sinks is not None:
         check_sinks(sinks, problem.heads)
     result = engines.plan(problem, backend).run()
@@ -139,6 +133,40 @@ def attention(
 
 KEYWORDS = [name for name in inspect.signature(attention).parameters
             if name not in ("q", "k", "v", "unknown")]
+
+
+def _problem(q, k, v, attn_mask, dropout_p, is_causal, mask, score_mod, similarity, scale,
+             enable_gqa, block_mask, return_weights, return_lse, sinks, metric,
+             fp32_precision, weighting):
+    """``attention``'s arguments (q, k, v batched) validated into the ``Problem``."""
+    if not (attn_mask is None and block_mask is None and is_causal is False
+            and enable_gqa is None and (mask is None or isinstance(mask, Mask))):
+        mask, score_mod = _spelled_mask(q, k, attn_mask, mask, block_mask, is_causal,
+                                        enable_gqa, score_mod)
+    return build_problem(
+        q, k, v, mask=mask, score_mod=score_mod, similarity=similarity, scale=scale,
+        metric=metric, dropout_p=dropout_p, return_weights=return_weights,
+        needs_lse=return_lse or sinks is not None, fp32_precision=fp32_precision,
+        weighting=weighting, lse_reader="sinks" if sinks is not None else "return_lse=True")
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, attn_mask=None, dropout_p: float = 0.0,
+            is_causal: bool = False, *, backend: str = "auto", **kwargs):
+    """Which engine ``attention(q, k, v, ...)`` with the same arguments runs on, and why
+    each engine asked before it refused: an ``engines.Explanation`` (``engine``,
+    ``refused``), whose ``str`` is one line per engine. Nothing is computed."""
+    unknown = {name: value for name, value in kwargs.items() if name not in KEYWORDS}
+    if unknown:
+        spellings.reject_keywords(unknown, KEYWORDS)
+    args = {name: kwargs.get(name, default) for name, default in _EXPLAINED.items()}
+    if getattr(q, "ndim", 4) == 3 and spellings.unbatch(q, k, v):
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    problem = _problem(q, k, v, attn_mask, dropout_p, is_causal, **args)
+    return engines.explain(problem, backend)
+
+
+_EXPLAINED = {name: p.default for name, p in inspect.signature(attention).parameters.items()
+              if p.kind is p.KEYWORD_ONLY and name != "backend"}
 
 
 def _spelled_mask(q, k, attn_mask, mask, block_mask, is_causal, enable_gqa, score_mod):

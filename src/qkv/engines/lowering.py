@@ -24,6 +24,7 @@ from ..core.problem import Problem
 from ..core.reference import accumulation_dtype
 from ..core.similarity import DOT, NEG_L1, NEG_SQDIST
 from ..core.structure import Node
+from ..core.weighting import SOFTMAX, Carry, Weighting
 
 
 class TermKind(enum.IntEnum):
@@ -61,16 +62,25 @@ class Lowered(Node):
     - ``pair``: the pairwise term (``similarity.Pairwise``), and ``term``, its kind;
     - ``score_mod`` and ``mask``: the core's objects, or None;
     - ``scale``: None when folded into the features, else a float or a tensor (the CPU
-      engines' broadcastable to (B, H, 1, 1), the Triton engine's (H,)).
+      engines' broadcastable to (B, H, 1, 1), the Triton engine's (H,));
+    - ``carry``: the row statistic of the weighting (``core.weighting.Carry``), and
+      ``normalizer``, the weighting that carries it (None for ``Carry.NONE``, whose
+      elementwise function ends ``score_mod``: ``lower``).
     A pytree node: its leaves are the tensors it reads, which the custom ops carry."""
 
-    def __init__(self, pair, score_mod, mask, scale):
+    def __init__(self, pair, score_mod, mask, scale, normalizer: Weighting | None = SOFTMAX):
         self.pair, self.score_mod, self.mask, self.scale = pair, score_mod, mask, scale
+        self.normalizer = normalizer
+        self.carry: Carry = Carry.NONE if normalizer is None else normalizer.carry
         self.term: TermKind = term_kind(pair)
+
+    @property
+    def is_softmax(self) -> bool:
+        return self.normalizer is not None and self.normalizer.is_softmax
 
     def without_scale(self) -> Lowered:
         """The same variant with its scale applied elsewhere (a traced term's loops)."""
-        return Lowered(self.pair, self.score_mod, self.mask, None)
+        return Lowered(self.pair, self.score_mod, self.mask, None, self.normalizer)
 
 
 class Lowering(NamedTuple):
@@ -104,4 +114,17 @@ def lower(p: Problem) -> Lowering:
         v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
     if isinstance(scale, Tensor) and scale.dim() == 1:
         scale = scale.view(1, -1, 1, 1)
-    return Lowering(fq, fk, v, Lowered(pair, p.score_mod, p.mask, scale))
+    score_mod, normalizer = weighted_mod(p)
+    return Lowering(fq, fk, v, Lowered(pair, score_mod, p.mask, scale, normalizer))
+
+
+def weighted_mod(p: Problem):
+    """(score modifier, normalizer) of ``p`` as ``Lowered`` holds them: an elementwise
+    weighting's function is applied after the modifier, as one more modifier that the engines
+    trace (derivative included); the others keep the modifier and carry their weighting."""
+    if p.weighting.carry is not Carry.NONE:
+        return p.score_mod, p.weighting
+    fn = p.weighting.score_fn(p.nk)
+    if fn is None:
+        return p.score_mod, None
+    return (fn if p.score_mod is None else p.score_mod.then(fn)), None

@@ -29,6 +29,8 @@ _DENSE_MODS = (AdditiveBias,)
 
 
 def why_not(p: Problem) -> str | None:
+    if not p.weighting.is_softmax:
+        return f"SDPA computes softmax only, not the weighting {p.weighting!r}"
     if p.needs_lse:
         return "SDPA does not return the log-sum-exp (return_lse, sinks)"
     if p.similarity is _COSINE and not p.q.is_cuda:

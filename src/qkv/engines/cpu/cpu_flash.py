@@ -113,6 +113,8 @@ def why_not(p: Problem) -> str | None:
     # The machine before the call: where there is no kernel, no change to the call helps.
     if isinstance(lib := _library(products), str):
         return f"the flash engine has no {products} kernel here: {lib}"
+    if not p.weighting.is_softmax:
+        return f"the flash engine computes softmax only, not the weighting {p.weighting!r}"
     if p.similarity is not _DOT:
         return f"the flash engine computes the dot product only, not {p.similarity.name!r}"
     if p.score_mod is not None or p.return_weights or p.dropout_p > 0:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import native, native_blocks, paths
+from . import carries, native, native_blocks, paths
 from .paths import CpuPath
 from .tiles import (
     TileIndex,
@@ -140,6 +140,10 @@ class ScaleOnly:
     def softmax_grad(self, p, dp, delta, raw):
         return softmax_grad(p, dp, delta)
 
+    def with_slope(self, ds, raw):
+        """d(loss)/d(scores) ``ds`` of another weighting, times the slope the scores kept."""
+        return ds
+
     def raw_grad(self, t: Tile, s, raw, ds):
         return ds if self.spec.scale is None else ds.mul_(self.spec.scale)
 
@@ -162,6 +166,12 @@ class ModifierLoops(ScaleOnly):
         if self.spec.mod_loops.keeps_slope:
             return softmax_grad(p, dp, delta, raw, self.spec.mod_scale)
         return softmax_grad(p, dp, delta)
+
+    def with_slope(self, ds, raw):
+        if not self.spec.mod_loops.keeps_slope:
+            return ds
+        ds = ds.mul_(raw)
+        return ds if self.spec.mod_scale == 1.0 else ds.mul_(self.spec.mod_scale)
 
     def raw_grad(self, t: Tile, s, raw, ds):
         spec, mod = self.spec, self.spec.mod_loops
@@ -266,6 +276,44 @@ def _backward_block(grads: ScaleOnly, i, tiles, saved, dout, delta, dfq, sums, e
     dfq[:, :, q0:q1] = dfq_t.view(batch, heads, q1 - q0, -1)
 
 
+def _backward_block_carried(grads: ScaleOnly, i, tiles, saved, dout, delta, dfq, sums, extras,
+                            scratch) -> None:
+    """``_backward_block`` for a weighting other than softmax: its row loop (``carries``)
+    gives each tile's weights and d(loss)/d(scores), in the order it visits them."""
+    spec = grads.spec
+    fq, fk, sq, sk, v, lse = saved
+    batch, heads = spec.batch, spec.heads
+    hk, hv = fk.shape[1], v.shape[1]
+    q0, q1 = spec.q_range(i)
+    fq_t, sq_t = group_heads(fq[:, :, q0:q1], hk), group_heads(sq[:, :, q0:q1], hk)
+    do_t = group_heads(dout[:, :, q0:q1], hv)
+    dfq_t = torch.zeros_like(fq_t, memory_format=torch.contiguous_format)
+    rows = carries.for_variant(spec.variant, lse[:, :, q0:q1].shape, fq.device, fq.dtype,
+                               spec.offset)
+    rows.start_backward(lse[:, :, q0:q1], delta[:, :, q0:q1])
+    for k0, k1, masked in rows.order(tiles):
+        idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+        t = Tile(idx, (batch, heads, q1 - q0, k1 - k0), masked, fq_t, fk[:, :, k0:k1], sq_t,
+                 sk[:, :, k0:k1], dfq_t, sums[0][:, :, k0:k1], sums, extras, scratch)
+        s, kept = grads.scores(t)
+        allowed = tile_mask(spec, idx) if masked else None
+        p = rows.weights(s, allowed, idx)
+        dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
+        torch.matmul(do_t, v[:, :, k0:k1].transpose(-1, -2), out=dp)
+        dp = dp.view(t.shape)
+        weights = p
+        if spec.dropout_p > 0:
+            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
+            weights = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
+            dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+        sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
+            do_t.flatten(0, 1).transpose(1, 2), weights.view(batch * hv, -1, k1 - k0))
+        ds = grads.raw_grad(t, s, kept, grads.with_slope(rows.grad(s, p, dp, allowed, idx), kept))
+        if ds is not None:
+            add_pair_grads(spec, group_heads(ds, hk), t.fq, t.fk, dfq_t, t.dfk, sums, extras)
+    dfq[:, :, q0:q1] = dfq_t.view(batch, heads, q1 - q0, -1)
+
+
 def backward(spec: TileSpec, plan, fq, fk, v, out, lse, dout, dlse, extras):
     """Gradients for fq, fk, v and each tensor in ``extras`` (those requiring grad), from
     those of out and of lse (None when nothing read lse). d lse / d score = p, so a gradient
@@ -285,12 +333,13 @@ def backward(spec: TileSpec, plan, fq, fk, v, out, lse, dout, dlse, extras):
         blocks_in_c = native_blocks.Blocks(spec, fq, fk, v, scores=saved[2:4], lse=saved[-1],
                                            dout=dout, delta=delta, dq=dfq)
     grads = tile_grads(spec)
+    on_tiles = _backward_block if spec.variant.is_softmax else _backward_block_carried
 
     def block(i, sums, scratch):
         if blocks_in_c is not None:
             blocks_in_c.run(i, plan[i], scratch, sums[0], sums[1])
         else:
-            _backward_block(grads, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
+            on_tiles(grads, i, plan[i], saved, dout, delta, dfq, sums, extras, scratch)
 
     def start_worker():
         if blocks_in_c is not None:

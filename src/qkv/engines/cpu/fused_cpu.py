@@ -32,7 +32,7 @@ from .. import ops
 from ..kernelgen import c as c_target
 from ..kernelgen import c_mod
 from ..lowering import Lowered, lower
-from . import native, native_blocks, paths
+from . import carries, native, native_blocks, paths
 from .fused_backward import backward, exp_, probabilities
 from .paths import CpuPath
 from .tiles import (
@@ -121,6 +121,30 @@ def _forward_block(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse, scratch) 
     lse[:, :, q0:q1] = row_max.masked_fill(row_max == float("-inf"), 0.0) + row_sum.log()
 
 
+def _forward_block_carried(spec: TileSpec, i: int, tiles, fq, fk, v, out, lse,
+                           scratch) -> None:
+    """``_forward_block`` for a weighting other than softmax: its row loop (``carries``)
+    visits the tiles in the order it needs; lse receives the statistic it saves."""
+    batch, heads, dv = spec.batch, spec.heads, v.shape[-1]
+    hk, hv = fk.shape[1], v.shape[1]
+    q0, q1 = spec.q_range(i)
+    fq_t = group_heads(fq[:, :, q0:q1], hk)
+    acc = fq.new_zeros(batch, heads, q1 - q0, dv)
+    acc_grouped = acc.view(batch * hv, -1, dv)
+    rows = carries.for_variant(spec.variant, (batch, heads, q1 - q0, 1), fq.device, fq.dtype,
+                               spec.offset)
+    for k0, k1, masked in rows.order(tiles):
+        idx = tile_index(spec, q0, q1, k0, k1, fq.device)
+        s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, False, scratch).contiguous()
+        p = rows.step(s, tile_mask(spec, idx) if masked else None, idx, acc)
+        if spec.dropout_p > 0:
+            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
+            p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+        acc_grouped.baddbmm_(p.contiguous().view(batch * hv, -1, k1 - k0),
+                             v[:, :, k0:k1].flatten(0, 1))
+    out[:, :, q0:q1], lse[:, :, q0:q1] = rows.finish(acc)
+
+
 def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """out (B, H, Nq, Dv) and lse (B, H, Nq, 1); lse is -inf on rows with no allowed key.
     fq and fk are the scores' features (``score_features``)."""
@@ -137,9 +161,10 @@ def _forward(spec: TileSpec, plan, fq: Tensor, fk: Tensor, v: Tensor) -> tuple[T
                 blocks_in_c.run(i, plan[i], scratch)
             return
         scratch = scratch_for(spec, fq)
+        block = _forward_block if spec.variant.is_softmax else _forward_block_carried
         with torch.no_grad():
             for i in blocks:
-                _forward_block(spec, i, plan[i], fq, fk, v, out, lse, scratch)
+                block(spec, i, plan[i], fq, fk, v, out, lse, scratch)
 
     run_queued(rows, plan, keys_visited)
     return out, lse
@@ -151,13 +176,23 @@ def weights_from_lse(spec: TileSpec, fq: Tensor, fk: Tensor, lse: Tensor) -> Ten
     scores' features fq and fk (``score_features``)."""
     weights = fq.new_zeros(spec.batch, spec.heads, spec.nq, spec.nk)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    softmax = spec.variant.is_softmax
     for i, tiles in enumerate(tile_plan(spec, fq.device)):
         q0, q1 = spec.q_range(i)
         fq_t = group_heads(fq[:, :, q0:q1], fk.shape[1])
+        if not softmax:
+            rows = carries.for_variant(spec.variant, lse[:, :, q0:q1].shape, fq.device,
+                                       fq.dtype, spec.offset)
+            rows.start_backward(lse[:, :, q0:q1], None)
+            tiles = rows.order(tiles)
         for k0, k1, masked in tiles:
             idx = tile_index(spec, q0, q1, k0, k1, fq.device)
-            s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
-            p = probabilities(s, lse[:, :, q0:q1], copy=False)
+            if softmax:
+                s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, masked)
+                p = probabilities(s, lse[:, :, q0:q1], copy=False)
+            else:
+                s = tile_scores(spec, fq_t, fk[:, :, k0:k1], idx, False)
+                p = rows.weights(s, tile_mask(spec, idx) if masked else None, idx)
             if spec.dropout_p > 0:
                 keep = dropout_keep(spec, i, k0, p.shape, fq.device)
                 p = p.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)

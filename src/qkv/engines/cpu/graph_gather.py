@@ -295,6 +295,9 @@ def why_not(p) -> str | None:
         return reason
     if not isinstance(p.mask, GraphMask):
         return "the graph engine runs qkv.graph masks"
+    if not p.weighting.is_softmax:
+        return (f"the graph engine computes softmax along edges only, not the weighting "
+                f"{p.weighting!r}")
     if not is_sparse(p.mask, p.nq, p.nk):
         return "the graph has too many edges: dense tiles are faster"
     if p.return_weights:

@@ -75,6 +75,8 @@ def why_not(spec: TileSpec, q: Tensor, extras: Sequence[Tensor] = ()) -> str | N
     run it)."""
     if not native.available(q.dtype) or q.dtype not in _GEMM_NAMES:
         return f"no C blocks for {q.dtype}"
+    if not spec.variant.is_softmax:
+        return "the C blocks compute softmax only: other weightings run on tiles"
     reason = _term_why_not(spec, q)
     if reason is not None:
         return reason

@@ -43,6 +43,9 @@ def unsupported(p: Problem) -> str | None:
             "return_weights=True while gradients are needed: the Triton engine recomputes the "
             "weights from its log-sum-exp without a gradient; use backend='reference'"
         )
+    if not p.weighting.is_softmax:
+        return (f"the Triton kernels compute softmax only, not the weighting "
+                f"{p.weighting!r}")
     if p.nq == 0 or p.nk == 0:
         return "an empty sequence"
     dims = (p.q.shape[-1], p.v.shape[-1])
