@@ -16,6 +16,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 MAY_IMPORT = {
     "cache": set(), "bars": set(), "limits": set(), "threads": set(), "allocations": set(),
     "core": {"cache"},
+    # qkv.weighting: the public face of core.weighting, as qkv.attention is of the engines.
+    "weighting": {"core"},
     "engines": {"core", "cache"},
     "distributed": {"engines", "core"},
     "integrations": {"engines", "core"},
