@@ -45,10 +45,13 @@ def test_inputs_that_would_waste_the_work_are_refused_first(tmp_path):
     # The tiny preset's text: 18,000 training characters, 2,000 held out.
     assert qkv_error(*tiny, "--set", "model.block_size=10000000") == (
         "qkv: error: model.block_size=10000000 is too long for the text: its training part has "
-        "18,000 tokens, and a window takes block_size + 1 (set model.block_size below 18,000 "
-        "or give a longer text)\n")
+        "18,000 tokens, and a window takes block_size + 1 (set model.block_size to at most "
+        "17,998, or give a larger data.max_chars (now 20,000) or a smaller data.test_fraction "
+        "(now 0.1))\n")
     assert "its held-out part has 2,000 tokens" in qkv_error(*tiny, "--set",
                                                              "model.block_size=5000")
+    assert "at most 1,999, or give a larger data.max_chars (now 20,000) or a larger " \
+        "data.test_fraction (now 0.1))" in qkv_error(*tiny, "--set", "model.block_size=5000")
     assert qkv_error(*tiny, "--set", "eval.max_tokens=8") == (
         "qkv: error: eval.max_tokens=8 is less than one window of model.block_size=16 tokens; "
         "nothing would be scored\n")

@@ -13,7 +13,7 @@ import torch
 
 from qkv import cli
 from qkv.models import load_pretrained
-from qkv.train import run
+from qkv.train import config, plan, run
 
 ALPHABET = string.ascii_lowercase + " .,\n"
 
@@ -99,6 +99,67 @@ def test_init_is_for_lm_runs(llama_dir, tmp_path, capsys):
     code = cli.main(["train", "translate", "--init", str(llama_dir), "--run-dir",
                      str(tmp_path / "t")])
     assert code == 2 and "the 'translate' task cannot" in capsys.readouterr().err
+
+
+def test_a_short_text_gets_the_longest_block_it_holds_and_the_plan_says_so(
+        llama_dir, tmp_path, capsys):
+    """The checkpoint's 128-token block does not fit 86 held-out tokens: the block becomes 64,
+    the batch 16 windows (1,024 tokens a step), and the plan line names the setting."""
+    text = tmp_path / "short.txt"
+    text.write_text("attention is a weighted average of values.\n" * 20)  # 880 tokens
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "lm", "--init", str(llama_dir), "--run-dir", str(run_dir),
+                     "--set", f"data.path={text}", "--set", "train.steps=1",
+                     "--set", "train.threads=1", "--set", "eval.max_new_tokens=4"]) == 0
+    stored = json.loads((run_dir / "config.json").read_text())
+    assert (stored["model"]["block_size"], stored["train"]["batch_size"]) == (64, 16)
+    plan_line = next(line for line in capsys.readouterr().err.splitlines()
+                     if line.startswith("plan: "))
+    assert "| 1,024 tokens/step x 1 steps (train.steps as set) | model.block_size=64, not 128: " \
+        "the text's held-out part has 86 tokens (set model.block_size to choose) | " in plan_line
+    # Resumed, the run keeps the block it was sized to.
+    assert cli.main(["train", "lm", "--run-dir", str(run_dir), "--resume", "--quiet",
+                     "--set", "train.steps=2"]) == 0
+    assert json.loads((run_dir / "config.json").read_text())["model"]["block_size"] == 64
+
+
+def test_the_readme_fine_tune_on_a_short_text_plans_a_block_it_holds(tmp_path):
+    """The README's `qkv train lm --init smollm2 --set data.path=notes.txt --set
+    model.window=128` on a 9 KB text: SmolLM2's default block of 256 becomes 128, 8 windows a
+    step, as the plan says (the run is built, not trained: a SmolLM2 step takes a minute)."""
+    words = "attention weighs every token of the sentence against the others and sums".split()
+    text = tmp_path / "notes.txt"
+    text.write_text("".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(10))
+                            + f", line {i}.\n" for i in range(120)))
+    task = run.get_task("lm")
+    overrides = ["train.init=smollm2", f"data.path={text}", "model.window=128",
+                 "train.threads=1"]
+    cfg = config.resolve(task.schema, "lm", task.presets["default"], None, overrides)
+    cfg = run.adopt_checkpoint(task, cfg, config.explicit_keys(None, overrides))
+    trainer = run.start(cfg, tmp_path / "run", resume=False, quiet=True)
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (stored["model"]["block_size"], stored["model"]["window"]) == (128, 128)
+    assert stored["train"]["batch_size"] == 8 and trainer.tokens_per_step() == 1024
+    line = plan.plan_line(trainer.cfg, trainer.model, trainer.tokens_per_step(),
+                          trainer.sizing, 0, trainer.block_note)
+    assert re.match(r"plan: 134\.5M parameters \| 1,024 tokens/step x 10 steps \(.*\) \| "
+                    r"model\.block_size=128, not 256: the text's held-out part has \d+ tokens "
+                    r"\(set model\.block_size to choose\) \| warm-up 1 steps \|", line), line
+
+
+def test_a_text_too_short_for_any_block_names_the_block_and_the_data(llama_dir, tmp_path,
+                                                                    capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("attention.\n" * 25)  # 275 tokens, 28 of them held out
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "lm", "--init", str(llama_dir), "--run-dir", str(run_dir),
+                     "--set", f"data.path={text}"]) == 2
+    assert capsys.readouterr().err == (
+        "qkv: error: the text is too short to fine-tune on: its held-out part has 28 tokens, "
+        "too few for model.block_size=32, the shortest it is sized to when unset; give a "
+        f"longer text in data.path (now {str(text)!r}) or a larger data.test_fraction (now "
+        "0.1), or set model.block_size to at most 27\n")
+    assert not run_dir.exists()
 
 
 def test_fine_tune_defaults_are_sized_to_the_checkpoint_and_data(llama_dir, tmp_path):

@@ -96,8 +96,8 @@ class RunConfig:
     model: dict = field(default_factory=dict)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: Any = None
-    # train.* keys to size from the data once it is read (a fine-tune's steps, ...); not
-    # stored: config.json holds the values they got.
+    # section.name keys to size from the data once it is read (a fine-tune's train.steps,
+    # its model.block_size, ...); not stored: config.json holds the values they got.
     auto: frozenset = frozenset()
 
     def to_dict(self) -> dict:

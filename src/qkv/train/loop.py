@@ -87,6 +87,10 @@ class Trainer:
         torch.manual_seed(t.seed)
         random.seed(t.seed)
         self.data = task.prepare(cfg, self.run_dir if resume else None, env)
+        self.block_note = ""
+        if "model.block_size" in cfg.auto:  # a fine-tune's block, sized to a short text
+            cfg, self.block_note = task.fit_block(cfg, self.data)
+            self.cfg, t = cfg, cfg.train
         shards = env.world_size // t.context_parallel if t.fsdp else 1
         init = t.init if not resume else ""
         # Sharded, a model whose weights a checkpoint gives takes memory only once it is:
@@ -292,7 +296,7 @@ class Trainer:
         d_model = self.model.config.block.d_model
         if self.verbose and self.task.name == "lm":
             print(plan.plan_line(self.cfg, self.model, self.tokens_per_step(), self.sizing,
-                                 self.step), file=sys.stderr, flush=True)
+                                 self.step, self.block_note), file=sys.stderr, flush=True)
         progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
         self.started = time.perf_counter()
         # Where an interrupted step rolls back to: its data position, its RNG.

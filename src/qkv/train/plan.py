@@ -46,9 +46,9 @@ def fine_tune_sizes(cfg: RunConfig, train_tokens: int, params: int, tokens_per_s
     cap = max(FINE_TUNE_MIN_STEPS, int(FINE_TUNE_BUDGET / params / tokens_per_step))
     steps = max(FINE_TUNE_MIN_STEPS, min(one_pass, cap))
     sizes = {"steps": steps, "checkpoint_every": max(1, steps // 4)}
-    sizes = {k: v for k, v in sizes.items() if k in cfg.auto}
+    sizes = {k: v for k, v in sizes.items() if f"train.{k}" in cfg.auto}
     train = dataclasses.replace(cfg.train, **sizes)
-    if "steps" not in cfg.auto:
+    if "train.steps" not in cfg.auto:
         note = "train.steps as set"
     elif one_pass > cap:
         note = (f"one pass over the {train_tokens:,} training tokens would be {one_pass} steps; "
@@ -147,9 +147,10 @@ def peak_memory(params: int, config, tokens: int, checkpointing: bool) -> float:
 
 
 def plan_line(cfg: RunConfig, model: torch.nn.Module, tokens_per_step: int, note: str,
-              first_step: int = 0) -> str:
+              first_step: int = 0, block_note: str = "") -> str:
     """``plan: 134.5M parameters | 1,024 tokens/step x 47 steps (...) | about 6m30s | peak
-    about 3.7 GB``: the estimated time from the model's FLOPs and a measured matmul rate."""
+    about 3.7 GB``: the estimated time from the model's FLOPs and a measured matmul rate;
+    ``block_note``, when given, says after the steps how the block was sized."""
     t = cfg.train
     params = n_parameters(model)
     flops = (8 if t.checkpointing else 6) * params * tokens_per_step  # forward 2, backward 4
@@ -162,8 +163,9 @@ def plan_line(cfg: RunConfig, model: torch.nn.Module, tokens_per_step: int, note
     warmup = warmup_steps(t)
     cut = f" (train.warmup={t.warmup}, cut to the run)" if warmup < t.warmup and \
         not t.warmup_fraction else ""
+    block = f" | {block_note}" if block_note else ""
     return (f"plan: {count} parameters | {tokens_per_step:,} tokens/step x "
-            f"{t.steps} steps ({note}) | warm-up {warmup} steps{cut} | "
+            f"{t.steps} steps ({note}){block} | warm-up {warmup} steps{cut} | "
             f"{threads} thread{'s' if threads > 1 else ''} | about {format_seconds(seconds)} | "
             f"peak about {memory / 1e9:.1f} GB"
             f"{' (activation checkpointing)' if t.checkpointing else ''}")

@@ -21,7 +21,7 @@ from ...models import GPT, GPTConfig, load_tokenizer
 from ...models.pretrained import load_gpt_config, load_gpt_weights
 from ...models.pretrained.usage import TextStream
 from ...models.scoring import summed_cross_entropy, token_nll
-from ..config import ConfigError, Schema, flatten, limited, nest
+from ..config import ConfigError, RunConfig, Schema, flatten, limited, nest
 from ..plan import FINE_TUNE_TOKENS_PER_STEP
 from .common import build, run_tokenizer
 
@@ -73,11 +73,16 @@ class TextData:
 
     def __init__(self, tokenizer, train_text: str, test_text: str, block_size: int,
                  new_files: dict[str, dict]):
-        self.tokenizer, self.block, self.new_files = tokenizer, block_size, new_files
+        self.tokenizer, self.new_files = tokenizer, new_files
         self.train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
         self.test_ids = torch.tensor(tokenizer.encode(test_text), dtype=torch.long)
         self.chars_per_token = len(test_text) / max(1, len(self.test_ids))
-        self.train_size = max(0, len(self.train_ids) - block_size - 1) if train_text else 0
+        self.set_block(block_size)
+
+    def set_block(self, block_size: int) -> None:
+        """Windows of ``block_size`` tokens: the training starts and the offsets of a window."""
+        self.block = block_size
+        self.train_size = max(0, len(self.train_ids) - block_size - 1)
         self.offsets = torch.arange(block_size + 1)
 
     def weight(self, index: torch.Tensor) -> int:
@@ -117,14 +122,39 @@ FINE_TUNE_TRAIN = {
 }
 FINE_TUNE_EVAL = {"max_tokens": 4096, "batch_size": 4}
 # Sized from the data once it is read (qkv.train.plan.fine_tune_sizes).
-FINE_TUNE_AUTO = ("steps", "checkpoint_every")
+FINE_TUNE_AUTO = ("train.steps", "train.checkpoint_every")
+# A fine-tune's block, when the user sets none, shrinks to a text too short for
+# DEFAULT_INIT_BLOCK (a power of two, so 1,024 tokens still make whole steps), down to this:
+# shorter windows than a few sentences teach a model little about its context.
+MIN_FITTED_BLOCK = 32
 
 
-def too_long(block: int, part: str, tokens: int) -> ConfigError:
+def more_text(data: LMData, part: str) -> str:
+    """The data settings that give ``part`` ("training" or "held-out") more tokens."""
+    longer = f"a longer text in data.path (now {data.path!r})" if data.path else \
+        f"a larger data.max_chars (now {data.max_chars:,})"
+    fraction = "larger" if part == "held-out" else "smaller"
+    return f"{longer} or a {fraction} data.test_fraction (now {data.test_fraction})"
+
+
+def longest_block(part: str, tokens: int) -> int:
+    """The longest block ``tokens`` of ``part`` hold: a window takes block_size + 1 tokens,
+    and training draws from more than one start."""
+    return tokens - 1 if part == "held-out" else tokens - 2
+
+
+def too_long(block: int, part: str, tokens: int, data: LMData) -> ConfigError:
     return ConfigError(
         f"model.block_size={block} is too long for the text: its {part} part has {tokens:,} "
-        f"tokens, and a window takes block_size + 1 (set model.block_size below {tokens:,} "
-        "or give a longer text)")
+        f"tokens, and a window takes block_size + 1 (set model.block_size to at most "
+        f"{longest_block(part, tokens):,}, or give {more_text(data, part)})")
+
+
+def check_windows(data: TextData, cfg) -> None:
+    """Refuse a text that holds no training window or no held-out window of ``data.block``."""
+    if data.train_size < 1:
+        raise too_long(data.block, "training", len(data.train_ids), cfg.data)
+    scored_ids(data, cfg)
 
 
 def scored_ids(data: TextData, cfg) -> torch.Tensor:
@@ -132,7 +162,7 @@ def scored_ids(data: TextData, cfg) -> torch.Tensor:
     the next token), within eval.max_tokens."""
     ids, limit = data.test_ids, cfg.eval.max_tokens
     if len(ids) <= data.block:
-        raise too_long(data.block, "held-out", len(ids))
+        raise too_long(data.block, "held-out", len(ids), cfg.data)
     if limit and limit < data.block:
         raise ConfigError(f"eval.max_tokens={limit} is less than one window of "
                           f"model.block_size={data.block} tokens; nothing would be scored")
@@ -174,10 +204,42 @@ class LMTask:
         if "train.batch_size" not in explicit:
             train["batch_size"] = max(1, FINE_TUNE_TOKENS_PER_STEP // block)
         evals = {k: v for k, v in FINE_TUNE_EVAL.items() if f"eval.{k}" not in explicit}
-        auto = frozenset(k for k in FINE_TUNE_AUTO if f"train.{k}" not in explicit)
+        auto = frozenset(k for k in (*FINE_TUNE_AUTO, "model.block_size", "train.batch_size")
+                         if k not in explicit)
         return dataclasses.replace(cfg, model=model, auto=auto,
                                    train=dataclasses.replace(cfg.train, **train),
                                    eval=dataclasses.replace(cfg.eval, **evals))
+
+    def fit_block(self, cfg: RunConfig, data: TextData) -> tuple[RunConfig, str]:
+        """(cfg, note) for a fine-tune whose block the user did not set: the default block, or
+        for a text too short for it the longest power of two that leaves a training and a
+        held-out window (with the batch size that keeps a step's tokens, unless set), and the
+        note the plan prints; ``data`` takes that block. A text without windows of
+        MIN_FITTED_BLOCK tokens is refused, naming model.block_size and the data settings."""
+        auto = cfg.auto - {"model.block_size", "train.batch_size"}
+        block = data.block
+        room, part, tokens = min((longest_block(name, len(ids)), name, len(ids)) for name, ids
+                                 in (("training", data.train_ids), ("held-out", data.test_ids)))
+        if room >= block:
+            check_windows(data, cfg)
+            return dataclasses.replace(cfg, auto=auto), ""
+        if room < MIN_FITTED_BLOCK:
+            raise ConfigError(
+                f"the text is too short to fine-tune on: its {part} part has {tokens:,} tokens, "
+                f"too few for model.block_size={MIN_FITTED_BLOCK}, the shortest it is sized to "
+                f"when unset; give {more_text(cfg.data, part)}, or set model.block_size to at "
+                f"most {room:,}")
+        fitted = 2 ** int(math.log2(room))
+        data.set_block(fitted)
+        check_windows(data, cfg)
+        train = cfg.train
+        if "train.batch_size" in cfg.auto:
+            train = dataclasses.replace(train, batch_size=max(
+                1, FINE_TUNE_TOKENS_PER_STEP // fitted))
+        note = (f"model.block_size={fitted}, not {block}: the text's {part} part has "
+                f"{tokens:,} tokens (set model.block_size to choose)")
+        return dataclasses.replace(cfg, model={**cfg.model, "block_size": fitted}, train=train,
+                                   auto=auto), note
 
     def initialize(self, model, init: str) -> None:
         """Copy the weights of checkpoint ``init`` into ``model`` (built from its config; whole,
@@ -204,10 +266,10 @@ class LMTask:
                                 lambda: [train_text], cfg.data.vocab_size, new_files)
         data = TextData(tok, train_text if train else "", test_text, cfg.model["block_size"],
                         new_files)
-        if train:  # before the model is built and trained, not at the final evaluation
-            if data.train_size < 1:
-                raise too_long(data.block, "training", len(data.train_ids))
-            scored_ids(data, cfg)
+        # Before the model is built and trained, not at the final evaluation; a block sized
+        # to the text is checked once it is (fit_block).
+        if train and "model.block_size" not in cfg.auto:
+            check_windows(data, cfg)
         return data
 
     def build_model(self, cfg, data: TextData):
