@@ -59,7 +59,7 @@ def test_bad_values_name_the_field(make, message):
 
 FLAT = dict(vocab_size=37, block_size=20, n_layer=2, n_head=4, d_model=16, n_kv_head=2,
             positions="rope", rope_base=500.0, norm="rmsnorm", ffn="swiglu", bias=False,
-            dropout=0.0, similarity="dot", attention="softmax", tie_embeddings=False)
+            dropout=0.0, similarity="dot", attention="multihead", tie_embeddings=False)
 
 
 def test_the_old_flat_form_upgrades_to_the_same_config():

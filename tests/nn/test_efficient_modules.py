@@ -18,7 +18,7 @@ def kind_module(kind, d_model=16, n_head=4, n_kv_head=2, is_cross=False):
     torch.manual_seed(0)
     return build_attention(
         kind, d_model=d_model, n_head=n_head, n_kv_head=n_kv_head, bias=True, dropout=0.0,
-        similarity="dot", rope=None, is_cross=is_cross,
+        similarity="dot", weighting="softmax", rope=None, is_cross=is_cross,
     ).double().eval()
 
 

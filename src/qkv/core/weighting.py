@@ -75,6 +75,12 @@ class Weighting(Node):
     def check_heads(self, heads: int) -> None:
         """Raise ValueError when the weighting holds per-head values for another head count."""
 
+    def for_context(self, length: int) -> Weighting:
+        """The weighting with the sequence length it reads (sigmoid's −log N, relu's 1/N)
+        fixed to ``length``, a model's context, instead of each call's Nk: a model then weighs
+        a row alike in its whole forward and in KV-cache decoding, whose calls have fewer keys."""
+        return self
+
     @property
     def is_softmax(self) -> bool:
         return isinstance(self, Softmax)
@@ -152,6 +158,9 @@ class Sigmoid(Elementwise):
     def score_fn(self, nk):
         return _SigmoidFn(-math.log(nk) if self.bias is None else self.bias)
 
+    def for_context(self, length):
+        return Sigmoid(-math.log(length)) if self.bias is None else self
+
     def tensors(self):
         return (self.bias,) if isinstance(self.bias, Tensor) else ()
 
@@ -175,13 +184,26 @@ class _ReluFn(ScoreMod):
 
 
 class Relu(Elementwise):
-    """relu(s) / Nk (Wortsman et al., "Replacing softmax with ReLU in Vision Transformers",
-    2023)."""
+    """relu(s) / N (Wortsman et al., "Replacing softmax with ReLU in Vision Transformers",
+    2023); ``length`` N, None for each call's Nk."""
 
     name = "relu"
 
+    def __init__(self, length: int | None = None):
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                                   or length < 1):
+            raise ValueError(f"relu: length must be a positive int or None (Nk); got "
+                             f"{length!r}")
+        self.length = length
+
     def score_fn(self, nk):
-        return _ReluFn(1.0 / nk)
+        return _ReluFn(1.0 / (nk if self.length is None else self.length))
+
+    def for_context(self, length):
+        return Relu(length) if self.length is None else self
+
+    def __repr__(self):
+        return f"relu(length={'Nk' if self.length is None else self.length})"
 
 
 class Identity(Elementwise):
@@ -376,8 +398,8 @@ def stick_breaking(include_self: bool = False) -> Weighting:
     return StickBreaking(include_self)
 
 
-def relu() -> Weighting:
-    return Relu()
+def relu(length: int | None = None) -> Weighting:
+    return Relu(length)
 
 
 def identity() -> Weighting:

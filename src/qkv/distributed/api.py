@@ -7,13 +7,14 @@ from torch import Tensor
 
 from qkv.core.masks import as_mask
 from qkv.core.problem import build_problem
+from qkv.core.weighting import as_weighting
 
 from .agree import agree, describe
 from .layout import pieces_per_rank
 from .ring import Plan, RingAttention
 
 # What a block call may receive besides q, k, v, mask and score_mod.
-_ENGINE_KWARGS = ("similarity", "scale", "metric", "backend")
+_ENGINE_KWARGS = ("similarity", "scale", "metric", "backend", "weighting")
 
 
 def context_parallel_attention(
@@ -38,7 +39,8 @@ def context_parallel_attention(
             metric, a tensor scale, a user similarity's tensors, sinks) over the group, so each
             rank holds the whole sequence's gradient. Pass False when something else sums them
             already (DDP over the same ranks, as ``qkv train`` does).
-        **attention_kwargs: similarity, scale, metric, backend, as in ``qkv.attention``.
+        **attention_kwargs: similarity, scale, metric, backend, as in ``qkv.attention``;
+            ``weighting`` only "softmax".
 
     Returns:
         (B, H, Nq/P, Dv), this rank's shard of the output, in the layout of q.
@@ -64,6 +66,11 @@ def context_parallel_attention(
         kwargs = {key: attention_kwargs[key] for key in ("similarity", "scale", "metric")
                   if key in attention_kwargs}
         problem = build_problem(q, k, v, score_mod=score_mod, **kwargs)
+        weighting = as_weighting(attention_kwargs.pop("weighting", "softmax"))
+        if not weighting.is_softmax:
+            raise ValueError(f"context parallel attention merges softmax shards by their "
+                             f"log-sum-exp; the weighting {weighting!r} is not merged across "
+                             f"ranks: run it in one process")
         mask_obj = as_mask(mask)
         if mask_obj is not None:
             mask_obj.check(q.shape[0], q.shape[1], q.shape[2] * world, k.shape[2] * world)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.similarity import Similarity, get_similarity
+from ..core.weighting import Weighting, as_weighting
 from ..distributed.context import active as active_context_parallel
 from ..engines.api import attention
 from .linear import Linear
@@ -74,6 +75,9 @@ class MultiHeadAttention(nn.Module):
             initialized to the identity, and a user similarity's ``nn.Parameter``s join the
             module's parameters, as does a scale that is an ``nn.Parameter`` of shape () or
             (H,) (a learnable temperature: Swin V2's cosine attention).
+        weighting: how scores become weights, as ``qkv.attention`` takes it: "softmax",
+            "sigmoid", ... or an object from ``qkv.weighting``, whose ``nn.Parameter``s
+            (a learnable sigmoid bias) join the module's parameters.
         rope: a shared RotaryEmbedding applied to q and k (self-attention only).
         is_cross: True for encoder-decoder attention (keys come from a memory, which a cache
             keeps after the first call).
@@ -91,7 +95,7 @@ class MultiHeadAttention(nn.Module):
         dropout: float = 0.0, similarity: str | Similarity = "dot",
         scale: float | Tensor | None = None, head_dim: int | None = None,
         rope: RotaryEmbedding | None = None,
-        is_cross: bool = False,
+        is_cross: bool = False, weighting: str | Weighting = "softmax",
     ):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -122,6 +126,9 @@ class MultiHeadAttention(nn.Module):
         # module that uses the same similarity, as the similarity itself is).
         self.similarity_params = nn.ParameterList(
             [t for t in resolved.tensors() if isinstance(t, nn.Parameter)])
+        self.weighting = as_weighting(weighting)
+        self.weighting_params = nn.ParameterList(
+            [t for t in self.weighting.tensors() if isinstance(t, nn.Parameter)])
         if resolved.needs_metric:
             eye = torch.eye(self.head_dim).expand(n_head, -1, -1).clone()
             self.metric = nn.Parameter(eye)
@@ -185,7 +192,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)
         kwargs = dict(
             mask=mask, score_mod=score_mod, similarity=self.similarity, scale=self.scale,
-            metric=self.metric, return_weights=return_weights,
+            metric=self.metric, return_weights=return_weights, weighting=self.weighting,
             dropout_p=self.dropout if self.training else 0.0, fp32_precision=self.fp32_precision,
         )
         split = active_context_parallel()

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..core.similarity import SIMILARITIES
+from ..core.weighting import WEIGHTINGS, as_weighting
 from ..limits import check_limits, limited
 from .attention import MultiHeadAttention
 from .feedforward import ACTIVATIONS, feed_forward
@@ -28,8 +29,8 @@ class BlockConfig:
 
     ``n_kv_head``: key/value heads for grouped-query attention (None: n_head); ``d_ff``: the
     feed-forward width (None: 4 * d_model); ``norm_first``: pre-norm (True) or the paper's
-    post-norm; ``similarity`` and ``attention`` name a registered similarity and an attention
-    kind (``qkv.nn.kinds``)."""
+    post-norm; ``similarity``, ``weighting`` and ``attention`` name a registered similarity,
+    how scores become weights (``qkv.weighting``) and an attention kind (``qkv.nn.kinds``)."""
 
     d_model: int = limited(512, "[1, inf)")
     n_head: int = limited(8, "[1, inf)")
@@ -42,7 +43,8 @@ class BlockConfig:
     ffn: str = limited("gelu", choices=ACTIVATIONS)
     bias: bool = True
     similarity: str = limited("dot", choices=lambda: tuple(SIMILARITIES))
-    attention: str = limited("softmax", choices=lambda: tuple(ATTENTION_KINDS))
+    weighting: str = limited("softmax", choices=lambda: tuple(WEIGHTINGS))
+    attention: str = limited("multihead", choices=lambda: tuple(ATTENTION_KINDS))
 
     def __post_init__(self):
         for name in ("d_model", "n_head"):
@@ -67,14 +69,18 @@ class BlockConfig:
 
 
 def attention_layer(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
-                    is_cross: bool = False) -> nn.Module:
-    """The attention layer of kind ``cfg.attention`` (``qkv.nn.kinds``)."""
+                    is_cross: bool = False, context: int | None = None) -> nn.Module:
+    """The attention layer of kind ``cfg.attention`` (``qkv.nn.kinds``). ``context``: the
+    model's longest sequence, which fixes the length a weighting reads
+    (``Weighting.for_context``); None leaves it to each call."""
     if cfg.attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got "
                          f"{cfg.attention!r}")
     return ATTENTION_KINDS[cfg.attention](
         d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, bias=cfg.bias,
         dropout=cfg.dropout, similarity=cfg.similarity, rope=rope, is_cross=is_cross,
+        weighting=(as_weighting(cfg.weighting) if context is None else
+                   as_weighting(cfg.weighting).for_context(context)),
     )
 
 
@@ -87,19 +93,23 @@ def sublayer(cfg: BlockConfig) -> Sublayer:
     return Sublayer(norm_layer(cfg), cfg.dropout, cfg.norm_first)
 
 
-def transformer_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None) -> TransformerBlock:
-    """A self-attention block built from ``cfg`` (``rope``: the stack's shared rotation)."""
+def transformer_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
+                      context: int | None = None) -> TransformerBlock:
+    """A self-attention block built from ``cfg`` (``rope``: the stack's shared rotation;
+    ``context``: the model's longest sequence, as ``attention_layer`` takes it)."""
     return TransformerBlock(
-        attention_layer(cfg, rope),
+        attention_layer(cfg, rope, context=context),
         feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
         sublayer(cfg), sublayer(cfg),
     )
 
 
-def decoder_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None) -> DecoderBlock:
+def decoder_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
+                  context: int | None = None) -> DecoderBlock:
     """A decoder block built from ``cfg``: self-attention, cross-attention, feed-forward."""
     return DecoderBlock(
-        attention_layer(cfg, rope), attention_layer(cfg, None, is_cross=True),
+        attention_layer(cfg, rope, context=context),
+        attention_layer(cfg, None, is_cross=True, context=context),
         feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
         sublayer(cfg), sublayer(cfg), sublayer(cfg),
     )

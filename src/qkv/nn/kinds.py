@@ -5,12 +5,13 @@ once per layer when a block is built (``register_attention_kind`` adds a user's 
 A kind must implement this protocol:
 
 Constructor (the builder), keywords only:
-    builder(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope, is_cross)
-        -> nn.Module
+    builder(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
+            is_cross) -> nn.Module
     ``rope`` is a shared ``RotaryEmbedding`` or None (self-attention only); ``is_cross`` is
     True for encoder-decoder attention, whose keys come from a memory (a block names that
-    layer ``cross_attn``; the viewer reads layers from such module paths). A kind that
-    cannot honour an argument (say, a similarity) raises ValueError there.
+    layer ``cross_attn``; the viewer reads layers from such module paths). ``weighting``
+    names how scores become weights (``qkv.weighting``). A kind that cannot honour an
+    argument (say, a similarity or a weighting) raises ValueError there.
 
 Forward:
     module(x, memory=None, *, mask=None, score_mod=None, positions=None, cache=None)
@@ -40,17 +41,18 @@ from .linear_attention import linear_kind
 from .retention import retention_kind
 
 
-def softmax_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
-                 is_cross) -> MultiHeadAttention:
-    """The builder of attention kind "softmax": ``qkv.attention`` with the block's similarity."""
+def multihead_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
+                   is_cross) -> MultiHeadAttention:
+    """The builder of attention kind "multihead": ``qkv.attention`` with the block's
+    similarity and weighting."""
     return MultiHeadAttention(
         d_model, n_head, n_kv_head=n_kv_head, bias=bias, dropout=dropout,
-        similarity=similarity, rope=rope, is_cross=is_cross,
+        similarity=similarity, weighting=weighting, rope=rope, is_cross=is_cross,
     )
 
 
 ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {
-    "softmax": softmax_kind,
+    "multihead": multihead_kind,
     "linear": linear_kind("elu", "linear"),
     "linear_favor": linear_kind("favor", "linear_favor"),
     "retention": retention_kind,

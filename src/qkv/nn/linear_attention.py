@@ -30,6 +30,7 @@ from ..core.masks import (
     TensorMask,
     as_mask,
 )
+from ..core.weighting import as_weighting
 from .linear import Linear
 from .positions import RotaryEmbedding
 
@@ -189,7 +190,7 @@ class LinearAttention(nn.Module):
         """x (B, N, d_model), memory (B, M, d_model) for cross-attention -> (B, N, d_model)."""
         if return_weights:
             raise no_weights_error(
-                "LinearAttention", "Use attention='softmax' layers to capture weights."
+                "LinearAttention", "Use attention='multihead' layers to capture weights."
             )
         if score_mod is not None:
             raise ValueError(
@@ -254,11 +255,19 @@ def _check_dot(similarity: str, kind: str) -> None:
         )
 
 
+def check_softmax_weighting(weighting, kind: str) -> None:
+    """A kind with its own way from scores to outputs refuses any other weighting."""
+    if not as_weighting(weighting).is_softmax:
+        raise ValueError(f"attention={kind!r} has its own normalization, not a weighting of "
+                         f"scores; weighting must be 'softmax'; got {weighting!r}")
+
+
 def linear_kind(feature_map: str, kind: str):
     """The builder of attention kind ``kind`` (see ``qkv.nn.kinds``)."""
-    def build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
+    def build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
               is_cross) -> LinearAttention:
         _check_dot(similarity, kind)
+        check_softmax_weighting(weighting, kind)
         return LinearAttention(
             d_model, n_head, n_kv_head=n_kv_head, bias=bias, feature_map=feature_map, rope=rope,
             is_cross=is_cross,

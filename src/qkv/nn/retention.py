@@ -17,7 +17,12 @@ from torch import Tensor, nn
 from ..core.linear import check_positive_int, no_weights_error
 from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
 from .linear import Linear
-from .linear_attention import StateCache, causal_and_key_mask, split_heads
+from .linear_attention import (
+    StateCache,
+    causal_and_key_mask,
+    check_softmax_weighting,
+    split_heads,
+)
 from .positions import RotaryEmbedding
 
 
@@ -54,7 +59,7 @@ class Retention(nn.Module):
         if is_cross:
             raise ValueError(
                 "retention is causal self-attention over one sequence; it has no "
-                "cross-attention form (is_cross=True); use attention='softmax' or 'linear'"
+                "cross-attention form (is_cross=True); use attention='multihead' or 'linear'"
             )
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, d_model // n_head
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
@@ -114,9 +119,10 @@ class Retention(nn.Module):
         return self.out_proj(F.silu(self.gate_proj(x)) * normed)
 
 
-def retention_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, rope,
+def retention_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
                    is_cross) -> Retention:
     """The builder of attention kind "retention" (see ``qkv.nn.kinds``)."""
+    check_softmax_weighting(weighting, "retention")
     if similarity != "dot":
         raise ValueError(
             f"attention='retention' uses q·k with a decay; similarity must be 'dot'; got "

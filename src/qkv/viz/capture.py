@@ -148,7 +148,7 @@ def _check_no_weights(name: str, module: nn.Module) -> None:
         raise ValueError(
             f"{name} is {type(module).__name__}, an attention kind with no attention weights "
             "(linear attention and retention never form a softmax over keys), so there are no "
-            "maps to capture; capture works on softmax attention (attention='softmax')"
+            "maps to capture; capture works on multi-head attention (attention='multihead')"
         )
 
 

@@ -228,7 +228,7 @@ class TranslateTask:
         if heatmap is None:
             return
         kind = model.config.block.attention
-        if kind != "softmax":
+        if kind != "multihead":
             print(f"no cross-attention heatmap: attention={kind!r} forms no attention weights",
                   file=out)
             return
