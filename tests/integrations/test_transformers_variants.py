@@ -1,6 +1,8 @@
 """A registered variant (L1 similarity) on a pretrained-style model against a materialized L1
 reference, torch.compile of models on qkv, and the errors that name what qkv cannot honour."""
 
+import math
+
 import pytest
 import torch
 import transformers as tf
@@ -34,6 +36,29 @@ def test_l1_variant_matches_a_materialized_l1_reference():
     assert max((grads[n] - ref_grads[n]).abs().max() for n in grads) <= 1e-4
     eager, _, _ = run(model, "eager", ids, mask)
     assert (logits - eager)[mask.bool()].abs().max() > 1e-3  # the variant does change the model
+
+
+def sigmoid_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """σ(scaling·q·k - log Nk) materialized; eager's additive mask (-inf) gives σ = 0."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = scaling * query @ key.transpose(-1, -2) + attention_mask - math.log(key.shape[2])
+    weights = torch.sigmoid(scores)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def test_a_registered_weighting_matches_a_materialized_sigmoid_reference():
+    tf.AttentionInterface.register("sigmoid_reference", sigmoid_reference)
+    AttentionMaskInterface.register("sigmoid_reference", eager_mask)
+    assert register("qkv_sigmoid", weighting="sigmoid") == "qkv_sigmoid"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tiny(tf.LlamaConfig)).eval()
+    ids, mask = left_padded()
+    ref_logits, ref_grads, _ = run(model, "sigmoid_reference", ids, mask)
+    logits, grads, _ = run(model, "qkv_sigmoid", ids, mask)
+    assert (logits - ref_logits)[mask.bool()].abs().max() <= 1e-5
+    assert max((grads[n] - ref_grads[n]).abs().max() for n in grads) <= 1e-4
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from .masks import Prepared, Unmasked
 _UNSUPPORTED = {"position_bias", "layer_head_mask"}
 
 # What ``register(**attention_kwargs)`` may set: the variant, on top of the model's own.
-VARIANT_KEYS = ("similarity", "score_mod", "mask", "scale", "metric", "backend")
+VARIANT_KEYS = ("similarity", "score_mod", "mask", "scale", "metric", "backend", "weighting")
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
