@@ -122,7 +122,19 @@ def test_tensors_that_keep_no_version_are_not_keyed():
         ids = torch.arange(100) // 30
     assert qkv.segments(ids).layout_key() is None
     assert qkv.segments(torch.arange(100, device="meta")).layout_key() is None
-    assert qkv.segments(torch.arange(100) // 30).layout_key() is not None
+
+
+def test_a_layout_key_is_equal_over_the_same_unchanged_tensor_only():
+    ids = torch.arange(100) // 30
+    key = qkv.segments(ids).layout_key()
+    assert qkv.segments(ids).layout_key() == key  # a new mask over the same tensor
+    assert hash(qkv.segments(ids).layout_key()) == hash(key)
+    assert qkv.segments(ids.clone()).layout_key() != key  # equal values, other memory
+    assert qkv.padding(ids).layout_key() != key  # another rule over the same tensor
+    assert (qkv.causal() & qkv.segments(ids)).layout_key() == (
+        qkv.causal() & qkv.segments(ids)).layout_key()
+    ids[0] = 0  # an in-place write, even of the value it held, moves the version
+    assert qkv.segments(ids).layout_key() != key
 
 
 def test_only_the_last_layouts_are_kept(monkeypatch):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import qkv
 from qkv.nn import MultiHeadAttention
@@ -150,8 +151,19 @@ def test_returned_weights_and_similarities():
         assert out.shape == (2, 4, 8)
         assert torch.allclose(weights.sum(-1), torch.ones(2, 2, 4))
     assert m.metric.shape == (2, 4, 4)
-    out.sum().backward()
-    assert m.metric.grad is not None
+    with torch.no_grad():
+        m.metric.add_(0.1 * torch.randn(2, 4, 4))  # a metric other than the identity
+    m(x).sum().backward()
+    # The metric's gradient against the same attention in float64, written out:
+    # score = -||L(q - k)||^2 / sqrt(d) per head.
+    metric = m.metric.detach().double().requires_grad_()
+    q, k, v = (F.linear(x.double(), p.weight.double(), p.bias.double())
+               .view(2, 4, 2, 4).transpose(1, 2) for p in (m.q_proj, m.k_proj, m.v_proj))
+    diff = q[:, :, :, None, :] - k[:, :, None, :, :]  # (B, H, Nq, Nk, d)
+    scores = -(diff @ metric.transpose(-1, -2)[None, :, None]).square().sum(-1) / 2
+    out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 4, 8)
+    F.linear(out, m.out_proj.weight.double(), m.out_proj.bias.double()).sum().backward()
+    torch.testing.assert_close(m.metric.grad, metric.grad.float(), rtol=1e-4, atol=1e-5)
 
 
 def test_a_learnable_per_head_temperature_trains_with_the_module():

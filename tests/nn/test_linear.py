@@ -73,9 +73,14 @@ def test_f_linear_serves_what_onednn_does_not(monkeypatch, case):
     layer = Linear(16, 8)
     x = torch.randn(4, 16)
     if case == "grad":
+        x.requires_grad_()
         y = layer(x)
         y.sum().backward()  # autograd through F.linear
-        assert layer.weight.grad is not None
+        # d sum(x W^T + b) in float64: dW = 1^T x, db = the row count, dx = 1 W
+        ones = torch.ones(4, 8, dtype=torch.float64)
+        torch.testing.assert_close(layer.weight.grad, (ones.T @ x.detach().double()).float())
+        torch.testing.assert_close(layer.bias.grad, ones.sum(0).float())
+        torch.testing.assert_close(x.grad, (ones @ layer.weight.detach().double()).float())
     elif case == "float64":
         layer = layer.double()
         with torch.no_grad():

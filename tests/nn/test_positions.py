@@ -64,7 +64,16 @@ def test_alibi_and_relative_come_as_score_modifiers():
     mod = relative.score_mod()
     assert mod.tensors()[0] is relative.bias_table
     qkv.attention(q, q, q, score_mod=mod).sum().backward()
-    assert relative.bias_table.grad is not None
+    # The same attention in float64, written out: T5's buckets for distances under 8 (half
+    # of the 32 bidirectional buckets, then the exact range) are 16 * (key after query) + |d|.
+    table = relative.bias_table.detach().double().requires_grad_()
+    distance = torch.arange(5)[None, :] - torch.arange(5)[:, None]  # key - query
+    bucket = 16 * (distance > 0) + distance.abs()
+    q64 = q.double()
+    scores = q64 @ q64.transpose(-1, -2) / math.sqrt(2) + table[bucket].permute(2, 0, 1)
+    (scores.softmax(-1) @ q64).sum().backward()
+    torch.testing.assert_close(relative.bias_table.grad, table.grad.float(), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_learned_table_limit_is_named():
