@@ -464,6 +464,18 @@ def user_similarity_report(n: int, repeat: int) -> list[dict]:
 VS_SDPA = ["dot", "causal", "cosine", "l2", "mahalanobis", "alibi", "l1", "softcap"]
 
 
+# The weightings (qkv.weighting) on the fused engine: stick-breaking needs keys before each
+# query, so it runs causal and is read against SDPA's causal time.
+WEIGHTING_CASES = {
+    "sigmoid": {"weighting": "sigmoid"},
+    "relu": {"weighting": "relu"},
+    "identity": {"weighting": "identity"},
+    "user elementwise": {"weighting": qkv.weighting.elementwise(lambda s: s * torch.sigmoid(s))},
+    "softpick": {"weighting": "softpick"},
+    "stick_breaking causal": {"weighting": "stick_breaking", "mask": qkv.causal()},
+}
+
+
 def vs_sdpa_report(n: int, repeat: int) -> list[dict]:
     """Forward+backward of each variant on the fused engine as a multiple of SDPA's plain
     (and, for causal, causal) forward+backward. Each round runs every case once, each right
@@ -479,6 +491,8 @@ def vs_sdpa_report(n: int, repeat: int) -> list[dict]:
         cases[f"{name} (fused)" if name in ("dot", "causal") else name] = _qkv(
             make_case(name, n).kwargs, "fused")
     cases["user l1"] = _qkv({"similarity": USER_L1}, "fused")
+    for label, kwargs in WEIGHTING_CASES.items():
+        cases[label] = _qkv(kwargs, "fused")
     runs = {label: forward_backward(attn, n) for label, attn in {**baselines, **cases}.items()}
     times: dict[str, list[float]] = {label: [] for label in runs}
     paired: dict[str, list[float]] = {label: [] for label in cases}

@@ -328,3 +328,20 @@ def test_carries_are_what_the_engines_branch_on():
     assert carries == {"softmax": Carry.MAX_SUM, "softpick": Carry.MAX_SUM,
                        "stick_breaking": Carry.STICK, "sigmoid": Carry.NONE,
                        "relu": Carry.NONE, "identity": Carry.NONE}
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "relu", "identity", "cube"])
+def test_elementwise_weightings_run_in_the_c_blocks(name):
+    """Where C builds, an elementwise weighting's function is traced into the modifier's
+    loops and whole query blocks run in C; softpick and stick-breaking run on tiles."""
+    from qkv.core.problem import build_problem
+    from qkv.engines.cpu import fused_cpu, native, paths
+    from qkv.engines.lowering import lower
+
+    if not native.available(torch.float32):
+        pytest.skip("no C compiler")
+    q, k, v = rand_qkv(h=2, hkv=2, nq=40, nk=40, d=4, dv=3, dtype=torch.float32)
+    for weighting, path in ((weighting_of(name), paths.CpuPath.BLOCKS),
+                            ("softpick", paths.CpuPath.TILES)):
+        fq, fk, _, variant = lower(build_problem(q, k, v, weighting=weighting))
+        assert paths.choose(fused_cpu._spec(fq, fk, variant, 0.0, 0), fq)[0] is path

@@ -51,6 +51,10 @@ struct qkv_blocks {
     int64_t dout_st[3];
     void *dq;            /* backward: written rows, strided */
     int64_t dq_st[3];
+    /* 0: softmax. 1: an elementwise weighting (core/weighting.py Carry.NONE), whose function
+     * ends the modifier's loops: a tile's weights are its modified scores, 0 where masked;
+     * rows are not normalized and lse is 0; d(loss)/d(score) is dp times the slope. */
+    int64_t elementwise;
 };
 
 /* The mask rows of span s for (b, h): a (bq, cols) block of bytes, or 0 for an unmasked span. */
@@ -65,6 +69,27 @@ static inline int64_t widest_span(int64_t nspans, const int64_t *spans) {
         w = spans[2 * s + 1] - spans[2 * s] > w ? spans[2 * s + 1] - spans[2 * s] : w;
     return w;
 }
+
+/* An elementwise weighting's tile: 0 where the mask forbids (whatever the score holds). */
+#define DEFINE_WEIGHTS(T, SUFFIX)                                                           \
+static inline void zero_masked_##SUFFIX(T *s, int64_t rows, int64_t cols,                   \
+                                        const uint8_t *mask) {                              \
+    if (!mask) return;                                                                      \
+    for (int64_t e = 0; e < rows * cols; e++)                                               \
+        s[e] = mask[e] ? s[e] : 0;                                                          \
+}                                                                                           \
+/* dp <- dp * slope * scale (0 where masked, never 0 * inf): d(loss)/d(raw score) of an     \
+ * elementwise weighting from d(loss)/d(weight), slope its derivative (0: slope 1). */      \
+static inline void weight_grad_##SUFFIX(T *dp, int64_t rows, int64_t cols, const T *slope,  \
+                                        double scale_, const uint8_t *mask) {               \
+    const T scale = (T)scale_;                                                              \
+    for (int64_t e = 0; e < rows * cols; e++) {                                             \
+        const T g = (mask && !mask[e]) ? 0 : dp[e];                                         \
+        dp[e] = slope == 0 ? g : (g != 0 ? g * slope[e] * scale : 0);                       \
+    }                                                                                       \
+}
+DEFINE_WEIGHTS(float, f32)
+DEFINE_WEIGHTS(double, f64)
 
 #define DEFINE_BLOCKS(T, SUFFIX)                                                            \
 typedef void (*gemm_##SUFFIX##_t)(const char *, const char *, const int64_t *,              \
@@ -198,19 +223,23 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
                 scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s, kt);         \
                 if (c->mod_scores)                                                          \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
-                online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,   \
-                                             span_mask(masks, mask_st, sp, b, h), 1, rows,  \
-                                             0, 0);                                         \
+                if (c->elementwise)                                                         \
+                    zero_masked_##SUFFIX(s, rows, cols, span_mask(masks, mask_st, sp, b, h)); \
+                else                                                                        \
+                    online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc,      \
+                                                 c->dv, span_mask(masks, mask_st, sp, b, h), \
+                                                 1, rows, 0, 0);                            \
                 gemm("N", "N", &c->dv, &rows, &cols, &one, vh + k0 * c->v_st[2],            \
                      &c->v_st[2], s, &cols, &one, acc, &c->dv);                             \
             }                                                                               \
             T *oh = out + b * c->out_st[0] + h * c->out_st[1] + q0 * c->out_st[2];          \
             T *lh = lse + (b * c->heads + h) * c->nq + q0;                                  \
             for (int64_t i = 0; i < rows; i++) {                                            \
-                const T sum = row_sum[i], div = sum == 0 ? 1 : sum;                         \
+                const T sum = row_sum[i], div = (sum == 0 || c->elementwise) ? 1 : sum;     \
                 for (int64_t j = 0; j < c->dv; j++)                                         \
                     oh[i * c->out_st[2] + j] = acc[i * c->dv + j] / div;                    \
-                lh[i] = (row_max[i] == -(T)__builtin_inf() ? 0 : row_max[i]) + log(sum);    \
+                lh[i] = c->elementwise ? 0                                                  \
+                    : (row_max[i] == -(T)__builtin_inf() ? 0 : row_max[i]) + log(sum);      \
             }                                                                               \
         }                                                                                   \
 }                                                                                           \
@@ -255,14 +284,21 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                     modify_##SUFFIX(c, c->mod_scores_ds, s, p, rows, cols, q0, k0, b, h);   \
                 else if (c->mod_scores)                                                     \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
-                exp_sub_rows_##SUFFIX(p, rows, cols, lse + row0,                            \
-                                      span_mask(masks, mask_st, sp, b, h), 1, rows, 0, 0);  \
+                const uint8_t *allowed = span_mask(masks, mask_st, sp, b, h);               \
+                if (c->elementwise)                                                         \
+                    zero_masked_##SUFFIX(p, rows, cols, allowed);                           \
+                else                                                                        \
+                    exp_sub_rows_##SUFFIX(p, rows, cols, lse + row0, allowed, 1, rows, 0, 0); \
                 gemm("T", "N", &cols, &rows, &c->dv, &one, vh + k0 * c->v_st[2],            \
                      &c->v_st[2], doh, &c->dout_st[2], &zero, dp, &cols);                   \
                 gemm("N", "T", &cols, &c->dv, &rows, &one, p, &cols, doh, &c->dout_st[2],   \
                      &one, dvh + k0, &nk);                                                  \
-                softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,                 \
-                                           c->mod_scores_ds ? s : 0, c->mod_scale);         \
+                if (c->elementwise)                                                         \
+                    weight_grad_##SUFFIX(dp, rows, cols, c->mod_scores_ds ? s : 0,          \
+                                         c->mod_scale, allowed);                            \
+                else                                                                        \
+                    softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,             \
+                                               c->mod_scores_ds ? s : 0, c->mod_scale);     \
                 if (!QKV_BY_PRODUCTS(c->term)) {                                            \
                     term_grads_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                  \
                                         kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d);        \

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...core.weighting import Carry
 from ..lowering import TermKind, term_kind
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
@@ -50,7 +51,7 @@ class _Call(ctypes.Structure):
                 ("q_st", _STRIDES), ("k_st", _STRIDES), ("v_st", _STRIDES),
                 ("out", _PTR), ("lse", _PTR), ("out_st", _STRIDES),
                 ("dout", _PTR), ("delta", _PTR), ("dout_st", _STRIDES),
-                ("dq", _PTR), ("dq_st", _STRIDES)]
+                ("dq", _PTR), ("dq_st", _STRIDES), ("elementwise", _I64)]
 
 
 _GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
@@ -75,8 +76,9 @@ def why_not(spec: TileSpec, q: Tensor, extras: Sequence[Tensor] = ()) -> str | N
     run it)."""
     if not native.available(q.dtype) or q.dtype not in _GEMM_NAMES:
         return f"no C blocks for {q.dtype}"
-    if not spec.variant.is_softmax:
-        return "the C blocks compute softmax only: other weightings run on tiles"
+    if not (spec.variant.is_softmax or spec.variant.carry is Carry.NONE):
+        return (f"the C blocks compute softmax and elementwise weightings, not "
+                f"{spec.variant.normalizer!r}: it runs on tiles")
     reason = _term_why_not(spec, q)
     if reason is not None:
         return reason
@@ -147,7 +149,7 @@ def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor,
                  sd=sq.shape[-1], sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq),
                  sk_st=_strides(sk), scale=scale, grad_scale=scale, q=q.data_ptr(),
                  k=k.data_ptr(), v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k),
-                 v_st=_strides(v))
+                 v_st=_strides(v), elementwise=int(spec.variant.carry is Carry.NONE))
     alive = [q, k, v, sq, sk]
     if not kind.products:
         alive.append(_add_loops(call, spec, q.dtype))
