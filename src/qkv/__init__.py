@@ -6,10 +6,13 @@ lowers a request and runs it on an engine (``qkv.engines``); the layers and mode
 ``qkv.nn`` and ``qkv.models``.
 """
 
-from . import core, engines, models, nn, weighting  # noqa: F401  (qkv.core, qkv.engines, ...)
+from . import core, engines, models, nn, threads, weighting  # noqa: F401  (qkv.core, qkv.engines, ...)
 from .core import *  # noqa: F403
 from .core import __all__ as _core_names
 from .engines.api import attention, explain
+
+# Before qkv runs torch's unary functions on several threads (threads.choose_vml_kernels).
+threads.choose_vml_kernels()
 
 __all__ = ["attention", "explain", *_core_names]
 

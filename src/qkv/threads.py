@@ -6,6 +6,10 @@ busy job on 2 cores, SmolLM2's 64-token prefill takes 0.14-5.2 s on 2 threads an
 on 1 (docs/training.md, "Threads"). The automatic choice therefore leaves out the cores the
 last minute's load average says are taken, and says so on stderr. An OMP_NUM_THREADS in the
 environment is a choice already made, and stands.
+
+Before any of that, ``import qkv`` makes MKL choose its vector math kernels on one thread
+(``choose_vml_kernels``): chosen on several threads at once, one of them can compute its share
+of that call to about half the bits.
 """
 
 from __future__ import annotations
@@ -80,3 +84,27 @@ def configure(threads: int | None) -> int:
             print(note, file=sys.stderr, flush=True)
     torch.set_num_threads(threads)
     return threads
+
+
+# The unary functions that torch computes with MKL's vector math (VML) on contiguous float32
+# and float64 tensors (ATen's cpu/vml.h), each a kernel of its own per precision.
+_VML_FUNCTIONS = (torch.acos, torch.asin, torch.atan, torch.cos, torch.erf, torch.erfc,
+                  torch.erfinv, torch.exp, torch.log, torch.log10, torch.log2, torch.sin,
+                  torch.sqrt, torch.tan, torch.tanh, torch.trunc)
+
+
+def choose_vml_kernels() -> None:
+    """Call each of MKL's vector math functions once, on one element (so on this thread
+    alone), in float32 and float64. oneMKL 2024.2, which torch's wheels link, chooses a
+    function's kernel on its first call; when that call runs on several of torch's threads at
+    once (a first torch.exp of a large tensor, or the CPU engines' workers), one thread can
+    run a low-accuracy kernel for its whole share of it while another chooses, as on Intel
+    Xeons: a float64 exp then errs by about 1e-8 on one thread's half of the tensor, in that
+    call only. After one call on one thread the choice is made, and later calls on any
+    thread get the full-accuracy kernel."""
+    if not torch.backends.mkl.is_available():
+        return
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((1,), 0.5, dtype=dtype)
+        for function in _VML_FUNCTIONS:
+            function(x)
