@@ -24,7 +24,7 @@ from ..core.problem import Problem
 from ..core.reference import accumulation_dtype
 from ..core.similarity import DOT, NEG_L1, NEG_SQDIST
 from ..core.structure import Node
-from ..core.weighting import SOFTMAX, Carry, Weighting
+from ..core.weighting import SOFTMAX, Carry, Softmax, Softpick, StickBreaking, Weighting
 
 
 class TermKind(enum.IntEnum):
@@ -51,9 +51,34 @@ def term_kind(pair) -> TermKind:
     return _KINDS.get(pair.term, TermKind.TRACED)
 
 
+class WeightsKind(enum.IntEnum):
+    """How an engine's hand-written loops turn a tile's scores into weights: one branch per
+    kind in each engine that has them; a weighting with no kind runs where the loops derive
+    from its definition alone (``cpu/carries.py``)."""
+
+    SOFTMAX = 0
+    ELEMENTWISE = 1  # Carry.NONE: the weighting's function ends the modifier's loops
+    SOFTPICK = 2
+    STICK = 3
+
+
+_WEIGHTS = {Softmax: WeightsKind.SOFTMAX, Softpick: WeightsKind.SOFTPICK,
+            StickBreaking: WeightsKind.STICK}
+
+
+def weights_kind(variant: Lowered) -> WeightsKind | None:
+    """The kind of ``variant``'s weighting, or None for one without hand-written loops (a
+    subclass of a built-in is its own weighting, and has none)."""
+    if variant.carry is Carry.NONE:
+        return WeightsKind.ELEMENTWISE
+    return _WEIGHTS.get(type(variant.normalizer))
+
+
 def c_defines() -> list[str]:
-    """The compiler flags that give C sources the kinds by name: -DQKV_TERM_DOT=0, ..."""
-    return [f"-DQKV_TERM_{kind.name}={kind.value}" for kind in TermKind]
+    """The compiler flags that give C sources the kinds by name: -DQKV_TERM_DOT=0, ...,
+    -DQKV_WEIGHTS_SOFTMAX=0, ..."""
+    return ([f"-DQKV_TERM_{kind.name}={kind.value}" for kind in TermKind]
+            + [f"-DQKV_WEIGHTS_{kind.name}={kind.value}" for kind in WeightsKind])
 
 
 class Lowered(Node):

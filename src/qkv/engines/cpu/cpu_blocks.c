@@ -51,10 +51,16 @@ struct qkv_blocks {
     int64_t dout_st[3];
     void *dq;            /* backward: written rows, strided */
     int64_t dq_st[3];
-    /* 0: softmax. 1: an elementwise weighting (core/weighting.py Carry.NONE), whose function
-     * ends the modifier's loops: a tile's weights are its modified scores, 0 where masked;
-     * rows are not normalized and lse is 0; d(loss)/d(score) is dp times the slope. */
-    int64_t elementwise;
+    /* How scores become weights (engines/lowering.py WeightsKind, by name from the compile
+     * flags): QKV_WEIGHTS_SOFTMAX; QKV_WEIGHTS_ELEMENTWISE, whose function ends the
+     * modifier's loops (a tile's weights are its modified scores, 0 where masked, rows not
+     * normalized, lse 0, d(loss)/d(score) dp times the slope); QKV_WEIGHTS_SOFTPICK
+     * (relu(e^s - 1) / (sum |e^s - 1| + weights_eps), max kept >= 0, lse = log of the
+     * denominator); QKV_WEIGHTS_STICK (stick-breaking over the keys before each query, or up
+     * to it with weights_self; spans visited from the nearest; lse = the softplus mass). */
+    int64_t weights;
+    double weights_eps;
+    int64_t weights_self;
 };
 
 /* The mask rows of span s for (b, h): a (bq, cols) block of bytes, or 0 for an unmasked span. */
@@ -70,16 +76,17 @@ static inline int64_t widest_span(int64_t nspans, const int64_t *spans) {
     return w;
 }
 
-/* An elementwise weighting's tile: 0 where the mask forbids (whatever the score holds). */
-#define DEFINE_WEIGHTS(T, SUFFIX)                                                           \
+/* The weightings' steps on one head's tile of rows x cols (row-major), its mask rows `mask`
+ * (bytes, rows x cols) or 0. A forbidden pair has weight 0 whatever its score holds. */
+#define DEFINE_WEIGHTS(T, SUFFIX, EXP, EXPM1, LOG1P)                                        \
 static inline void zero_masked_##SUFFIX(T *s, int64_t rows, int64_t cols,                   \
                                         const uint8_t *mask) {                              \
     if (!mask) return;                                                                      \
     for (int64_t e = 0; e < rows * cols; e++)                                               \
         s[e] = mask[e] ? s[e] : 0;                                                          \
 }                                                                                           \
-/* dp <- dp * slope * scale (0 where masked, never 0 * inf): d(loss)/d(raw score) of an     \
- * elementwise weighting from d(loss)/d(weight), slope its derivative (0: slope 1). */      \
+/* dp <- dp * slope * scale (0 where masked, never 0 * inf): d(loss)/d(raw score) from      \
+ * d(loss)/d(modified score), slope the modifier's derivative (0: slope 1). */              \
 static inline void weight_grad_##SUFFIX(T *dp, int64_t rows, int64_t cols, const T *slope,  \
                                         double scale_, const uint8_t *mask) {               \
     const T scale = (T)scale_;                                                              \
@@ -87,9 +94,99 @@ static inline void weight_grad_##SUFFIX(T *dp, int64_t rows, int64_t cols, const
         const T g = (mask && !mask[e]) ? 0 : dp[e];                                         \
         dp[e] = slope == 0 ? g : (g != 0 ? g * slope[e] * scale : 0);                       \
     }                                                                                       \
+}                                                                                           \
+/* e^(x-m) - e^(-m) = e^(-m) (e^x - 1), with expm1 keeping the digits near x = 0. */        \
+static inline T softpick_term_##SUFFIX(T x, T m, T em) {                                    \
+    return x < 1 ? EXPM1(x) * em : EXP(x - m) - em;                                         \
+}                                                                                           \
+/* Softpick's online step: the max (>= 0) and the sum of |e^(s-m) - e^(-m)| updated, s      \
+ * replaced by relu of it, acc (rows x dv) rescaled to the new max. */                      \
+static inline void softpick_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max,     \
+                                          T *row_sum, T *acc, int64_t dv,                   \
+                                          const uint8_t *mask) {                            \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        T *row = s + r * cols, m = row_max[r], sum = 0;                                     \
+        const uint8_t *allowed = mask ? mask + r * cols : 0;                                \
+        for (int64_t j = 0; j < cols; j++)                                                  \
+            if (!allowed || allowed[j]) m = row[j] > m ? row[j] : m;                        \
+        const T em = EXP(-m);                                                               \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            if (allowed && !allowed[j]) { row[j] = 0; continue; }                           \
+            const T d = softpick_term_##SUFFIX(row[j], m, em);                              \
+            row[j] = d > 0 ? d : 0;                                                         \
+            sum += d > 0 ? d : -d;                                                          \
+        }                                                                                   \
+        const T c = EXP(row_max[r] - m);                                                    \
+        for (int64_t j = 0; j < dv; j++) acc[r * dv + j] *= c;                              \
+        row_sum[r] = row_sum[r] * c + sum;                                                  \
+        row_max[r] = m;                                                                     \
+    }                                                                                       \
+}                                                                                           \
+/* Softpick's weights from the saved log Z: e^(x - lz) (1 - e^-x) for x > 0, else 0. */     \
+static inline void softpick_weights_##SUFFIX(const T *sc, T *w, int64_t rows, int64_t cols, \
+                                             const T *lz, const uint8_t *mask) {            \
+    for (int64_t r = 0; r < rows; r++)                                                      \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            const int64_t e = r * cols + j;                                                 \
+            const T x = sc[e];                                                              \
+            w[e] = (mask && !mask[e]) || !(x > 0) ? 0 : -EXP(x - lz[r]) * EXPM1(-x);        \
+        }                                                                                   \
+}                                                                                           \
+/* dp <- e^(x - lz) ([x > 0] dp - sign(x) delta): softpick's d(loss)/d(score). */           \
+static inline void softpick_grad_##SUFFIX(const T *sc, T *dp, int64_t rows, int64_t cols,   \
+                                          const T *lz, const T *delta,                      \
+                                          const uint8_t *mask) {                            \
+    for (int64_t r = 0; r < rows; r++)                                                      \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            const int64_t e = r * cols + j;                                                 \
+            const T x = sc[e];                                                              \
+            if ((mask && !mask[e]) || x == 0) { dp[e] = 0; continue; }                      \
+            dp[e] = EXP(x - lz[r]) * (x > 0 ? dp[e] - delta[r] : delta[r]);                 \
+        }                                                                                   \
+}                                                                                           \
+static inline T softplus_##SUFFIX(T x) {                                                    \
+    return x > 0 ? x + LOG1P(EXP(-x)) : LOG1P(EXP(x));                                      \
+}                                                                                           \
+/* Stick-breaking's weights of one tile, keys from the last to the first: w = sigma(x)      \
+ * e^(-spent), spent the softplus mass of the keys after (carried in spent[r]). Keys at or  \
+ * after the query's position (after it with include_self) take no share. */                \
+static inline void stick_weights_##SUFFIX(const T *sc, T *w, int64_t rows, int64_t cols,    \
+                                          T *spent, const uint8_t *mask, int64_t first_pos, \
+                                          int64_t k0, int64_t include_self) {               \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        const int64_t last = first_pos + r - (include_self ? 0 : 1); /* last key taken */   \
+        T mass = spent[r];                                                                  \
+        for (int64_t j = cols - 1; j >= 0; j--) {                                           \
+            const int64_t e = r * cols + j;                                                 \
+            if (k0 + j > last || (mask && !mask[e])) { w[e] = 0; continue; }                \
+            const T x = sc[e], sp = softplus_##SUFFIX(x);                                   \
+            w[e] = EXP(x - sp - mass);                                                      \
+            mass += sp;                                                                     \
+        }                                                                                   \
+        spent[r] = mass;                                                                    \
+    }                                                                                       \
+}                                                                                           \
+/* dp <- g - sigma(x) (delta - later), g = dp w, keys from the last to the first, later the \
+ * sum of g over the keys after (carried in later[r]): stick-breaking's d(loss)/d(score). */ \
+static inline void stick_grad_##SUFFIX(const T *sc, const T *w, T *dp, int64_t rows,        \
+                                       int64_t cols, const T *delta, T *later,              \
+                                       const uint8_t *mask, int64_t first_pos, int64_t k0,  \
+                                       int64_t include_self) {                              \
+    for (int64_t r = 0; r < rows; r++) {                                                    \
+        const int64_t last = first_pos + r - (include_self ? 0 : 1);                        \
+        T after = later[r];                                                                 \
+        for (int64_t j = cols - 1; j >= 0; j--) {                                           \
+            const int64_t e = r * cols + j;                                                 \
+            if (k0 + j > last || (mask && !mask[e])) { dp[e] = 0; continue; }               \
+            const T g = dp[e] * w[e], beta = 1 / (1 + EXP(-sc[e]));                         \
+            dp[e] = g - beta * (delta[r] - after);                                          \
+            after += g;                                                                     \
+        }                                                                                   \
+        later[r] = after;                                                                   \
+    }                                                                                       \
 }
-DEFINE_WEIGHTS(float, f32)
-DEFINE_WEIGHTS(double, f64)
+DEFINE_WEIGHTS(float, f32, expf, expm1f, log1pf)
+DEFINE_WEIGHTS(double, f64, exp, expm1, log1p)
 
 #define DEFINE_BLOCKS(T, SUFFIX)                                                            \
 typedef void (*gemm_##SUFFIX##_t)(const char *, const char *, const int64_t *,              \
@@ -215,31 +312,61 @@ void block_forward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1, 
             const T *vh = v + b * c->v_st[0] + (h / group) * c->v_st[1];                    \
             memset(acc, 0, sizeof(T) * rows * c->dv);                                       \
             for (int64_t i = 0; i < rows; i++) {                                            \
-                row_max[i] = -(T)__builtin_inf();                                           \
+                /* softmax's running max starts at -inf, softpick's at its floor 0; the    \
+                 * stick keeps its softplus mass there */                                   \
+                row_max[i] = c->weights == QKV_WEIGHTS_SOFTMAX ? -(T)__builtin_inf() : 0;   \
                 row_sum[i] = 0;                                                             \
             }                                                                               \
-            for (int64_t sp = 0; sp < nspans; sp++) {                                       \
+            for (int64_t n = 0; n < nspans; n++) {                                          \
+                const int64_t sp = c->weights == QKV_WEIGHTS_STICK ? nspans - 1 - n : n;    \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
                 scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s, kt);         \
                 if (c->mod_scores)                                                          \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
-                if (c->elementwise)                                                         \
-                    zero_masked_##SUFFIX(s, rows, cols, span_mask(masks, mask_st, sp, b, h)); \
-                else                                                                        \
+                const uint8_t *allowed = span_mask(masks, mask_st, sp, b, h);               \
+                switch (c->weights) {                                                       \
+                case QKV_WEIGHTS_SOFTMAX:                                                   \
                     online_softmax_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc,      \
-                                                 c->dv, span_mask(masks, mask_st, sp, b, h), \
-                                                 1, rows, 0, 0);                            \
+                                                 c->dv, allowed, 1, rows, 0, 0);            \
+                    break;                                                                  \
+                case QKV_WEIGHTS_ELEMENTWISE:                                               \
+                    zero_masked_##SUFFIX(s, rows, cols, allowed);                           \
+                    break;                                                                  \
+                case QKV_WEIGHTS_SOFTPICK:                                                  \
+                    softpick_step_##SUFFIX(s, rows, cols, row_max, row_sum, acc, c->dv,     \
+                                           allowed);                                        \
+                    break;                                                                  \
+                case QKV_WEIGHTS_STICK:                                                     \
+                    stick_weights_##SUFFIX(s, s, rows, cols, row_max, allowed,              \
+                                           q0 + c->offset, k0, c->weights_self);            \
+                    break;                                                                  \
+                }                                                                           \
                 gemm("N", "N", &c->dv, &rows, &cols, &one, vh + k0 * c->v_st[2],            \
                      &c->v_st[2], s, &cols, &one, acc, &c->dv);                             \
             }                                                                               \
             T *oh = out + b * c->out_st[0] + h * c->out_st[1] + q0 * c->out_st[2];          \
             T *lh = lse + (b * c->heads + h) * c->nq + q0;                                  \
             for (int64_t i = 0; i < rows; i++) {                                            \
-                const T sum = row_sum[i], div = (sum == 0 || c->elementwise) ? 1 : sum;     \
+                const T sum = row_sum[i];                                                   \
+                T div = 1, l = 0;                                                           \
+                switch (c->weights) {                                                       \
+                case QKV_WEIGHTS_SOFTMAX:                                                   \
+                    div = sum == 0 ? 1 : sum;                                               \
+                    l = (row_max[i] == -(T)__builtin_inf() ? 0 : row_max[i]) + log(sum);    \
+                    break;                                                                  \
+                case QKV_WEIGHTS_ELEMENTWISE:                                               \
+                    break;                                                                  \
+                case QKV_WEIGHTS_SOFTPICK: /* Z = sum + eps e^-m, in units of e^m */        \
+                    div = sum + (T)c->weights_eps * exp(-row_max[i]);                       \
+                    l = row_max[i] + log(div);                                              \
+                    break;                                                                  \
+                case QKV_WEIGHTS_STICK:                                                     \
+                    l = row_max[i];                                                         \
+                    break;                                                                  \
+                }                                                                           \
                 for (int64_t j = 0; j < c->dv; j++)                                         \
                     oh[i * c->out_st[2] + j] = acc[i * c->dv + j] / div;                    \
-                lh[i] = c->elementwise ? 0                                                  \
-                    : (row_max[i] == -(T)__builtin_inf() ? 0 : row_max[i]) + log(sum);      \
+                lh[i] = l;                                                                  \
             }                                                                               \
         }                                                                                   \
 }                                                                                           \
@@ -260,6 +387,10 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
     /* s: the scores, then with mod_scores_ds the modifier's slope; p: the probabilities */  \
     T *s = scratch, *dp = s + tile, *p = c->mod_scores_ds ? dp + tile : s;                  \
     T *col = (c->mod_scores_ds ? p : dp) + tile, *kt = col + tile / rows;                   \
+    /* softpick and the stick: the weights apart from the scores their gradient reads, and  \
+     * the stick's two row sums (softplus mass and d(loss)/d(log weight) of later keys) */  \
+    T *w = kt + BLOCK * c->sd, *spent = w + tile, *later = spent + rows;                    \
+    const int apart = c->weights == QKV_WEIGHTS_SOFTPICK || c->weights == QKV_WEIGHTS_STICK; \
     const T *q = c->q, *k = c->k, *sq = c->sq, *sk = c->sk, *v = c->v, *dout = c->dout,     \
             *lse = c->lse, *delta = c->delta;                                               \
     T *dq = c->dq;                                                                          \
@@ -277,7 +408,10 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
             T *dvh = dvt + (b * c->kv_heads + hk) * c->dv * nk;                             \
             for (int64_t i = 0; i < rows; i++)                                              \
                 memset(dqh + i * c->dq_st[2], 0, sizeof(T) * c->d);                         \
-            for (int64_t sp = 0; sp < nspans; sp++) {                                       \
+            if (c->weights == QKV_WEIGHTS_STICK)                                            \
+                memset(spent, 0, sizeof(T) * 2 * rows);                                     \
+            for (int64_t n = 0; n < nspans; n++) {                                          \
+                const int64_t sp = c->weights == QKV_WEIGHTS_STICK ? nspans - 1 - n : n;    \
                 const int64_t k0 = spans[2 * sp], cols = spans[2 * sp + 1] - k0;            \
                 scores_##SUFFIX(c, sqh, skh + k0 * c->sk_st[2], rows, cols, s, kt);         \
                 if (c->mod_scores_ds)                                                       \
@@ -285,20 +419,45 @@ void block_backward_##SUFFIX(const struct qkv_blocks *c, int64_t q0, int64_t q1,
                 else if (c->mod_scores)                                                     \
                     modify_##SUFFIX(c, c->mod_scores, s, s, rows, cols, q0, k0, b, h);      \
                 const uint8_t *allowed = span_mask(masks, mask_st, sp, b, h);               \
-                if (c->elementwise)                                                         \
-                    zero_masked_##SUFFIX(p, rows, cols, allowed);                           \
-                else                                                                        \
+                const T *slope = c->mod_scores_ds ? s : 0;                                  \
+                switch (c->weights) { /* p: the scores, then (softmax, elementwise) weights */ \
+                case QKV_WEIGHTS_SOFTMAX:                                                   \
                     exp_sub_rows_##SUFFIX(p, rows, cols, lse + row0, allowed, 1, rows, 0, 0); \
+                    break;                                                                  \
+                case QKV_WEIGHTS_ELEMENTWISE:                                               \
+                    zero_masked_##SUFFIX(p, rows, cols, allowed);                           \
+                    break;                                                                  \
+                case QKV_WEIGHTS_SOFTPICK:                                                  \
+                    softpick_weights_##SUFFIX(p, w, rows, cols, lse + row0, allowed);       \
+                    break;                                                                  \
+                case QKV_WEIGHTS_STICK:                                                     \
+                    stick_weights_##SUFFIX(p, w, rows, cols, spent, allowed, q0 + c->offset, \
+                                           k0, c->weights_self);                            \
+                    break;                                                                  \
+                }                                                                           \
                 gemm("T", "N", &cols, &rows, &c->dv, &one, vh + k0 * c->v_st[2],            \
                      &c->v_st[2], doh, &c->dout_st[2], &zero, dp, &cols);                   \
-                gemm("N", "T", &cols, &c->dv, &rows, &one, p, &cols, doh, &c->dout_st[2],   \
-                     &one, dvh + k0, &nk);                                                  \
-                if (c->elementwise)                                                         \
-                    weight_grad_##SUFFIX(dp, rows, cols, c->mod_scores_ds ? s : 0,          \
-                                         c->mod_scale, allowed);                            \
-                else                                                                        \
-                    softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0,             \
-                                               c->mod_scores_ds ? s : 0, c->mod_scale);     \
+                gemm("N", "T", &cols, &c->dv, &rows, &one, apart ? w : p, &cols, doh,       \
+                     &c->dout_st[2], &one, dvh + k0, &nk);                                  \
+                switch (c->weights) {                                                       \
+                case QKV_WEIGHTS_SOFTMAX:                                                   \
+                    softmax_grad_rows_##SUFFIX(p, dp, rows, cols, delta + row0, slope,      \
+                                               c->mod_scale);                               \
+                    break;                                                                  \
+                case QKV_WEIGHTS_ELEMENTWISE:                                               \
+                    weight_grad_##SUFFIX(dp, rows, cols, slope, c->mod_scale, allowed);     \
+                    break;                                                                  \
+                case QKV_WEIGHTS_SOFTPICK:                                                  \
+                    softpick_grad_##SUFFIX(p, dp, rows, cols, lse + row0, delta + row0,     \
+                                           allowed);                                        \
+                    break;                                                                  \
+                case QKV_WEIGHTS_STICK:                                                     \
+                    stick_grad_##SUFFIX(p, w, dp, rows, cols, delta + row0, later, allowed, \
+                                        q0 + c->offset, k0, c->weights_self);               \
+                    break;                                                                  \
+                }                                                                           \
+                if (apart && slope)                                                         \
+                    weight_grad_##SUFFIX(dp, rows, cols, slope, c->mod_scale, 0);           \
                 if (!QKV_BY_PRODUCTS(c->term)) {                                            \
                     term_grads_##SUFFIX(c, dp, rows, cols, grad_scale, qh,                  \
                                         kh + k0 * c->k_st[2], dqh, dkh + k0 * c->d);        \

@@ -27,8 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ...core.weighting import Carry
-from ..lowering import TermKind, term_kind
+from ..lowering import TermKind, WeightsKind, term_kind, weights_kind
 from . import native
 from .tiles import TileSpec, tile_index, tile_mask
 
@@ -51,7 +50,8 @@ class _Call(ctypes.Structure):
                 ("q_st", _STRIDES), ("k_st", _STRIDES), ("v_st", _STRIDES),
                 ("out", _PTR), ("lse", _PTR), ("out_st", _STRIDES),
                 ("dout", _PTR), ("delta", _PTR), ("dout_st", _STRIDES),
-                ("dq", _PTR), ("dq_st", _STRIDES), ("elementwise", _I64)]
+                ("dq", _PTR), ("dq_st", _STRIDES), ("weights", _I64),
+                ("weights_eps", ctypes.c_double), ("weights_self", _I64)]
 
 
 _GEMM_NAMES = {torch.float32: "sgemm_", torch.float64: "dgemm_"}
@@ -76,9 +76,9 @@ def why_not(spec: TileSpec, q: Tensor, extras: Sequence[Tensor] = ()) -> str | N
     run it)."""
     if not native.available(q.dtype) or q.dtype not in _GEMM_NAMES:
         return f"no C blocks for {q.dtype}"
-    if not (spec.variant.is_softmax or spec.variant.carry is Carry.NONE):
-        return (f"the C blocks compute softmax and elementwise weightings, not "
-                f"{spec.variant.normalizer!r}: it runs on tiles")
+    if weights_kind(spec.variant) is None:
+        return (f"the C blocks have no loops for the weighting {spec.variant.normalizer!r}: "
+                f"it runs on tiles")
     reason = _term_why_not(spec, q)
     if reason is not None:
         return reason
@@ -149,7 +149,9 @@ def _call(spec: TileSpec, q: Tensor, k: Tensor, v: Tensor,
                  sd=sq.shape[-1], sq=sq.data_ptr(), sk=sk.data_ptr(), sq_st=_strides(sq),
                  sk_st=_strides(sk), scale=scale, grad_scale=scale, q=q.data_ptr(),
                  k=k.data_ptr(), v=v.data_ptr(), q_st=_strides(q), k_st=_strides(k),
-                 v_st=_strides(v), elementwise=int(spec.variant.carry is Carry.NONE))
+                 v_st=_strides(v), offset=spec.offset, weights=weights_kind(spec.variant),
+                 weights_eps=getattr(spec.variant.normalizer, "eps", 0.0),
+                 weights_self=int(getattr(spec.variant.normalizer, "include_self", False)))
     alive = [q, k, v, sq, sk]
     if not kind.products:
         alive.append(_add_loops(call, spec, q.dtype))
@@ -216,10 +218,13 @@ class Blocks:
         self.call.lse = lse.data_ptr()
         # Per block (cpu_blocks.c): forward, a tile of scores, the output's sums, row max and
         # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums;
-        # both, the C loops' transposed block of keys.
+        # both, the C loops' transposed block of keys. Softpick and the stick keep their
+        # backward's weights apart from the scores, and the stick two row sums.
         rows, widest = spec.block_q, max(spec.span_k, spec.block_k)
+        apart = self.call.weights in (WeightsKind.SOFTPICK, WeightsKind.STICK)
         self._scratch = (rows * (widest + v.shape[-1] + 2) if out is not None else
                          rows * widest * (3 if keeps_slope else 2) + widest
+                         + (rows * widest + 2 * rows if apart else 0)
                          ) + native._BLOCK * self.call.sd
 
     def scratch(self, like: Tensor) -> Tensor:
