@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..core import sliding_window
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.hooks import HookedModel
 from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask
@@ -18,7 +19,7 @@ from .configs import EncoderConfig
 from .pretrained import encoder_from_pretrained
 
 
-class Encoder(nn.Module):
+class Encoder(HookedModel, nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         self.config = c = config

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..core import causal, padding, sliding_window
 from ..distributed.context import active as active_context_parallel
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.hooks import HookedModel
 from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import (
@@ -23,7 +24,7 @@ from .generation import ModelCache, decode, eval_mode, stepper
 from .pretrained import gpt_from_pretrained
 
 
-class GPT(nn.Module):
+class GPT(HookedModel, nn.Module):
     """Token embedding, positions, pre-norm causal blocks, final norm, LM head (tied)."""
 
     def __init__(self, config: GPTConfig):

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from ..core import causal, padding
 from ..nn.blocks import decoder_block, norm_layer, transformer_block
+from ..nn.hooks import HookedModel
 from ..nn.linear import Linear
 from ..nn.positions import PositionScheme, make_positions
 from .common import check_ids, check_lengths, init_weights, key_mask, token_positions
@@ -17,7 +18,7 @@ from .generation import ModelCache, decode, eval_mode, stepper
 from .torch_transformer import transformer_from_torch
 
 
-class Transformer(nn.Module):
+class Transformer(HookedModel, nn.Module):
     """Encoder stack over the source, decoder stack over the target attending to the encoder's
     memory, and a linear output to target-vocabulary logits."""
 

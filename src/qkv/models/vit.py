@@ -6,13 +6,14 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.blocks import norm_layer, transformer_block
+from ..nn.hooks import HookedModel
 from ..nn.linear import Linear
 from ..nn.positions import make_positions
 from .common import init_weights
 from .configs import ViTConfig
 
 
-class ViT(nn.Module):
+class ViT(HookedModel, nn.Module):
     """Patch embedding (a strided convolution), class token, learned positions, pre-norm
     blocks with no mask (every patch attends to every patch), final norm, linear head."""
 
