@@ -1,6 +1,7 @@
 """The math of attention: masks, score modifiers, similarities, the request, the reference;
 linear attention, retention and block-sparse patterns. It imports no engine."""
 
+from .forget import forget_gate
 from .linear import (
     LinearState,
     draw_orthogonal_features,
@@ -31,6 +32,7 @@ __all__ = [
     "dilated_window",
     "draw_orthogonal_features",
     "fixed",
+    "forget_gate",
     "global_local",
     "global_tokens",
     "linear_attention",
