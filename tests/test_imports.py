@@ -24,6 +24,8 @@ MAY_IMPORT = {
     "data": {"cache", "limits"},
     "nn": {"engines", "core", "distributed", "limits"},
     "models": {"nn", "engines", "core", "distributed", "data", "bars", "cache", "limits"},
+    "interp": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
+               "limits"},
     "train": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
               "limits", "threads", "allocations"},
     "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
