@@ -9,6 +9,7 @@ from ..core.similarity import Similarity, get_similarity
 from ..core.weighting import Weighting, as_weighting
 from ..distributed.context import active as active_context_parallel
 from ..engines.api import attention
+from .forget_gate import forget_scores, gate_dtype
 from .linear import Linear
 from .positions import RotaryEmbedding, last_positions
 
@@ -18,15 +19,20 @@ class KVCache:
 
     ``append`` writes new entries at ``length`` and returns every cached entry so far; the
     queries of that step are the last Nq positions, which is exactly the bottom-right
-    alignment ``qkv.causal()`` uses (query i sees keys j <= i + Nk - Nq)."""
+    alignment ``qkv.causal()`` uses (query i sees keys j <= i + Nk - Nq).
+
+    ``gate_heads`` > 0 also keeps ``gates`` (B, gate_heads, max_len): a forget gate's
+    cumulative sums over the cached positions, which the layer writes (``forget_scores``)."""
 
     def __init__(
         self, batch: int, kv_heads: int, max_len: int, head_dim: int, value_dim: int, *,
-        device=None, dtype=torch.float32,
+        device=None, dtype=torch.float32, gate_heads: int = 0,
     ):
         # Only [0, length) is ever read, so the buffers need no zeros.
         self.k = torch.empty(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.empty(batch, kv_heads, max_len, value_dim, device=device, dtype=dtype)
+        self.gates = torch.empty(batch, gate_heads, max_len if gate_heads else 0,
+                                 device=device, dtype=gate_dtype(dtype))
         self.length = 0
 
     @property
@@ -51,6 +57,7 @@ class KVCache:
         """Keep batch rows ``index`` (B',) in that order (beam search)."""
         self.k = self.k.index_select(0, index)
         self.v = self.v.index_select(0, index)
+        self.gates = self.gates.index_select(0, index)
 
 
 def _split_heads(x: Tensor, heads: int) -> Tensor:
@@ -81,6 +88,9 @@ class MultiHeadAttention(nn.Module):
         rope: a shared RotaryEmbedding applied to q and k (self-attention only).
         is_cross: True for encoder-decoder attention (keys come from a memory, which a cache
             keeps after the first call).
+        forget_gate: forgetting attention (self-attention only): a ``forget_proj``
+            kdim -> H with a bias gives f = σ(forget_proj(key)) per head and key position,
+            added to the scores as ``qkv.forget_gate(log f)``; a cache keeps its sums.
 
     Every call reaches ``qkv.attention`` through ``attend``, the layer's one call point
     (``qkv.viz.capture`` wraps it to record attention maps). The attribute
@@ -96,6 +106,7 @@ class MultiHeadAttention(nn.Module):
         scale: float | Tensor | None = None, head_dim: int | None = None,
         rope: RotaryEmbedding | None = None,
         is_cross: bool = False, weighting: str | Weighting = "softmax",
+        forget_gate: bool = False,
     ):
         super().__init__()
         n_kv_head = n_head if n_kv_head is None else n_kv_head
@@ -107,6 +118,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"n_head={n_head} must be divisible by n_kv_head={n_kv_head}")
         if rope is not None and is_cross:
             raise ValueError("rope applies to self-attention only, not to is_cross=True")
+        if forget_gate and is_cross:
+            raise ValueError("forget_gate applies to self-attention only, not to is_cross=True")
         self.d_model, self.n_head, self.n_kv_head = d_model, n_head, n_kv_head
         self.head_dim = head_dim or d_model // n_head
         self.kdim, self.vdim = kdim or d_model, vdim or d_model
@@ -121,6 +134,7 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = Linear(self.kdim, n_kv_head * self.head_dim, bias=bias)
         self.v_proj = Linear(self.vdim, n_kv_head * self.head_dim, bias=bias)
         self.out_proj = Linear(n_head * self.head_dim, d_model, bias=bias)
+        self.forget_proj = Linear(self.kdim, n_head, bias=True) if forget_gate else None
         self.metric = None
         # Learnable tensors a user's similarity reads train with the module (shared by every
         # module that uses the same similarity, as the similarity itself is).
@@ -147,6 +161,7 @@ class MultiHeadAttention(nn.Module):
         return KVCache(
             batch, self.n_kv_head, max_len, self.head_dim, self.head_dim,
             device=device or weight.device, dtype=dtype or activations,
+            gate_heads=0 if self.forget_proj is None else self.n_head,
         )
 
     def forward(
@@ -190,6 +205,8 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rope(q, q_positions), self.rope(k, positions)
             if cache is not None:
                 k, v = cache.append(k, v)
+            if self.forget_proj is not None:
+                score_mod = forget_scores(self.forget_proj(key), cache, score_mod)
         kwargs = dict(
             mask=mask, score_mod=score_mod, similarity=self.similarity, scale=self.scale,
             metric=self.metric, return_weights=return_weights, weighting=self.weighting,
@@ -198,6 +215,9 @@ class MultiHeadAttention(nn.Module):
         split = active_context_parallel()
         if split is not None and not self.is_cross and cache is None and not return_weights:
             # One sequence split across ranks (qkv.distributed.context_parallel).
+            if self.forget_proj is not None:
+                raise ValueError("forget_gate sums over the whole sequence; it does not run "
+                                 "under context parallelism")
             if kwargs.pop("dropout_p"):
                 raise ValueError("context parallel attention has no attention dropout (it "
                                  "would need whole rows); set the model's dropout to 0")
