@@ -81,7 +81,7 @@ def test_registered_kind_is_built_by_config_string():
     built = []
 
     def factory(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
-                is_cross):
+                is_cross, depth, forget_gate):
         built.append(ScaledSoftmax(d_model, n_head, n_kv_head=n_kv_head, bias=bias, scale=0.1,
                                    rope=rope, is_cross=is_cross))
         return built[-1]

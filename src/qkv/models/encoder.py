@@ -34,7 +34,8 @@ class Encoder(HookedModel, nn.Module):
         )
         self.drop = nn.Dropout(b.dropout)
         self.blocks = nn.ModuleList(
-            transformer_block(b, self.positions.rotary(), c.max_len) for _ in range(c.n_layer)
+            transformer_block(b, self.positions.rotary(), c.max_len, depth=i)
+            for i in range(c.n_layer)
         )
         self.norm = norm_layer(b) if b.norm_first else None
         self.head = Linear(b.d_model, c.num_classes) if c.num_classes else None

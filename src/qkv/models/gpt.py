@@ -38,7 +38,8 @@ class GPT(HookedModel, nn.Module):
         )
         self.drop = nn.Dropout(b.dropout)
         self.blocks = nn.ModuleList(
-            transformer_block(b, self.positions.rotary(), c.block_size) for _ in range(c.n_layer)
+            transformer_block(b, self.positions.rotary(), c.block_size, depth=i)
+            for i in range(c.n_layer)
         )
         self.norm = norm_layer(b)
         self.lm_head = Linear(b.d_model, c.vocab_size, bias=False)

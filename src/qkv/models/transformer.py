@@ -37,12 +37,12 @@ class Transformer(HookedModel, nn.Module):
         )
         self.drop = nn.Dropout(b.dropout)
         self.encoder = nn.ModuleList(
-            transformer_block(b, self.src_positions.rotary(), c.max_len)
-            for _ in range(c.n_encoder_layers)
+            transformer_block(b, self.src_positions.rotary(), c.max_len, depth=i)
+            for i in range(c.n_encoder_layers)
         )
         self.decoder = nn.ModuleList(
-            decoder_block(b, self.tgt_positions.rotary(), c.max_len)
-            for _ in range(c.n_decoder_layers)
+            decoder_block(b, self.tgt_positions.rotary(), c.max_len, depth=i)
+            for i in range(c.n_decoder_layers)
         )
         final = b.norm_first if c.final_norm is None else c.final_norm
         self.encoder_norm = norm_layer(b) if final else None

@@ -31,7 +31,8 @@ class ViT(HookedModel, nn.Module):
         )
         self.drop = nn.Dropout(b.dropout)
         self.blocks = nn.ModuleList(
-            transformer_block(b, self.positions.rotary(), num_tokens) for _ in range(c.n_layer)
+            transformer_block(b, self.positions.rotary(), num_tokens, depth=i)
+            for i in range(c.n_layer)
         )
         self.norm = norm_layer(b)
         self.head = Linear(b.d_model, c.num_classes)

@@ -10,6 +10,7 @@ from .blocks import (
     decoder_block,
     transformer_block,
 )
+from .differential import DifferentialAttention
 from .feedforward import ACTIVATIONS, MLP, GatedMLP, feed_forward
 from .kinds import ATTENTION_KINDS, build_attention, register_attention_kind
 from .linear import Linear
@@ -33,8 +34,8 @@ from .retention import Retention
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_KINDS", "ALiBiPositions", "BlockConfig", "DecoderBlock",
-    "GatedMLP", "KVCache", "LearnedPositions", "Linear", "LinearAttention", "MLP",
-    "MultiHeadAttention",
+    "DifferentialAttention", "GatedMLP", "KVCache", "LearnedPositions", "Linear",
+    "LinearAttention", "MLP", "MultiHeadAttention",
     "NORMS", "NoPositions", "POSITION_KINDS", "PositionScheme", "PositionsConfig",
     "RMSNorm", "RelativePositions", "Retention", "RotaryEmbedding", "RotaryPositions",
     "SinusoidalPositions", "StateCache", "Sublayer", "TransformerBlock", "attention_layer",

@@ -30,7 +30,9 @@ class BlockConfig:
     ``n_kv_head``: key/value heads for grouped-query attention (None: n_head); ``d_ff``: the
     feed-forward width (None: 4 * d_model); ``norm_first``: pre-norm (True) or the paper's
     post-norm; ``similarity``, ``weighting`` and ``attention`` name a registered similarity,
-    how scores become weights (``qkv.weighting``) and an attention kind (``qkv.nn.kinds``)."""
+    how scores become weights (``qkv.weighting``) and an attention kind (``qkv.nn.kinds``);
+    ``forget_gate``: forgetting attention's per-head gate σ(w·x + b) on the self-attention
+    scores (``qkv.forget_gate``; attention="multihead" only)."""
 
     d_model: int = limited(512, "[1, inf)")
     n_head: int = limited(8, "[1, inf)")
@@ -45,6 +47,7 @@ class BlockConfig:
     similarity: str = limited("dot", choices=lambda: tuple(SIMILARITIES))
     weighting: str = limited("softmax", choices=lambda: tuple(WEIGHTINGS))
     attention: str = limited("multihead", choices=lambda: tuple(ATTENTION_KINDS))
+    forget_gate: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "n_head"):
@@ -69,16 +72,19 @@ class BlockConfig:
 
 
 def attention_layer(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
-                    is_cross: bool = False, context: int | None = None) -> nn.Module:
+                    is_cross: bool = False, context: int | None = None,
+                    depth: int = 0) -> nn.Module:
     """The attention layer of kind ``cfg.attention`` (``qkv.nn.kinds``). ``context``: the
     model's longest sequence, which fixes the length a weighting reads
-    (``Weighting.for_context``); None leaves it to each call."""
+    (``Weighting.for_context``); None leaves it to each call. ``depth``: the layer's 0-based
+    index in its stack."""
     if cfg.attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got "
                          f"{cfg.attention!r}")
     return ATTENTION_KINDS[cfg.attention](
         d_model=cfg.d_model, n_head=cfg.n_head, n_kv_head=cfg.n_kv_head, bias=cfg.bias,
         dropout=cfg.dropout, similarity=cfg.similarity, rope=rope, is_cross=is_cross,
+        depth=depth, forget_gate=cfg.forget_gate,
         weighting=(as_weighting(cfg.weighting) if context is None else
                    as_weighting(cfg.weighting).for_context(context)),
     )
@@ -94,22 +100,24 @@ def sublayer(cfg: BlockConfig) -> Sublayer:
 
 
 def transformer_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
-                      context: int | None = None) -> TransformerBlock:
+                      context: int | None = None, depth: int = 0) -> TransformerBlock:
     """A self-attention block built from ``cfg`` (``rope``: the stack's shared rotation;
-    ``context``: the model's longest sequence, as ``attention_layer`` takes it)."""
+    ``context``: the model's longest sequence, as ``attention_layer`` takes it; ``depth``:
+    the block's 0-based index in its stack)."""
     return TransformerBlock(
-        attention_layer(cfg, rope, context=context),
+        attention_layer(cfg, rope, context=context, depth=depth),
         feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
         sublayer(cfg), sublayer(cfg),
     )
 
 
 def decoder_block(cfg: BlockConfig, rope: RotaryEmbedding | None = None,
-                  context: int | None = None) -> DecoderBlock:
-    """A decoder block built from ``cfg``: self-attention, cross-attention, feed-forward."""
+                  context: int | None = None, depth: int = 0) -> DecoderBlock:
+    """A decoder block built from ``cfg``: self-attention, cross-attention, feed-forward
+    (``depth``: the block's 0-based index in the decoder)."""
     return DecoderBlock(
-        attention_layer(cfg, rope, context=context),
-        attention_layer(cfg, None, is_cross=True, context=context),
+        attention_layer(cfg, rope, context=context, depth=depth),
+        attention_layer(cfg, None, is_cross=True, context=context, depth=depth),
         feed_forward(cfg.ffn, cfg.d_model, cfg.ff_width, cfg.dropout, cfg.bias),
         sublayer(cfg), sublayer(cfg), sublayer(cfg),
     )

@@ -6,12 +6,15 @@ A kind must implement this protocol:
 
 Constructor (the builder), keywords only:
     builder(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
-            is_cross) -> nn.Module
+            is_cross, depth, forget_gate) -> nn.Module
     ``rope`` is a shared ``RotaryEmbedding`` or None (self-attention only); ``is_cross`` is
     True for encoder-decoder attention, whose keys come from a memory (a block names that
     layer ``cross_attn``; the viewer reads layers from such module paths). ``weighting``
-    names how scores become weights (``qkv.weighting``). A kind that cannot honour an
-    argument (say, a similarity or a weighting) raises ValueError there.
+    names how scores become weights (``qkv.weighting``). ``depth`` is the layer's 0-based
+    index in its stack (differential attention's λ_init reads it); ``forget_gate`` asks for
+    forgetting attention's gate on the scores (``qkv.forget_gate``). A kind that cannot
+    honour an argument (say, a similarity, a weighting or a forget gate) raises ValueError
+    there.
 
 Forward:
     module(x, memory=None, *, mask=None, score_mod=None, positions=None, cache=None)
@@ -37,17 +40,20 @@ from collections.abc import Callable
 from torch import nn
 
 from .attention import MultiHeadAttention
+from .differential import differential_kind
 from .linear_attention import linear_kind
 from .retention import retention_kind
 
 
 def multihead_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
-                   is_cross) -> MultiHeadAttention:
+                   is_cross, depth, forget_gate) -> MultiHeadAttention:
     """The builder of attention kind "multihead": ``qkv.attention`` with the block's
-    similarity and weighting."""
+    similarity and weighting; the forget gate goes on self-attention (a decoder's
+    cross-attention has no order of positions to forget along)."""
     return MultiHeadAttention(
         d_model, n_head, n_kv_head=n_kv_head, bias=bias, dropout=dropout,
         similarity=similarity, weighting=weighting, rope=rope, is_cross=is_cross,
+        forget_gate=forget_gate and not is_cross,
     )
 
 
@@ -56,6 +62,7 @@ ATTENTION_KINDS: dict[str, Callable[..., nn.Module]] = {
     "linear": linear_kind("elu", "linear"),
     "linear_favor": linear_kind("favor", "linear_favor"),
     "retention": retention_kind,
+    "differential": differential_kind,
 }
 
 
@@ -68,8 +75,11 @@ def register_attention_kind(name: str, factory: Callable[..., nn.Module]) -> Non
     ATTENTION_KINDS[name] = factory
 
 
-def build_attention(kind: str, **kwargs) -> nn.Module:
-    """One attention layer of ``kind`` (keywords as in the protocol)."""
+def build_attention(kind: str, *, weighting="softmax", depth: int = 0,
+                    forget_gate: bool = False, **kwargs) -> nn.Module:
+    """One attention layer of ``kind`` (keywords as in the protocol; by default a softmax
+    layer, the first of its stack, without a forget gate)."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {sorted(ATTENTION_KINDS)}; got {kind!r}")
-    return ATTENTION_KINDS[kind](**kwargs)
+    return ATTENTION_KINDS[kind](weighting=weighting, depth=depth, forget_gate=forget_gate,
+                                 **kwargs)

@@ -31,6 +31,7 @@ from ..core.masks import (
     as_mask,
 )
 from ..core.weighting import as_weighting
+from .forget_gate import check_no_forget_gate
 from .linear import Linear
 from .positions import RotaryEmbedding
 
@@ -265,9 +266,10 @@ def check_softmax_weighting(weighting, kind: str) -> None:
 def linear_kind(feature_map: str, kind: str):
     """The builder of attention kind ``kind`` (see ``qkv.nn.kinds``)."""
     def build(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
-              is_cross) -> LinearAttention:
+              is_cross, depth, forget_gate) -> LinearAttention:
         _check_dot(similarity, kind)
         check_softmax_weighting(weighting, kind)
+        check_no_forget_gate(forget_gate, kind)
         return LinearAttention(
             d_model, n_head, n_kv_head=n_kv_head, bias=bias, feature_map=feature_map, rope=rope,
             is_cross=is_cross,

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..core.linear import check_positive_int, no_weights_error
 from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
+from .forget_gate import check_no_forget_gate
 from .linear import Linear
 from .linear_attention import (
     StateCache,
@@ -120,9 +121,10 @@ class Retention(nn.Module):
 
 
 def retention_kind(*, d_model, n_head, n_kv_head, bias, dropout, similarity, weighting, rope,
-                   is_cross) -> Retention:
+                   is_cross, depth, forget_gate) -> Retention:
     """The builder of attention kind "retention" (see ``qkv.nn.kinds``)."""
     check_softmax_weighting(weighting, "retention")
+    check_no_forget_gate(forget_gate, "retention")
     if similarity != "dot":
         raise ValueError(
             f"attention='retention' uses q·k with a decay; similarity must be 'dot'; got "
