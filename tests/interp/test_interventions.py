@@ -75,6 +75,8 @@ def test_patch(model, what, short, take):
     got = interp.patch(model, CLEAN, CORRUPTED, what=what, metric=metric)
     assert got.shape == (3, width)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    some = interp.patch(model, CLEAN, CORRUPTED, what=what, metric=metric, layers=[2, 0])
+    torch.testing.assert_close(some, want[[2, 0]], rtol=0, atol=1e-10)
     # Patching from the corrupted run itself changes nothing.
     same = interp.patch(model, CORRUPTED, CORRUPTED, what=what, metric=metric)
     with torch.no_grad():

@@ -78,7 +78,7 @@ def _scalar(metric: Metric, logits: Tensor) -> float:
 
 
 def patch(model: nn.Module, clean_idx: Tensor, corrupted_idx: Tensor, *, what: str = "z",
-          metric: Metric, **kwargs) -> Tensor:
+          metric: Metric, layers: Sequence[int] | None = None, **kwargs) -> Tensor:
     """Activation patching, as TransformerLens's ``patching`` module does it: each entry is
     ``metric(logits)`` of the corrupted run with one piece taken from the clean run.
 
@@ -88,6 +88,7 @@ def patch(model: nn.Module, clean_idx: Tensor, corrupted_idx: Tensor, *, what: s
             layer's output becomes that pattern @ v for the head); "resid": one position of
             ``hook_resid_pre``.
         metric: logits -> a one-element tensor.
+        layers: the layers to patch, in this order (None: all).
 
     Returns:
         (layers, heads) for "z" and "pattern", (layers, positions) for "resid", float64.
@@ -99,6 +100,7 @@ def patch(model: nn.Module, clean_idx: Tensor, corrupted_idx: Tensor, *, what: s
                          f"{tuple(clean_idx.shape)} and {tuple(corrupted_idx.shape)}")
     short = {"z": "hook_z", "pattern": "hook_pattern", "resid": "hook_resid_pre"}[what]
     names = _names(model, short)
+    names = names if layers is None else [_layer(names, layer) for layer in layers]
     with torch.no_grad():
         if what == "pattern":
             return _patch_patterns(model, names, clean_idx, corrupted_idx, metric, kwargs)
@@ -128,7 +130,7 @@ def _patch_patterns(model, names, clean_idx, corrupted_idx, metric, kwargs) -> T
         source = clean[name]
         row = []
         for head in range(source.shape[1]):
-            def swap(w: Tensor, point, head=head) -> Tensor:
+            def swap(w: Tensor, point, head=head, source=source) -> Tensor:
                 return source[:, head:head + 1].to(w.dtype)
             logits = model.run_with_hooks(corrupted_idx, fwd_hooks=[(name, swap)],
                                           heads=[head], **kwargs)
