@@ -2,6 +2,8 @@
 attention, same weights, fp32, left-padded batches: logits, every parameter gradient and
 output_attentions."""
 
+import copy
+
 import pytest
 import torch
 import transformers as tf
@@ -24,8 +26,14 @@ CASES = {
 }
 
 
-def build(name):
+def build(name, **overrides):
+    """The tiny model ``name`` with its random weights, its config's fields changed by
+    ``overrides`` (on a copy: the cases stay as they are)."""
     model_cls, config = CASES[name]
+    if overrides:
+        config = copy.deepcopy(config)
+        for field, value in overrides.items():
+            setattr(config, field, value)
     torch.manual_seed(0)
     model = model_cls(config).eval()
     for module in model.modules():  # sinks start at zero: make them matter

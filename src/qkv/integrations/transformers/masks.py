@@ -336,15 +336,25 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
         mask = _translated_eagerly(ctx, mask_function)
     else:
         mask = ctx.translate(mask_function)
+    # A decoding step that transformers may compile (a static cache: its full layers' offsets are
+    # tensors, and it withholds allow_is_causal_skip from a one-query step) gets a mask whose
+    # types and Python numbers are the same at every step and prompt length, because dynamo
+    # guards on both and would recompile for a new value: padding as the per-key mask whatever
+    # its runs, and the offsets' shift as a tensor, never compared.
+    compiled_step = (isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor)
+                     or (q_length == 1 and kwargs.get("allow_is_causal_skip") is False))
     if attention_mask is not None:
         padded = hf.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        keys = keys_mask(padded[:, kv_offset:kv_offset + kv_length])
+        keep = padded[:, kv_offset:kv_offset + kv_length]
+        keys = KeyMask(keep.bool()) if compiled_step else keys_mask(keep)
         mask = keys if mask is None else (mask if keys is None else mask & keys)
-    # A static cache's offsets are tensors, so that a compiled forward neither reads them nor
-    # recompiles for each new one: they are never compared, and the shift stays a tensor.
-    offsets_traced = isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor)
     if mask is None:
         mask = Unmasked()
-    elif offsets_traced or q_offset - kv_offset != kv_length - q_length:
+    elif compiled_step:
+        shift = q_offset - kv_offset
+        if not isinstance(shift, Tensor):
+            shift = torch.tensor(shift, device=kwargs.get("device"))
+        mask = Shifted(mask, shift)
+    elif q_offset - kv_offset != kv_length - q_length:
         mask = Shifted(mask, q_offset - kv_offset)
     return Prepared(mask, (batch_size, 1, q_length, kv_length))
