@@ -219,12 +219,13 @@ class Blocks:
         # Per block (cpu_blocks.c): forward, a tile of scores, the output's sums, row max and
         # row sum; backward, tiles of scores and dp (and the slope), and a row of key sums;
         # both, the C loops' transposed block of keys. Softpick and the stick keep their
-        # backward's weights apart from the scores, and the stick two row sums.
+        # backward's weights apart from the scores, and the stick two row sums and two rows
+        # of its shares.
         rows, widest = spec.block_q, max(spec.span_k, spec.block_k)
         apart = self.call.weights in (WeightsKind.SOFTPICK, WeightsKind.STICK)
-        self._scratch = (rows * (widest + v.shape[-1] + 2) if out is not None else
+        self._scratch = (rows * (widest + v.shape[-1] + 2) + widest if out is not None else
                          rows * widest * (3 if keeps_slope else 2) + widest
-                         + (rows * widest + 2 * rows if apart else 0)
+                         + ((rows + 2) * widest + 2 * rows if apart else 0)
                          ) + native._BLOCK * self.call.sd
 
     def scratch(self, like: Tensor) -> Tensor:
