@@ -153,3 +153,19 @@ void convert_all(const int64_t *x, double *y, float *z, int64_t n) {
     assert torch.equal(y, x.double())
     small = x.abs() <= 2**53
     assert torch.equal(z[small], x[small].float())
+
+
+def test_a_modifier_that_does_not_trace_warns_with_the_cause_and_stays_exact():
+    from .conftest import rand_qkv, rel_err
+
+    if not native.available(torch.float64):
+        pytest.skip("no C compiler")
+    q, k, v = rand_qkv(h=2, hkv=2, nq=9, nk=9, d=4, dv=3)
+
+    def erf_mod(s, b, h, qi, ki):
+        return torch.special.erf(s)
+
+    with pytest.warns(RuntimeWarning, match="does not trace to C.*special_erf"):
+        got = qkv.attention(q, k, v, score_mod=erf_mod, backend="fused")
+    want = qkv.attention(q, k, v, score_mod=erf_mod, backend="reference")
+    assert rel_err(got, want) < 1e-12
