@@ -8,7 +8,7 @@ from torch import Tensor
 from ...core import masks as qm
 from ...core import scores, spellings
 from ...engines import api
-from .masks import Prepared, Unmasked
+from .masks import Prepared, Unmasked, position_segments
 
 # Keyword arguments of other layers' (T5's, ...) that change attention, which qkv cannot
 # honour. transformers hands every forward's other keyword arguments (the loss's
@@ -26,7 +26,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       s_aux: Tensor | None = None, is_causal: bool | None = None,
                       output_attentions: bool | None = None, head_mask=None,
                       cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
-                      variant: dict | None = None, **kwargs):
+                      position_ids: Tensor | None = None, variant: dict | None = None, **kwargs):
     """transformers' ``AttentionInterface`` function, as the model's eager attention computes it.
 
     Args:
@@ -45,6 +45,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         output_attentions: also return the weights (B, H, Nq, Nk), from the fused path.
         cu_seq_lens_q, cu_seq_lens_k: (S + 1,) cumulative lengths of S sequences packed into
             one row (``DataCollatorWithFlattening``): attention stays within each.
+        position_ids: (1, N) positions of one row; where they restart, attention stays within
+            each run (packed documents), unless the mask already keeps them apart, the
+            lengths above give them, or the mask is the caller's own tensor.
         variant: ``register``'s attention_kwargs: similarity, score_mod, extra mask, ...
 
     Returns:
@@ -60,6 +63,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     variant = dict(variant or {})
     mask, bias = _mask(module, attention_mask, sliding_window, is_causal, query, key)
     packed = _packed(cu_seq_lens_q, cu_seq_lens_k, query.shape, key.shape[2])
+    # A tensor mask is the caller's whole layout; a prepared one may keep the documents apart.
+    if packed is None and not isinstance(attention_mask, Tensor) and not (
+            isinstance(attention_mask, Prepared) and attention_mask.packed):
+        packed = position_segments(position_ids, query.shape[0], query.shape[2], key.shape[2])
     mask = spellings.combine([mask, packed, variant.pop("mask", None)])
     mods = [variant.pop("score_mod", None), None if softcap is None else scores.softcap(softcap),
             bias]

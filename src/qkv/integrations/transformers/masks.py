@@ -49,10 +49,12 @@ class Prepared(BlockMask):
     """A qkv mask in the type transformers passes through as already prepared: a mask built
     ahead of the forward (static-cache generation builds it in ``prepare_inputs_for_generation``)
     comes back into the model's own mask creation, which keeps a ``BlockMask`` (or a 4-D
-    tensor) of shape (B, 1, Nq, Nk) as it is. Only the attention function reads ``mask``."""
+    tensor) of shape (B, 1, Nq, Nk) as it is. Only the attention function reads ``mask``;
+    ``packed`` says that it already keeps packed documents apart (transformers found them in
+    the position ids it was given)."""
 
-    def __init__(self, mask: qm.Mask, shape: tuple[int, int, int, int]):
-        self.mask, self._shape = mask, shape
+    def __init__(self, mask: qm.Mask, shape: tuple[int, int, int, int], packed: bool = False):
+        self.mask, self._shape, self.packed = mask, shape, packed
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -139,6 +141,20 @@ def keys_mask(keep: Tensor) -> qm.Mask | None:
     return functools.reduce(lambda a, b: a & b, parts)
 
 
+def position_segments(position_ids: Tensor | None, batch: int, nq: int,
+                      nk: int) -> qm.Mask | None:
+    """Documents packed in one row, told apart only by position ids that restart, as
+    flash-attention's varlen path reads them: ``segments`` of the runs. For a model that does
+    not hand its position ids to transformers' mask creation (GPT-OSS), whose masks then span
+    the whole row. None where the shapes rule a packed row out (a batch, a cache, a single
+    query, position ids of another shape) or, outside tracing, the row is one document
+    (transformers' own test, ``find_packed_sequence_indices``)."""
+    if (position_ids is None or batch != 1 or nq != nk or nq == 1
+            or tuple(position_ids.shape) != (1, nq)):
+        return None
+    ids = hf.find_packed_sequence_indices(position_ids)
+    return None if ids is None else qm.segments(ids)
+
 class _Absolute:
     """A transformers mask function called at absolute positions, per score (for custom_mask).
     Indexing a tensor with the 0-d indices needs transformers' own vmap helper."""
@@ -181,6 +197,7 @@ class _Context:
     def __init__(self, batch: int, nq: int, nk: int, q_offset: int, kv_offset: int):
         self.batch, self.nq, self.nk = batch, nq, nk
         self.q_offset, self.kv_offset = q_offset, kv_offset
+        self.saw_packed = False  # whether the composition holds packed documents' ids
 
     def rows(self, ids: Tensor, offset: int, n: int) -> Tensor:
         """Per-position ids (B, L) over absolute positions -> this request's (B, n) window."""
@@ -240,6 +257,7 @@ class _Context:
         return qm.segments(q.clamp(min=-1), torch.where(kv < 0, -2, kv))
 
     def packed(self, cells):
+        self.saw_packed = True
         ids = cells["packed_sequence_mask"]
         return qm.segments(self.rows(ids, self.q_offset, self.nq),
                            self.rows(ids, self.kv_offset, self.nk))
@@ -357,4 +375,4 @@ def mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: int 
         mask = Shifted(mask, shift)
     elif q_offset - kv_offset != kv_length - q_length:
         mask = Shifted(mask, q_offset - kv_offset)
-    return Prepared(mask, (batch_size, 1, q_length, kv_length))
+    return Prepared(mask, (batch_size, 1, q_length, kv_length), packed=ctx.saw_packed)
