@@ -97,3 +97,30 @@ def test_out_equals_returned_weights_times_v_with_dropout():
     out, w = qkv.attention(q, k, v, dropout_p=0.5, return_weights=True, similarity="l2")
     torch.testing.assert_close(out, w @ v)
     assert (w == 0).any()  # some weights were dropped
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.sampled_from(["sigmoid", "softpick", "stick_breaking", "relu", "identity"]))
+def test_weightings_over_random_masks(s, weighting):
+    """Masked weights are 0 under every weighting, on the fused engine and the reference
+    alike; stick-breaking's rows sum to at most 1, sigmoid's weights lie in (0, 1)."""
+    g = torch.Generator().manual_seed(s["seed"])
+    h = s["hkv"] * s["group"]
+    q = torch.randn(s["b"], h, s["nq"], s["d"], generator=g, dtype=torch.float64)
+    k = torch.randn(s["b"], s["hkv"], s["nk"], s["d"], generator=g, dtype=torch.float64)
+    v = torch.randn(s["b"], s["hkv"], s["nk"], s["dv"], generator=g, dtype=torch.float64)
+    allowed = torch.rand(s["b"], h, s["nq"], s["nk"], generator=g) < s["density"]
+    mask = qkv.causal() & allowed if weighting == "stick_breaking" else allowed
+    dense = mask.materialize(s["b"], h, s["nq"], s["nk"]) if weighting == "stick_breaking" \
+        else allowed
+    results = [qkv.attention(q, k, v, mask=mask, weighting=weighting, return_weights=True,
+                             backend=backend) for backend in ("fused", "reference")]
+    (out, w), (ref_out, ref_w) = results
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w, ref_w, rtol=1e-10, atol=1e-12)
+    assert (w[~dense] == 0).all()
+    if weighting == "stick_breaking":
+        assert (w.sum(-1) <= 1 + 1e-12).all() and (w >= 0).all()
+    if weighting == "sigmoid":
+        inside = w[dense]
+        assert ((inside > 0) & (inside < 1)).all()
