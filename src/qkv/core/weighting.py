@@ -63,10 +63,12 @@ class Weighting(Node):
     name: str = ""
     carry: Carry = Carry.NONE
 
-    def weights(self, s: Tensor, allowed: Tensor, pos_q: Tensor, kv_idx: Tensor) -> Tensor:
+    def weights(self, s: Tensor, allowed: Tensor, pos_q: Tensor, kv_idx: Tensor,
+                heads: Tensor | None = None) -> Tensor:
         """The weights (B, H, Nq, Nk) of scores s (B, H, Nq, Nk), 0 where the bool
         ``allowed`` (broadcastable to s) is False. pos_q (Nq, 1) holds each query's key
-        position (bottom-right aligned), kv_idx (1, Nk) the keys'."""
+        position (bottom-right aligned), kv_idx (1, Nk) the keys'; ``heads`` (1, H, 1, 1)
+        the query heads s holds, for per-head values (None: all, in order)."""
         raise NotImplementedError
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -109,13 +111,14 @@ class Elementwise(Weighting):
         """f for a call with ``nk`` keys, as a ``ScoreMod`` (None: f(s) = s)."""
         raise NotImplementedError
 
-    def weights(self, s, allowed, pos_q, kv_idx):
+    def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         fn = self.score_fn(s.shape[-1])
         safe = _safe(s, allowed)
         if fn is None:
             return _zero_masked(safe, allowed)
-        b, h = (torch.arange(n, device=s.device).view(shape)
-                for n, shape in ((s.shape[0], (-1, 1, 1, 1)), (s.shape[1], (1, -1, 1, 1))))
+        b = torch.arange(s.shape[0], device=s.device).view(-1, 1, 1, 1)
+        h = torch.arange(s.shape[1], device=s.device).view(1, -1, 1, 1) if heads is None \
+            else heads
         w = fn(safe, b, h, pos_q.view(1, 1, -1, 1), kv_idx.view(1, 1, 1, -1))
         return _zero_masked(w.expand(s.shape).to(s.dtype), allowed)
 
@@ -268,7 +271,7 @@ class Normalized(Weighting):
         """(a', b'): (e^s a)' / e^s and (e^s b)' / e^s at s, for the gradient."""
         raise NotImplementedError
 
-    def weights(self, s, allowed, pos_q, kv_idx):
+    def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         safe = _safe(s, allowed)
         low = torch.full((), float("-inf"), dtype=s.dtype, device=s.device)
         m = torch.where(allowed, safe, low).amax(-1, keepdim=True)
@@ -369,7 +372,7 @@ class StickBreaking(Weighting):
                              f"before each query, but the mask {mask!r} lets a query see a "
                              f"later key: combine it with qkv.causal()")
 
-    def weights(self, s, allowed, pos_q, kv_idx):
+    def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         keep = allowed & self.in_order(pos_q, kv_idx)
         safe = _safe(s, keep)
         # log(1 - β) = -softplus(s); the stick left before key j is exp(-Σ_{l>j} softplus).

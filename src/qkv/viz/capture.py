@@ -226,6 +226,7 @@ def _observer(site: CapturedMap, on_weights: OnWeights | None, row_bytes: int | 
                     similarity=kwargs.get("similarity", "dot"), scale=kwargs.get("scale"),
                     metric=None if metric is None else metric.detach(), lse=lse,
                     rows=(start, min(nq, start + block)),
+                    weighting=kwargs.get("weighting", "softmax"),
                 )
                 if on_weights is None:
                     site.calls.append(weights)

@@ -72,6 +72,7 @@ class QKStore:
             seen["variant"] = {key: kwargs.get(key) for key in ("mask", "score_mod", "scale",
                                                                  "metric")}
             seen["variant"]["similarity"] = kwargs.get("similarity", "dot")
+            seen["variant"]["weighting"] = kwargs.get("weighting", "softmax")
 
         try:
             with watch(model, keep), torch.no_grad():
@@ -100,7 +101,7 @@ class QKStore:
         v = self.layers[layer].variant
         return head_weights(q, k, heads, mask=v["mask"], score_mod=v["score_mod"],
                             similarity=v["similarity"], scale=v["scale"], metric=v["metric"],
-                            rows=(start, stop))[0].float()
+                            rows=(start, stop), weighting=v["weighting"])[0].float()
 
     def rows(self, layer: int, heads: list[int], start: int, stop: int) -> Tensor:
         """(len(heads), stop - start, Nk) float32 weights of query rows start..stop-1."""

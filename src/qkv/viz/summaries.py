@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..allocations import map_large_allocations
 from ..core.masks.rules import CausalMask, TopLeftCausalMask
+from ..core.weighting import as_weighting
 from ..engines.cpu.workers import run_queued
 from .capture import CapturedMap, watch
 from .row_stats import library, row_stats
@@ -44,7 +45,7 @@ TOP_K = 8
 ROW_BYTES = 4 << 20
 # The keywords of a call the fast path computes exactly (with the values _fast_call checks).
 _FAST_KEYWORDS = {"mask", "score_mod", "similarity", "scale", "metric", "return_weights",
-                  "dropout_p", "fp32_precision"}
+                  "dropout_p", "fp32_precision", "weighting"}
 _COLUMNS = ("entropy", "distance", "sink", "previous", "top_keys", "top_weights")
 
 # on_block(site, heads, weights, first_row): heads (a sorted list of head indices), weights
@@ -117,6 +118,7 @@ def fast_path(q: Tensor, k: Tensor, kwargs: dict) -> bool:
     one scale, no score modifier, a causal mask or none, float weights on the CPU, and the C
     loop built."""
     return (set(kwargs) <= _FAST_KEYWORDS and kwargs.get("score_mod") is None
+            and as_weighting(kwargs.get("weighting", "softmax")).is_softmax
             and kwargs.get("metric") is None and kwargs.get("similarity", "dot") == "dot"
             and _scale(kwargs, q.shape[-1]) is not None
             and _causal(kwargs, q.shape[2], k.shape[2]) is not None
@@ -205,7 +207,8 @@ def _torch_call(q: Tensor, k: Tensor, lse: Tensor | None, kwargs: dict, heads: l
                          score_mod=kwargs.get("score_mod"),
                          similarity=kwargs.get("similarity", "dot"), scale=kwargs.get("scale"),
                          metric=None if metric is None else metric.detach(), lse=lse,
-                         rows=(start, stop))[0].float()  # (h, rows, Nk)
+                         rows=(start, stop), weighting=kwargs.get("weighting", "softmax")
+                         )[0].float()  # (h, rows, Nk)
         positions = torch.arange(start, stop) + nk - nq
         gap = (positions[:, None] - keys[None, :]).abs().float()
         previous = (positions - 1).clamp(0, nk - 1)

@@ -38,9 +38,9 @@ def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> l
 def head_weights(
     q: Tensor, k: Tensor, heads: Sequence[int], *, mask=None, score_mod=None,
     similarity: str = "dot", scale=None, metric: Tensor | None = None, lse: Tensor | None = None,
-    rows: tuple[int, int] | None = None,
+    rows: tuple[int, int] | None = None, weighting="softmax",
 ) -> Tensor:
-    """Post-softmax weights of ``heads`` only.
+    """The weights of ``heads`` only, under the call's weighting (softmax by default).
 
     Args:
         q: (B, H, Nq, D); k: (B, Hkv, Nk, D); mask, score_mod, similarity, scale, metric: as
@@ -51,6 +51,9 @@ def head_weights(
             row reduction is done.
         rows: (start, stop): only these query rows, so a long sequence's weights can be
             computed a block of rows at a time; masks and modifiers see the rows' own indices.
+        weighting: the call's (``qkv.weighting``). Softmax reads ``lse``; the others compute
+            each row from its own scores (the engines save no lse for them), so ``lse`` is
+            not read.
 
     Returns:
         (B, len(heads), Nq, Nk) in q's dtype (Nq: stop - start with ``rows``), heads in
@@ -58,7 +61,8 @@ def head_weights(
     """
     # Validation and normalization are the dispatcher's own; k stands in for v (never read).
     p = build_problem(q, k, k, mask=mask, score_mod=score_mod, similarity=similarity,
-                      scale=scale, metric=metric, dropout_p=0.0, return_weights=True)
+                      scale=scale, metric=metric, dropout_p=0.0, return_weights=True,
+                      weighting=weighting)
     chosen = check_heads(list(heads), p.heads, "this attention call")
     index = torch.tensor(chosen, device=q.device)
     acc = accumulation_dtype(q.dtype)
@@ -79,8 +83,16 @@ def head_weights(
     b, _, _, ki = index_grid(p.batch, 1, 1, p.nk, q.device)
     qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
     # The chosen heads keep their own indices: per-head modifiers and masks stay right.
-    scores = modified_scores(raw, (b, index.view(1, -1, 1, 1), qi, ki), p.offset,
-                             scale=scale_sel, score_mod=p.score_mod, mask=p.mask)
+    grid = (b, index.view(1, -1, 1, 1), qi, ki)
+    if not p.weighting.is_softmax:
+        scores = modified_scores(raw, grid, p.offset, scale=scale_sel, score_mod=p.score_mod)
+        allowed = (torch.ones((), dtype=torch.bool, device=q.device) if p.mask is None else
+                   torch.as_tensor(p.mask.mask_mod(*grid, p.offset), device=q.device))
+        weights = p.weighting.weights(scores, allowed.expand(scores.shape), qi.view(-1, 1)
+                                      + p.offset, ki.view(1, -1), heads=grid[1])
+        return weights.to(q.dtype)
+    scores = modified_scores(raw, grid, p.offset, scale=scale_sel, score_mod=p.score_mod,
+                             mask=p.mask)
     if lse is None:
         weights, _ = masked_softmax(scores)
     else:
