@@ -25,7 +25,7 @@ from ..core.weighting import Elementwise
 from ..engines.api import attention_result
 
 # Bytes of float32 scores formed at once when no gradient is wanted.
-BLOCK_BYTES = 32 << 20
+BLOCK_BYTES = 16 << 20
 
 
 @dataclass
@@ -63,9 +63,10 @@ def run_hooks(fns: list, tensor: Tensor, point: HookPoint) -> tuple[Tensor, bool
 
 
 def _selected_scores(p: Problem, q: Tensor, k: Tensor, index: Tensor, start: int,
-                     stop: int) -> Tensor:
+                     stop: int, inplace: bool = False) -> Tensor:
     """Masked, modified scores (B, len(index), stop - start, Nk) of query heads ``index``
-    and rows [start, stop), in the accumulation dtype; forbidden entries are -inf."""
+    and rows [start, stop), in the accumulation dtype; forbidden entries are -inf.
+    ``inplace``: scale and mask the raw scores' memory (no gradient is wanted)."""
     acc = accumulation_dtype(q.dtype)
     q_sel = q.index_select(1, index)[:, :, start:stop].to(acc)
     k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
@@ -84,19 +85,15 @@ def _selected_scores(p: Problem, q: Tensor, k: Tensor, index: Tensor, start: int
     qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
     # The chosen heads keep their own indices: per-head modifiers and masks stay right.
     return modified_scores(raw, (b, index.view(1, -1, 1, 1), qi, ki), p.offset,
-                           scale=scale, score_mod=p.score_mod, mask=p.mask)
+                           scale=scale, score_mod=p.score_mod, mask=p.mask, inplace=inplace)
 
 
-def weigh(p: Problem, s: Tensor, index: Tensor, start: int, lse: Tensor | None = None) -> Tensor:
+def weigh(p: Problem, s: Tensor, index: Tensor, start: int) -> Tensor:
     """The weights of scores s (B, len(index), rows, Nk) (-inf: forbidden) under the layer's
-    weighting, rows counted from ``start``. ``lse`` (B, len(index), rows, 1), softmax only:
-    the engine's log-sum-exp, so a row needs no reduction of its own."""
+    weighting, rows counted from ``start``."""
     w = p.weighting
     if w.is_softmax:
-        if lse is None:
-            return masked_softmax(s)[0]
-        finite = torch.isfinite(lse)
-        return torch.where(finite, torch.exp(s - torch.where(finite, lse, 0.0)), 0.0)
+        return masked_softmax(s)[0]
     allowed = s != float("-inf")
     pos_q = torch.arange(start, start + s.shape[2], device=s.device).view(-1, 1) + p.offset
     kv_idx = torch.arange(s.shape[3], device=s.device).view(1, -1)
@@ -124,11 +121,14 @@ def _blocked(p: Problem, q: Tensor, k: Tensor, index: Tensor, rows: tuple[int, i
     with torch.no_grad():
         for r0 in range(start, stop, step):
             r1 = min(stop, r0 + step)
-            s = _selected_scores(p, q, k, index, r0, r1)
-            if weights:
-                row_lse = None if lse is None else \
-                    lse.index_select(1, index)[:, :, r0:r1].unsqueeze(-1).to(acc)
-                s = weigh(p, s, index, r0, row_lse)
+            s = _selected_scores(p, q, k, index, r0, r1, inplace=True)
+            if weights and lse is not None:
+                # exp(s - lse) in the block's own memory; a row with no allowed key
+                # (lse -inf) subtracts +inf, so its weights are 0.
+                row_lse = lse.index_select(1, index)[:, :, r0:r1].unsqueeze(-1).to(acc)
+                s = s.sub_(torch.where(torch.isfinite(row_lse), row_lse, float("inf"))).exp_()
+            elif weights:
+                s = weigh(p, s, index, r0)
             out[:, :, r0 - start:r1 - start] = s
     return out
 
