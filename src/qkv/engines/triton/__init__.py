@@ -12,7 +12,7 @@ import torch
 
 from ...core.problem import Problem
 from ..kernelgen.graph import CompileError
-from ..lowering import Lowered
+from ..lowering import Lowered, WeightsKind, weighted_mod, weights_kind
 from .traced import trace_functions
 
 __all__ = ["MAX_HEAD_DIM", "plan", "unsupported"]
@@ -43,9 +43,16 @@ def unsupported(p: Problem) -> str | None:
             "return_weights=True while gradients are needed: the Triton engine recomputes the "
             "weights from its log-sum-exp without a gradient; use backend='reference'"
         )
-    if not p.weighting.is_softmax:
-        return (f"the Triton kernels compute softmax only, not the weighting "
-                f"{p.weighting!r}")
+    score_mod, normalizer = weighted_mod(p)
+    variant = Lowered(p.similarity.pairwise, score_mod, p.mask, None, normalizer)
+    kind = weights_kind(variant)
+    if kind is None:
+        return f"the Triton kernels have no loop for the weighting {p.weighting!r}"
+    if kind == WeightsKind.STICK and not variant.term.products:
+        # Its key gradients are added by the query tiles; the chunked terms' key rows are
+        # written by one program each.
+        return (f"the Triton kernels break the stick with the matrix-product terms only "
+                f"(dot, cosine, l2, mahalanobis), not the similarity {p.similarity!r}")
     if p.nq == 0 or p.nk == 0:
         return "an empty sequence"
     dims = (p.q.shape[-1], p.v.shape[-1])
@@ -54,8 +61,7 @@ def unsupported(p: Problem) -> str | None:
     if torch.compiler.is_compiling():
         return None
     try:
-        trace_functions(Lowered(p.similarity.pairwise, p.score_mod, p.mask, None), p.q.device,
-                        p.q.shape[-1], max(p.nq, p.nk))
+        trace_functions(variant, p.q.device, p.q.shape[-1], max(p.nq, p.nk))
     except CompileError as e:
         return str(e)
     return None

@@ -22,8 +22,8 @@ from ...core.result import Result
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
-from ..lowering import Lowered, TermKind
-from . import backward, kernels
+from ..lowering import Lowered, TermKind, WeightsKind, weighted_mod, weights_kind
+from . import backward, kernels, weighted, weighted_backward
 from .blocks import BlockLayout, block_layout
 from .groups import Code, Shape, Sizes, constants, mat
 from .traced import TracedFunctions, trace_functions
@@ -97,6 +97,9 @@ class KernelPlan:
     traced: TracedFunctions
     functions: tuple  # the traced module's functions (``_functions``), looked up once
     kind: TermKind
+    weights: WeightsKind
+    eps: float  # softpick's
+    include_self: bool  # stick-breaking's
     tiling: Tiling
     layout: BlockLayout  # tile states and block tables at the tiling's tiles
     nk: int
@@ -129,10 +132,14 @@ def make_plan(fq: Tensor, fk: Tensor, variant: Lowered, traced: TracedFunctions,
         mask.check(batch, heads, nq, nk)
     tiling = choose_tiling(kind, _pad(fq.shape[-1]), fq.is_cuda, fq.element_size())
     fine_m, fine_n = fine_tiles(tiling)
+    weights = weights_kind(variant)
     return KernelPlan(
         traced=traced,
         functions=_functions(traced),
         kind=kind,
+        weights=weights,
+        eps=variant.normalizer.eps if weights == WeightsKind.SOFTPICK else 0.0,
+        include_self=weights == WeightsKind.STICK and variant.normalizer.include_self,
         tiling=tiling,
         layout=block_layout(mask, batch, heads, nq, nk, fine_m, fine_n, fq.device),
         nk=nk,
@@ -205,7 +212,8 @@ def _code(plan: KernelPlan, slot_grad: bool = False, scale_grad: bool = False) -
         MASK_FN=mask_fn, HAS_MOD=var.has_mod, MOD_FN=mod_fn, MOD_BWD_FN=mod_bwd_fn,
         TERM_FN=term_fn, TERM_DQ_FN=term_dq_fn, TERM_DK_FN=term_dk_fn,
         TERM_GRAD_FN=term_grad_fn, DROPOUT=plan.dropout_p > 0, SLOT_GRAD=slot_grad,
-        SCALE_GRAD=scale_grad,
+        SCALE_GRAD=scale_grad, WEIGHTS=plan.weights.value, EPS=plan.eps,
+        INCLUDE_SELF=plan.include_self,
     )
 
 
@@ -219,12 +227,14 @@ def _launch(kernel, t: Tiles, blocks: int, rows: int, *args) -> None:
 
 
 def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, Tensor]:
-    """out (B, H, Nq, Dv) and base-2 lse (B, H, Nq) (+inf for rows with no key)."""
+    """out (B, H, Nq, Dv) and base-2 lse (B, H, Nq) (+inf for rows with no key); for another
+    weighting, its statistic in base 2 (``weighted.fwd_kernel``)."""
     batch, heads, nq, _ = q.shape
     out = torch.empty(batch, heads, nq, v.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, nq, dtype=torch.float32, device=q.device)
     t = plan.tiling.fwd
-    _launch(kernels.fwd_kernel, t, -(-nq // t.block_m), batch * heads,
+    kernel = kernels.fwd_kernel if plan.weights == WeightsKind.SOFTMAX else weighted.fwd_kernel
+    _launch(kernel, t, -(-nq // t.block_m), batch * heads,
             mat(q), mat(k), mat(v), mat(out), lse, scale, mat(plan.table(t)),
             squared_norms(plan, q, k, scale), _slot_args(slots, q.device), _sizes(plan, q, k),
             _shape(plan, t, q, k, v), _code(plan))
@@ -232,11 +242,14 @@ def attention_forward(plan: KernelPlan, q, k, v, scale, slots) -> tuple[Tensor, 
 
 
 def attention_weights(plan: KernelPlan, q, k, lse, scale, slots) -> Tensor:
-    """The weights (B, H, Nq, Nk) that multiplied v, recomputed from the base-2 lse."""
+    """The weights (B, H, Nq, Nk) that multiplied v, recomputed from the base-2 lse (the
+    statistic of another weighting)."""
     batch, heads, nq, _ = q.shape
     weights = torch.zeros(batch, heads, nq, k.shape[2], dtype=q.dtype, device=q.device)
     t = plan.tiling.fwd
-    _launch(kernels.weights_kernel, t, -(-nq // t.block_m), batch * heads,
+    softmax = plan.weights == WeightsKind.SOFTMAX
+    kernel = kernels.weights_kernel if softmax else weighted.weights_kernel
+    _launch(kernel, t, -(-nq // t.block_m), batch * heads,
             mat(q), mat(k), mat(weights), lse, scale, mat(plan.table(t)),
             squared_norms(plan, q, k, scale), _slot_args(slots, q.device), _sizes(plan, q, k),
             _shape(plan, t, q, k, k), _code(plan))
@@ -247,7 +260,10 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
                        need_scale: bool, need_slots: set[int], grad_lse: Tensor | None = None):
     """dq, dk, dv (input dtypes), dscale (H,) fp32 and fp32 gradients of the slots in
     ``need_slots`` (None elsewhere). ``grad_lse`` is the gradient of the base-2 lse, if
-    anything read it: d lse / d score = p, so it joins delta (in natural units)."""
+    anything read it: d lse / d score = p, so it joins delta (in natural units). Only
+    softmax's lse has a reader (``build_problem`` refuses one for another weighting).
+    Stick-breaking's dK and dV are added by the query tiles (``weighted_backward``), into
+    fp32 zeros."""
     batch, heads, nq, _ = q.shape
     kv_heads, nk = k.shape[1], k.shape[2]
     grad_out = _rows(grad_out)
@@ -256,10 +272,14 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
         delta = (delta - grad_lse.float() * _LOG2E).contiguous()
     # Each program stores its rows of dq, dk (product terms) and dv once, in the inputs'
     # dtype; the chunked terms' loops add into fp32 dq and dk tile by tile.
+    stick = plan.weights == WeightsKind.STICK
     stored = plan.kind.products
-    dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=x.device) if stored
-              else torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k))
-    dvv = torch.empty(batch, kv_heads, nk, v.shape[3], dtype=v.dtype, device=q.device)
+    dq, dk = (torch.empty(x.shape, dtype=x.dtype, device=x.device) if stored and not added
+              else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+              for x, added in ((q, False), (k, stick)))
+    dv_shape = (batch, kv_heads, nk, v.shape[3])
+    dvv = (torch.zeros(dv_shape, dtype=torch.float32, device=q.device) if stick
+           else torch.empty(dv_shape, dtype=v.dtype, device=q.device))
     dscale = torch.zeros(heads, dtype=torch.float32, device=q.device)
     slot_args = _slot_args(slots, q.device)
     grads = [
@@ -270,13 +290,18 @@ def attention_backward(plan: KernelPlan, q, k, v, scale, out, lse, grad_out, slo
     grad_args = (*grad_args, *[dscale] * (MAX_SLOTS - len(grad_args)))
     inputs = (mat(q), mat(k), mat(v), mat(grad_out), lse, delta, scale)
     norms, sizes = squared_norms(plan, q, k, dscale), _sizes(plan, q, k)
-    t = plan.tiling.dkv
-    _launch(backward.bwd_kv_kernel, t, -(-nk // t.block_n), batch * kv_heads,
-            *inputs, mat(plan.table(t, by_keys=True)), norms, dk, dvv, slot_args, sizes,
-            _shape(plan, t, q, k, v), _code(plan))
+    softmax = plan.weights == WeightsKind.SOFTMAX
+    if not stick:
+        t = plan.tiling.dkv
+        _launch(backward.bwd_kv_kernel if softmax else weighted_backward.bwd_kv_kernel, t,
+                -(-nk // t.block_n), batch * kv_heads,
+                *inputs, mat(plan.table(t, by_keys=True)), norms, dk, dvv, slot_args, sizes,
+                _shape(plan, t, q, k, v), _code(plan))
     t = plan.tiling.dq
-    _launch(backward.bwd_q_kernel, t, -(-nq // t.block_m), batch * heads,
-            *inputs, mat(plan.table(t)), norms, dq, dscale, slot_args, grad_args, sizes,
+    outputs = (dq, dscale) if softmax else (dq, dk, dvv, dscale)
+    _launch(backward.bwd_q_kernel if softmax else weighted_backward.bwd_q_kernel, t,
+            -(-nq // t.block_m), batch * heads,
+            *inputs, mat(plan.table(t)), norms, *outputs, slot_args, grad_args, sizes,
             _shape(plan, t, q, k, v), _code(plan, bool(need_slots), need_scale))
     return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), dscale, grads
 
@@ -337,6 +362,7 @@ def run(p: Problem) -> Result:
     v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
     fq, fk, v = _rows(fq), _rows(fk), _rows(v)
     scale = scale_per_head(p.scale, p.heads, p.q.device)
-    variant = Lowered(p.similarity.pairwise, p.score_mod, p.mask, scale)
+    score_mod, normalizer = weighted_mod(p)
+    variant = Lowered(p.similarity.pairwise, score_mod, p.mask, scale, normalizer)
     out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
     return Result(out, natural_lse(lse), weights)

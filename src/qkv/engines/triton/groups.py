@@ -20,13 +20,18 @@ from typing import NamedTuple
 import triton.language as tl
 from torch import Tensor
 
-from ..lowering import TermKind
+from ..lowering import TermKind, WeightsKind
 
 # The term kinds as the kernels compare them (``C.KIND == SQDIST``), from the one enum.
 DOT = tl.constexpr(TermKind.DOT.value)
 SQDIST = tl.constexpr(TermKind.SQDIST.value)
 L1 = tl.constexpr(TermKind.L1.value)
 TRACED = tl.constexpr(TermKind.TRACED.value)
+# The weightings' kinds likewise (``C.WEIGHTS == STICK``).
+SOFTMAX = tl.constexpr(WeightsKind.SOFTMAX.value)
+ELEMENTWISE = tl.constexpr(WeightsKind.ELEMENTWISE.value)
+SOFTPICK = tl.constexpr(WeightsKind.SOFTPICK.value)
+STICK = tl.constexpr(WeightsKind.STICK.value)
 
 
 class Mat(NamedTuple):
@@ -82,6 +87,9 @@ class Code(NamedTuple):
     DROPOUT: object
     SLOT_GRAD: object  # the captured tensors' gradients are wanted (dQ kernel)
     SCALE_GRAD: object  # the scale's gradient is wanted (dQ kernel)
+    WEIGHTS: object  # a WeightsKind value: softmax's kernels, or those of ``weighted.py``
+    EPS: object  # softpick's eps
+    INCLUDE_SELF: object  # stick-breaking's include_self
 
 
 class QueryRows(NamedTuple):
@@ -139,6 +147,19 @@ class BackwardRows(NamedTuple):
     delta: object
     DQb: object
     GRADS: object  # the captured tensors' gradient buffers
+
+
+class WeightedRows(NamedTuple):
+    """What the dQ tiles of ``weighted.py`` read besides ``QueryRows``: as ``BackwardRows``,
+    and the (b, kv head) rows of fp32 dK and dV, into which stick-breaking's tiles add."""
+
+    do: object
+    lse: object
+    delta: object
+    DQb: object
+    DKb: object
+    DVb: object
+    GRADS: object
 
 
 def mat(t: Tensor) -> Mat:
