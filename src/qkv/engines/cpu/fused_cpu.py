@@ -1,5 +1,6 @@
 """The fused CPU engine: blockwise online-softmax attention, forward and backward, for every
-similarity, mask and score modifier.
+similarity, mask, score modifier and weighting (the other weightings' rows carry their own
+statistic: ``carries``, and the C blocks' branches).
 
 - Forward: for each query block, visit the key blocks the mask does not rule out
   (``tile_plan``), keep a running max, sum and output (FlashAttention's online softmax), and
