@@ -5,7 +5,16 @@ layers nobody hooks left bit for bit as they were."""
 import pytest
 import torch
 
-from qkv.models import GPT, Encoder, EncoderConfig, GPTConfig, Transformer, TransformerConfig
+from qkv.models import (
+    GPT,
+    Encoder,
+    EncoderConfig,
+    GPTConfig,
+    Transformer,
+    TransformerConfig,
+    ViT,
+    ViTConfig,
+)
 from qkv.viz import capture
 
 from .eager import eager_gpt
@@ -186,10 +195,29 @@ def test_encoder_padding_and_transformer_names():
     assert w[1, :, :, 5:].abs().max() == 0
     same = enc.run_with_hooks(ids, lengths, fwd_hooks=[(name(0, "pattern"), lambda w, h: w)])
     torch.testing.assert_close(same, plain, rtol=0, atol=1e-12)
-    names = Transformer(TransformerConfig(20, 20, n_encoder_layers=1, n_decoder_layers=1,
-                                          block={"d_model": 16, "n_head": 2})).hook_names()
+    translate = Transformer(TransformerConfig(20, 20, n_encoder_layers=1, n_decoder_layers=1,
+                                              block={"d_model": 16, "n_head": 2})).eval()
     assert {"encoder.0.attn.hook_pattern", "decoder.0.attn.hook_z",
-            "decoder.0.cross_attn.hook_pattern", "decoder.0.hook_resid_post"} <= set(names)
+            "decoder.0.cross_attn.hook_pattern", "decoder.0.hook_resid_post"} <= set(
+                translate.hook_names())
+    src, tgt = torch.randint(3, 20, (2, 7)), torch.randint(3, 20, (2, 5))
+    with torch.no_grad():
+        out, cache = translate.run_with_cache(src, tgt)
+        assert torch.equal(out, translate(src, tgt))
+    assert cache["decoder.0.cross_attn.hook_pattern"].shape == (2, 2, 5, 7)
+
+
+def test_vit():
+    torch.manual_seed(0)
+    vit = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=3, num_classes=5, n_layer=2,
+                        block={"d_model": 16, "n_head": 2})).double().eval()
+    images = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    plain = vit(images)
+    out, cache = vit.run_with_cache(images, names_filter=name(1, "pattern"))
+    assert torch.equal(out, plain)
+    assert cache["pattern", 1].shape == (2, 2, 5, 5)  # the class token and 4 patches
+    torch.testing.assert_close(cache["pattern", 1].sum(-1), torch.ones(2, 2, 5,
+                                                                      dtype=torch.float64))
 
 
 def test_errors_name_the_argument():
