@@ -359,7 +359,28 @@ LARGE_CASES = {
 
 def case_kwargs(name: str, n: int) -> dict:
     """qkv keyword arguments of a benchmark variant or a --large case at sequence length n."""
+    if name in WEIGHTING_CASES:
+        return WEIGHTING_CASES[name]
     return LARGE_CASES[name][1](n) if name in LARGE_CASES else make_case(name, n).kwargs
+
+
+def weightings_memory_report(n: int) -> list[dict]:
+    """Peak extra memory of one forward+backward of each weighting on the fused engine at
+    N=n, against softmax's (plain and causal), each in a fresh process."""
+    print(f"\nWeightings, fused forward+backward at N={n}: peak extra memory (target within "
+          "10% of softmax's)")
+    base = {"dot": peak_in_child("dot", n, "fused"), "causal": peak_in_child("causal", n, "fused")}
+    rows = []
+    for label in ("dot", "causal", *WEIGHTING_CASES):
+        mem = base.get(label) if label in base else peak_in_child(label, n, "fused")
+        ref = base["causal" if "causal" in label else "dot"]
+        ratio = None if mem is None or not ref else mem / ref
+        print(f"  {label:24s} {'—' if mem is None else f'{mem / 2**20:.0f} MiB':>10s}  "
+              f"{'' if ratio is None else f'{ratio:.2f}x softmax'}", flush=True)
+        rows.append({"report": "weightings_memory", "variant": label, "n": n,
+                     "peak_mib": None if mem is None else round(mem / 2**20),
+                     "over_softmax": None if ratio is None else round(ratio, 3)})
+    return rows
 
 
 def large_report(repeat: int) -> list[dict]:
@@ -553,6 +574,8 @@ def _parse(argv):
     parser.add_argument("--no-table", action="store_true",
                         help="only the --large/--dispatch/--causal-65536/--user-similarity/"
                              "--vs-sdpa reports")
+    parser.add_argument("--weightings-memory", action="store_true",
+                        help="each weighting's peak memory at N=16384 against softmax's")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--peak-of", nargs=3, metavar=("CASE", "N", "BACKEND"),
                         help=argparse.SUPPRESS)  # the child process of peak_in_child
@@ -592,6 +615,8 @@ def main(argv=None) -> None:
             rows += vs_sdpa_report(n, args.repeat)
     if args.large:
         rows += large_report(args.repeat)
+    if args.weightings_memory:
+        rows += weightings_memory_report(16384)
     if args.causal_65536:
         rows += causal_65536()
     if rows:
