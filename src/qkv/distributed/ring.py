@@ -1,5 +1,7 @@
 """Ring attention: key/value shards travel around the ranks; each rank attends its queries to
-every shard as it passes and merges the partial results by their log-sum-exp.
+every shard as it passes and merges the partial results: by their log-sum-exp (softmax), by
+their log-denominator with eps counted once (softpick), by adding them (Carry.NONE: sigmoid,
+relu, identity, elementwise). Stick-breaking goes round the same ring in ``stick.py``.
 
 Keys and values travel in pieces of at most KV_ROWS positions, each piece round the ring on
 its own: a rank holds one piece in flight (and one arriving), not a whole shard, so its extra
@@ -13,15 +15,18 @@ runs without the mask.
 Backward: the ring again, as in FlashAttention's backward: the pieces go round once more,
 together with the dK, dV accumulated for them so far; after P steps each rank holds the
 gradient of its own keys and values, piece by piece. A pair's gradient is the engine's own
-backward, run with autograd on a recomputed (out_j, lse_j) and weighted by
-w_j = exp(lse_j - lse), so any variant the engine differentiates is differentiated here.
+backward, run with autograd on a recomputed (out_j, lse_j) and weighted by its share of the
+output (softmax: w_j = exp(lse_j - lse); Carry.NONE: 1), so any variant the engine
+differentiates is differentiated here.
 Extra memory per rank: dQ, dK, dV of its shard, one piece with its dK, dV in flight and one
 pair's autograd graph.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,9 +35,10 @@ from torch import Tensor
 from qkv.core.masks import EMPTY, FULL, Mask
 from qkv.core.reference import accumulation_dtype
 from qkv.core.scores import ScoreMod
-from qkv.engines.api import attention
+from qkv.core.weighting import Weighting
 
 from .layout import chunks
+from .partials import partial
 from .shift import ShiftedScoreMod, shift_mask
 
 # Query rows per engine call (a multiple of the engines' query blocks, so masks stay aligned).
@@ -55,16 +61,11 @@ class Plan:
     score_mod: ScoreMod | None
     engine_kwargs: dict  # similarity, scale, metric, backend
     sum_extra_grads: bool
+    weighting: Weighting  # with the whole sequence's Nk bound (for_context)
 
     @property
     def world(self) -> int:
         return len(self.ranks)
-
-
-def _partial(q: Tensor, k: Tensor, v: Tensor, kwargs: dict) -> tuple[Tensor, Tensor]:
-    """out (B, H, nq, Dv) and lse (B, H, nq) of one chunk pair, from the engine the
-    dispatcher picks; both differentiable under grad mode."""
-    return attention(q, k, v, return_lse=True, **kwargs)
 
 
 def _pair_kwargs(plan: Plan, q_chunk, kv_chunk, batch: int, heads: int) -> dict | None:
@@ -100,9 +101,22 @@ def _kv_pieces(plan: Plan, nk: int) -> list[tuple[int, int]]:
             for i in range(0, n, KV_ROWS)]
 
 
+class Pair(NamedTuple):
+    """One non-empty (query run, key piece) pair: ``rows`` of this rank's queries, ``keys``
+    within the piece, the engine's kwargs, ``gap`` = (global end of the run) − (global end of
+    the keys), and ``key`` = (local start of the run, global start of the keys), which names
+    the pair on every pass of the ring."""
+
+    rows: slice
+    keys: slice
+    kwargs: dict
+    gap: int
+    key: tuple[int, int]
+
+
 def _pairs(plan: Plan, owner: int, q: Tensor, piece: tuple[int, int], nk: int):
-    """(query slice, key slice within the piece, engine kwargs) of every non-empty pair of
-    this rank's queries with ``piece`` (local start, length) of rank ``owner``'s keys."""
+    """Every non-empty ``Pair`` of this rank's queries with ``piece`` (local start, length)
+    of rank ``owner``'s keys."""
     batch, heads = q.shape[0], q.shape[1]
     start, length = piece
     local, first, _ = next(c for c in chunks(plan.layout, owner, plan.world, nk)
@@ -111,7 +125,8 @@ def _pairs(plan: Plan, owner: int, q: Tensor, piece: tuple[int, int], nk: int):
     for qc in _query_pieces(plan, q.shape[2]):
         kwargs = _pair_kwargs(plan, qc, kc, batch, heads)
         if kwargs is not None:
-            yield slice(qc[0], qc[0] + qc[2]), slice(0, length), kwargs
+            yield Pair(slice(qc[0], qc[0] + qc[2]), slice(0, length), kwargs,
+                       (qc[1] + qc[2]) - (kc[1] + length), (qc[0], kc[1]))
 
 
 class _Exchange:
@@ -132,42 +147,96 @@ class _Exchange:
         return self.received
 
 
-def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor) -> None:
+def ring_pairs(plan: Plan, q: Tensor, k: Tensor, v: Tensor, home=None):
+    """(pair, (k, v) of the piece held, the piece's dK, dV or None) for every non-empty pair,
+    the pieces going round the ring one after another. With ``home`` (dk, dv), each piece's
+    dK, dV (zeros at first; the caller adds to them) travel with it, and after P hops they
+    land in ``home``."""
+    for piece in _kv_pieces(plan, k.shape[2]):
+        start, length = piece
+        kv = (k[:, :, start:start + length], v[:, :, start:start + length])
+        dkv = None if home is None else tuple(torch.zeros_like(t, dtype=h.dtype)
+                                              for t, h in zip(kv, home, strict=True))
+        for step in range(plan.world):
+            pending = _Exchange(plan, kv) if step < plan.world - 1 else None
+            for pair in _pairs(plan, (plan.rank - step) % plan.world, q, piece, k.shape[2]):
+                yield pair, kv, dkv
+            if dkv is not None and plan.world > 1:
+                # dK, dV of the piece held now travel with it; after P hops they are home.
+                dkv = _Exchange(plan, dkv).wait()
+            if pending is not None:
+                kv = pending.wait()
+        for total, part in zip(home or (), dkv or (), strict=True):
+            total[:, :, start:start + length] = part
+
+
+def _with_eps(lse: Tensor, eps: float) -> Tensor:
+    """log(e^lse + eps): the log of a denominator with the weighting's eps (softmax: 0)."""
+    return lse if eps == 0 else torch.logaddexp(lse, torch.full_like(lse, math.log(eps)))
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_o: Tensor, eps: float = 0.0) -> None:
     """Fold one partial (o, lse_o) into the running (out, lse), in place, in out's dtype:
-    lse = logaddexp(lse, lse_o), out = Σ exp(lse_i - lse) o_i. Rows with no key stay 0, -inf."""
+    lse = logaddexp(lse, lse_o) and, with Z_eps = e^lse + eps, out = Σ o_i Z_eps,i / Z_eps:
+    each o_i is its numerator over its own Z_eps,i, so eps counts once. Rows with no key stay
+    0, -inf."""
     new = torch.logaddexp(lse, lse_o)
-    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1))
+    total = _with_eps(new, eps)
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    out.mul_(torch.exp(_with_eps(lse, eps) - safe).unsqueeze(-1))
     # o is a fresh partial that nothing else reads: scaled in place, no temporary of its size.
-    out.add_(o.to(out.dtype).mul_(torch.exp(lse_o - safe).unsqueeze(-1).to(o.dtype)))
+    share = torch.exp(_with_eps(lse_o, eps) - safe).unsqueeze(-1)
+    out.add_(o.to(out.dtype).mul_(share.to(o.dtype)))
     lse.copy_(new)
 
 
-def _weights(lse_j: Tensor, lse: Tensor) -> Tensor:
-    """exp(lse_j - lse): the share of the final softmax a partial holds (0 for empty rows)."""
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.where(torch.isfinite(lse_j), torch.exp(lse_j - safe), torch.zeros_like(lse))
+def _shares(lse_j: Tensor, lse: Tensor, eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    """(Z_eps,j / Z_eps, Z_j / Z_eps): how much of the final output a partial's output holds,
+    and d(out)/d(lse_j) = the second times (out_j − out). Softmax: both exp(lse_j − lse)."""
+    total = _with_eps(lse, eps)
+    safe = torch.where(torch.isfinite(total), total, torch.zeros_like(total))
+    w = torch.where(torch.isfinite(lse_j), torch.exp(lse_j - safe), torch.zeros_like(lse))
+    return (w if eps == 0 else torch.exp(_with_eps(lse_j, eps) - safe)), w
 
 
-def _pair_grads(q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dout: Tensor, out: Tensor,
-                lse: Tensor, wanted: list[Tensor]):
+def _pair_grads(plan: Plan, q: Tensor, k: Tensor, v: Tensor, kwargs: dict, dout: Tensor,
+                out: Tensor, lse: Tensor, wanted: list[Tensor]):
     """Gradients of one pair's share of the loss in its q, k, v and the ``wanted`` tensors:
-    the engine's backward on the recomputed partial, weighted by its share of the softmax."""
+    the engine's backward on the recomputed partial, weighted by its share of the output."""
     acc = out.dtype
     with torch.enable_grad():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-        o, lse_o = _partial(*inputs, kwargs)
-        w = _weights(lse_o.detach().to(acc), lse)
+        o, lse_o = partial(*inputs, kwargs, plan.weighting)
+        if lse_o is None:
+            return torch.autograd.grad(o, inputs + wanted, dout.to(o.dtype), allow_unused=True)
+        share, w = _shares(lse_o.detach().to(acc), lse, plan.weighting.eps)
         g_lse = w * (dout * (o.detach().to(acc) - out)).sum(-1)
         return torch.autograd.grad((o, lse_o), inputs + wanted,
-                                   ((w.unsqueeze(-1) * dout).to(o.dtype), g_lse.to(lse_o.dtype)),
-                                   allow_unused=True)
+                                   ((share.unsqueeze(-1) * dout).to(o.dtype),
+                                    g_lse.to(lse_o.dtype)), allow_unused=True)
+
+
+def wanted_extras(ctx) -> list[Tensor]:
+    """The extras (inputs from the fifth on) a gradient is asked for."""
+    return [t for t, need in zip(ctx.extras, ctx.needs_input_grad[5:], strict=True) if need]
+
+
+def finish_extras(plan: Plan, ctx, wanted: list[Tensor], d_extras: list[Tensor],
+                  more: list[Tensor]) -> list[Tensor | None]:
+    """Each extra's gradient (None where none was asked), with ``more`` summed over the
+    group alongside when ``plan.sum_extra_grads``."""
+    if plan.sum_extra_grads:
+        for grad in d_extras + more:
+            dist.all_reduce(grad, group=plan.group)
+    by_id = dict(zip(map(id, wanted), d_extras, strict=True))
+    return [by_id.get(id(t)) for t in ctx.extras]
 
 
 class RingAttention(torch.autograd.Function):
     """out = ring attention of this rank's q (B, H, nq, D) against every rank's k, v
-    (B, Hkv, nk, D|Dv); ``sinks`` (H,) or None; ``extras`` are the tensors the variant reads
-    (ALiBi slopes, a metric, a user similarity's weights), listed so gradients reach them."""
+    (B, Hkv, nk, D|Dv) under a Carry.NONE or Carry.MAX_SUM weighting; ``sinks`` (H,) or None;
+    ``extras`` are the tensors the variant reads (ALiBi slopes, a metric, a user similarity's
+    weights, a sigmoid bias), listed so gradients reach them."""
 
     @staticmethod
     def forward(ctx, plan: Plan, q, k, v, sinks, *extras):
@@ -175,17 +244,14 @@ class RingAttention(torch.autograd.Function):
         b, h, nq, dv = *q.shape[:3], v.shape[3]
         out = torch.zeros(b, h, nq, dv, dtype=acc, device=q.device)
         lse = torch.full((b, h, nq), float("-inf"), dtype=acc, device=q.device)
-        for piece in _kv_pieces(plan, k.shape[2]):
-            start, length = piece
-            kv = (k[:, :, start:start + length], v[:, :, start:start + length])
-            for step in range(plan.world):
-                pending = _Exchange(plan, kv) if step < plan.world - 1 else None
-                owner = (plan.rank - step) % plan.world
-                for qs, ks, kwargs in _pairs(plan, owner, q, piece, k.shape[2]):
-                    o, lse_o = _partial(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs)
-                    _merge(out[:, :, qs], lse[:, :, qs], o, lse_o)
-                if pending is not None:
-                    kv = pending.wait()
+        for pair, kv, _ in ring_pairs(plan, q, k, v):
+            rows, keys = pair.rows, pair.keys
+            o, lse_o = partial(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], pair.kwargs,
+                               plan.weighting)
+            if lse_o is None:
+                out[:, :, rows] += o.to(acc)
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], o, lse_o, plan.weighting.eps)
         if sinks is not None:
             # The sink is one more partial: lse = s[h], output 0.
             _merge(out, lse, torch.zeros_like(out), sinks.to(acc).view(1, -1, 1).expand_as(lse))
@@ -203,36 +269,22 @@ class RingAttention(torch.autograd.Function):
         dout = dout.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
         dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-        wanted = [t for t, need in zip(ctx.extras, ctx.needs_input_grad[5:], strict=True) if need]
+        wanted = wanted_extras(ctx)
         d_extras = [torch.zeros_like(t) for t in wanted]
-        for piece in _kv_pieces(plan, k.shape[2]):
-            start, length = piece
-            kv = (k[:, :, start:start + length], v[:, :, start:start + length])
-            dkv = (torch.zeros_like(kv[0], dtype=acc), torch.zeros_like(kv[1], dtype=acc))
-            for step in range(plan.world):
-                pending = _Exchange(plan, kv) if step < plan.world - 1 else None
-                owner = (plan.rank - step) % plan.world
-                for qs, ks, kwargs in _pairs(plan, owner, q, piece, k.shape[2]):
-                    grads = _pair_grads(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], kwargs,
-                                        dout[:, :, qs], out[:, :, qs], lse[:, :, qs], wanted)
-                    for total, grad in zip([dq[:, :, qs], dkv[0][:, :, ks], dkv[1][:, :, ks]]
-                                           + d_extras, grads, strict=True):
-                        if grad is not None:
-                            total.add_(grad.to(total.dtype))
-                # dK, dV of the piece held now travel with it; after P hops they are home.
-                dkv = _Exchange(plan, dkv).wait()
-                if pending is not None:
-                    kv = pending.wait()
-            dk[:, :, start:start + length] = dkv[0]
-            dv[:, :, start:start + length] = dkv[1]
+        for pair, kv, dkv in ring_pairs(plan, q, k, v, home=(dk, dv)):
+            rows, keys = pair.rows, pair.keys
+            grads = _pair_grads(plan, q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                pair.kwargs, dout[:, :, rows], out[:, :, rows],
+                                lse[:, :, rows], wanted)
+            for total, grad in zip([dq[:, :, rows], dkv[0][:, :, keys], dkv[1][:, :, keys]]
+                                   + d_extras, grads, strict=True):
+                if grad is not None:
+                    total.add_(grad.to(total.dtype))
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
             # d lse_sink = w_sink · <dout, 0 - out>, summed over batch and rows.
-            w = _weights(sinks.to(acc).view(1, -1, 1).expand_as(lse), lse)
+            w = _shares(sinks.to(acc).view(1, -1, 1).expand_as(lse), lse)[1]
             d_sinks = -(w * (dout * out).sum(-1)).sum((0, 2)).to(sinks.dtype)
-        if plan.sum_extra_grads:
-            for grad in d_extras + ([] if d_sinks is None else [d_sinks]):
-                dist.all_reduce(grad, group=plan.group)
-        by_id = dict(zip(map(id, wanted), d_extras, strict=True))
-        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks,
-                *(by_id.get(id(t)) for t in ctx.extras))
+        d_extras = finish_extras(plan, ctx, wanted, d_extras,
+                                 [] if d_sinks is None else [d_sinks])
+        return (None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_sinks, *d_extras)
