@@ -351,3 +351,31 @@ def test_the_built_in_weightings_run_in_the_c_blocks(name):
         problem = build_problem(q, k, v, weighting=weighting, mask=qkv.causal())
         fq, fk, _, variant = lower(problem)
         assert paths.choose(fused_cpu._spec(fq, fk, variant, 0.0, 0), fq)[0] is path
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "softpick", "stick_breaking"])
+def test_weightings_compile_fullgraph_and_export_as_custom_ops(name):
+    q, k, v = (t.requires_grad_() for t in rand_qkv(b=1, h=2, hkv=2, nq=40, nk=40, d=4, dv=3,
+                                                    dtype=torch.float32))
+    bias = torch.tensor([-1.0, 0.5], requires_grad=True)
+    weighting = qkv.weighting.sigmoid(bias=bias) if name == "sigmoid" else name
+
+    def fn(q, k, v):
+        return qkv.attention(q, k, v, mask=qkv.causal(), weighting=weighting)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager, traced = fn(q, k, v), compiled(q, k, v)
+    targets = (q, k, v, bias) if name == "sigmoid" else (q, k, v)
+    for a, b in zip(torch.autograd.grad(eager.sum(), targets),
+                    torch.autograd.grad(traced.sum(), targets), strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(eager, traced)
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return fn(q, k, v)
+
+    exported = torch.export.export(Layer(), tuple(t.detach() for t in (q, k, v)))
+    ops = {str(node.target) for node in exported.graph.nodes}
+    assert any("qkv" in op for op in ops), ops
+    torch.testing.assert_close(exported.module()(q, k, v), eager)
