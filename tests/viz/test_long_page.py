@@ -126,3 +126,39 @@ def test_summaries_without_maps_in_the_browser(browser, long_page):
     assert len(browser.find_elements(By.CSS_SELECTOR, "#model-grid canvas.no-map")) == 10
     select(browser, "display", "summary")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#summary tbody tr")) == 12
+
+
+@pytest.fixture(scope="module")
+def sigmoid_page(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "sigmoid"
+    make_lm_run(run_dir, ["model.n_layer=2", "model.block.n_head=2", "model.block_size=64",
+                          "model.block.weighting=sigmoid"])
+    out = tmp_path_factory.mktemp("page") / "sigmoid.html"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("qkv.viz.scene.LONG_INPUT", 16)
+        assert main(["viz", str(run_dir), "--text", TEXT, "-o", str(out)]) == 0
+    return out
+
+
+def test_rows_that_do_not_sum_to_one_show_their_mass(sigmoid_page, long_page):
+    """A sigmoid model's page holds each row's mass (its weights' sum); a softmax model's,
+    whose rows all sum to 1, does not."""
+    assert "mass" not in read_page(long_page).meta["views"][0]["row_stats"]["scales"]
+    stored = read_page(sigmoid_page)
+    view = stored.meta["views"][0]
+    scale = view["row_stats"]["scales"]["mass"]
+    mass = stored.row_stats(0, 1, 0)["mass"]
+    assert scale[0] == "log" and 0 < mass.max() <= scale[1] + 1e-6
+    assert not np.allclose(mass, 1.0, atol=0.05)
+
+
+def test_the_row_mass_in_the_browser(browser, sigmoid_page):
+    from selenium.webdriver.common.by import By
+
+    open_page(browser, sigmoid_page)
+    canvases = browser.find_elements(By.CSS_SELECTOR, "canvas.series")
+    assert [c.get_attribute("data-series") for c in canvases] == \
+        ["entropy", "distance", "sink", "previous", "received", "mass"]
+    mass = read_page(sigmoid_page).row_stats(0, 0, 0)["mass"]
+    assert float(canvases[-1].get_attribute("data-mean")) == pytest.approx(mass.mean(),
+                                                                            abs=1e-5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 LEVELS = 255
 ROW_SERIES = ("entropy", "distance", "sink", "previous")
@@ -42,14 +43,21 @@ def decode(codes: np.ndarray, scale: str, top: float) -> np.ndarray:
 def pack(blob, stats: list, nq: int, nk: int) -> dict:
     """The page's JSON for one view's summaries (``stats``: one ``summaries.HeadStats`` per
     layer, in the view's layer order): the scales, and per layer and head a ``blob``
-    reference per series."""
+    reference per series. A model whose rows do not sum to 1 (a weighting that does not
+    normalize) also gets each row's mass, on a log scale up to the largest (a negative
+    mass, under the identity weighting, shows as 0)."""
     found = scales(nq, nk)
+    series = (*ROW_SERIES, "received")
+    if any(not torch.allclose(layer.mass, torch.ones_like(layer.mass)) for layer in stats):
+        top = max(float(layer.mass.max()) for layer in stats)
+        found["mass"] = ["log", max(1.0, top)]
+        series = (*series, "mass")
     layers = []
     for layer in stats:
         heads = []
         for h in range(len(layer.heads)):
             refs = {name: blob.add(encode(getattr(layer, name)[h].numpy(), *found[name]), "u8")
-                    for name in (*ROW_SERIES, "received")}
+                    for name in series}
             heads.append(refs)
         layers.append(heads)
     return {"scales": found, "layers": layers}

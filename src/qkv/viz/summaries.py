@@ -46,7 +46,7 @@ ROW_BYTES = 4 << 20
 # The keywords of a call the fast path computes exactly (with the values _fast_call checks).
 _FAST_KEYWORDS = {"mask", "score_mod", "similarity", "scale", "metric", "return_weights",
                   "dropout_p", "fp32_precision", "weighting"}
-_COLUMNS = ("entropy", "distance", "sink", "previous", "top_keys", "top_weights")
+_COLUMNS = ("entropy", "distance", "sink", "previous", "top_keys", "top_weights", "mass")
 
 # on_block(site, heads, weights, first_row): heads (a sorted list of head indices), weights
 # (len(heads), R, n) float32 of query rows first_row.. against keys 0..n-1 (0 where masked;
@@ -61,7 +61,8 @@ class HeadStats:
     entropy, distance, sink, previous: (h, Nq) per query row; received: (h, Nk) summed over
     the rows; top_keys (h, Nq, top_k) int64 and top_weights (h, Nq, top_k) float32: each
     row's largest weights in descending order; where a row attends fewer than top_k keys,
-    the rest are key -1 with weight 0."""
+    the rest are key -1 with weight 0; mass (h, Nq): each row's sum of weights, 1 under
+    softmax, anything under a weighting that does not normalize."""
 
     heads: list[int]
     entropy: Tensor
@@ -71,6 +72,7 @@ class HeadStats:
     received: Tensor
     top_keys: Tensor
     top_weights: Tensor
+    mass: Tensor
 
 
 @dataclass
@@ -189,7 +191,9 @@ def _fast_call(q: Tensor, k: Tensor, lse: Tensor | None, kwargs: dict, heads: li
     sums = run_queued(task, items, lambda item: (item[2] - item[1]) * (item[4] - item[3])
                       * (min(nk, item[4] + offset) if causal else nk))
     columns = dict(zip(_COLUMNS[:4], stats.unbind(-1), strict=True))
-    return {**columns, "top_keys": top[0], "top_weights": top[1], "received": sum(sums)}
+    # Softmax rows with a key (a causal mask or none leaves every row one) sum to 1.
+    return {**columns, "top_keys": top[0], "top_weights": top[1], "received": sum(sums),
+            "mass": torch.ones(len(heads), nq)}
 
 
 def _torch_call(q: Tensor, k: Tensor, lse: Tensor | None, kwargs: dict, heads: list[int],
@@ -221,7 +225,8 @@ def _torch_call(q: Tensor, k: Tensor, lse: Tensor | None, kwargs: dict, heads: l
         for name, value in (("entropy", -torch.special.xlogy(w, w).sum(-1) / math.log(2)),
                             ("distance", (w * gap).sum(-1)), ("sink", w[..., 0].clone()),
                             ("previous", torch.where(positions >= 1, prev, 0.0)),
-                            ("top_keys", top_keys), ("top_weights", values)):
+                            ("top_keys", top_keys), ("top_weights", values),
+                            ("mass", w.sum(-1))):
             parts[name].append(value)
         received += w.sum(1)
         if on_block is not None:

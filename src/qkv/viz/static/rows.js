@@ -2,9 +2,12 @@
   // Per-row summaries of every head (the page of a long input, qkv.viz.page_rows): along the
   // queries the entropy of each row, its mean distance, its first- and previous-token mass;
   // along the keys the mass each receives. One byte a value, decoded here.
-  const SERIES = [["entropy", "entropy (bits)"], ["distance", "mean distance (tokens)"],
-                  ["sink", "first-token mass"], ["previous", "previous-token mass"],
-                  ["received", "mass each key receives"]];
+  // "mass" (each row's sum of weights) only where the model's rows do not sum to 1.
+  const ALL_SERIES = [["entropy", "entropy (bits)"], ["distance", "mean distance (tokens)"],
+                      ["sink", "first-token mass"], ["previous", "previous-token mass"],
+                      ["received", "mass each key receives"],
+                      ["mass", "row mass (sum of weights)"]];
+  const seriesOf = (vi) => ALL_SERIES.filter(([name]) => name in META.views[vi].row_stats.scales);
   function decode(ref, scale) {
     const codes = arrayOf(ref), out = new Float32Array(codes.length);
     const kind = scale[0], top = scale[1], span = Math.log2(1 + top);
@@ -18,8 +21,8 @@
     const stats = META.views[vi].row_stats;
     return cached(vi + "/" + li + "/" + hi + "/rows", () => {
       const out = {};
-      for (const [name] of SERIES) out[name] = decode(stats.layers[li][hi][name],
-                                                      stats.scales[name]);
+      for (const [name] of seriesOf(vi)) out[name] = decode(stats.layers[li][hi][name],
+                                                            stats.scales[name]);
       return out;
     });
   }
@@ -30,7 +33,7 @@
                                                         Number(state.head));
     return cached(state.view + "/" + state.layer + "/rows-mean", () => {
       const heads = v.heads.map((_, h) => headSeries(state.view, state.layer, h)), out = {};
-      for (const [name] of SERIES) {
+      for (const [name] of seriesOf(state.view)) {
         out[name] = new Float32Array(heads[0][name].length);
         for (const s of heads) s[name].forEach((x, i) => { out[name][i] += x / heads.length; });
       }
@@ -75,14 +78,14 @@
     const width = Math.max(300, Math.min(1100, window.innerWidth - 220));
     const box = html("div", { id: "row-stats" }, stage);
     const readout = html("div", { id: "row-readout" }, box, "");
-    for (const [name, label] of SERIES) {
+    for (const [name, label] of seriesOf(state.view)) {
       const values = series[name], keys = name === "received";
       const line = html("div", { class: "row-series" }, box);
       html("span", { class: "row-label" }, line, label + (keys ? " (keys)" : " (queries)"));
       const mean = values.reduce((s, x) => s + x, 0) / values.length;
       const canvas = html("canvas", { class: "series", width: width, height: 64,
         "data-series": name, "data-count": values.length, "data-mean": mean }, line);
-      plotSeries(canvas, values, name === "distance" || keys);
+      plotSeries(canvas, values, name === "distance" || name === "mass" || keys);
       canvas.addEventListener("mousemove", (event) => {
         const r = canvas.getBoundingClientRect();
         const i = Math.min(values.length - 1, Math.max(0, Math.floor(
@@ -113,7 +116,8 @@
     return "query " + i + " " + JSON.stringify(v.query_tokens[i]) + ": entropy " +
       series.entropy[i].toFixed(2) + " bits, mean distance " + series.distance[i].toFixed(1) +
       ", first token " + series.sink[i].toFixed(3) + ", previous token " +
-      series.previous[i].toFixed(3);
+      series.previous[i].toFixed(3) + ("mass" in series ? ", row mass " +
+      series.mass[i].toFixed(3) : "");
   }
   function defaultKey(rows, q) {
     let best = 0, bestW = -1;
