@@ -28,6 +28,8 @@ MAY_IMPORT = {
                "limits"},
     "train": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
               "limits", "threads", "allocations"},
+    "lab": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
+            "limits", "threads", "allocations"},
     "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
             "limits", "threads", "allocations"},
 }

@@ -1,4 +1,4 @@
-"""The ``qkv`` command: train, eval, generate, chat, embed, translate, viz, bench.
+"""The ``qkv`` command: train, eval, generate, chat, embed, translate, viz, lab, bench.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (its arguments, its run function, its
 examples); adding a command means adding one entry. Bad input (a missing data file, an
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__, chat, model_commands, run_commands, threads
+from .lab import command as lab_command
 from .viz import command as viz_command
 
 USAGE_ERROR = 2
@@ -131,6 +132,12 @@ COMMANDS: dict[str, Command] = {
         "write a run's newest weights (sharded by train.fsdp or not) to one safetensors file",
         "  qkv export runs/lm -o model.safetensors",
         run_commands.add_export_arguments, run_commands.run_export,
+    ),
+    "lab": Command(
+        "train variants of a model over seeds and compare them with the baseline",
+        "  qkv lab examples/lab/extensions.toml -o labs/extensions\n"
+        "  qkv lab my.toml -o labs/mine --jobs 2 --threads 1   # 2 runs at a time, 1 thread each",
+        lab_command.add_arguments, lab_command.run,
     ),
     "bench": Command(
         "run a benchmark script from the source checkout",
