@@ -107,11 +107,13 @@ def parse(tree: dict, path: Path) -> Lab:
         own = _overrides(f"variants.{name}.set", body.get("set", []))
         found.append(Variant(name, tuple(shared + own)))
     result = Lab(path, lab["task"], preset, seeds, tuple(found))
-    for variant in result.variants:  # every value checked, as qkv train --set checks it
+    # Every value checked as qkv train --set checks it: the shared ones, then each variant's.
+    for where, variant in [("lab.set", Variant("", tuple(shared))),
+                           *((f"variants.{v.name}.set", v) for v in result.variants)]:
         try:
             result.run_config(variant, seeds[0])
         except ConfigError as e:
-            raise ConfigError(f"variants.{variant.name}.set: {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
     return result
 
 
