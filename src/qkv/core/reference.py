@@ -42,8 +42,9 @@ def expand_kv_heads(t: Tensor, heads: int) -> Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
-    """Masked, modified scores (B, H, Nq, Nk) in q's dtype; forbidden entries are -inf."""
+def scores_of(p: Problem, q: Tensor, k: Tensor, masked: bool = True) -> Tensor:
+    """Modified scores (B, H, Nq, Nk) in q's dtype; with ``masked``, forbidden entries are
+    -inf."""
     scale = p.scale_tensor()
     if isinstance(scale, Tensor):
         scale = scale.to(q.dtype)
@@ -51,7 +52,7 @@ def scores_of(p: Problem, q: Tensor, k: Tensor) -> Tensor:
     raw = p.similarity.raw_scores(q, expand_kv_heads(k, p.heads), metric)
     index = index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
     return modified_scores(raw, index, p.offset, scale=scale, score_mod=p.score_mod,
-                           mask=p.mask)
+                           mask=p.mask if masked else None)
 
 
 def weighted(p: Problem, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -60,15 +61,9 @@ def weighted(p: Problem, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     without the mask and gives 0 where the mask forbids."""
     if p.weighting.is_softmax:
         return masked_softmax(scores_of(p, q, k))
-    scale = p.scale_tensor()
-    if isinstance(scale, Tensor):
-        scale = scale.to(q.dtype)
-    metric = None if p.metric is None else p.metric.to(q.dtype)
-    raw = p.similarity.raw_scores(q, expand_kv_heads(k, p.heads), metric)
-    index = index_grid(p.batch, p.heads, p.nq, p.nk, q.device)
-    s = modified_scores(raw, index, p.offset, scale=scale, score_mod=p.score_mod)
+    s = scores_of(p, q, k, masked=False)
     allowed = (torch.ones((), dtype=torch.bool, device=q.device) if p.mask is None else
-               torch.as_tensor(p.mask.mask_mod(*index, p.offset), device=q.device))
+               p.mask.materialize(p.batch, p.heads, p.nq, p.nk, q.device))
     pos_q = torch.arange(p.nq, device=q.device).view(-1, 1) + p.offset
     kv_idx = torch.arange(p.nk, device=q.device).view(1, -1)
     weights = p.weighting.weights(s, allowed.expand(s.shape), pos_q, kv_idx)

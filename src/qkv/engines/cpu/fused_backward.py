@@ -235,6 +235,28 @@ def tile_grads(spec: TileSpec) -> ScaleOnly:
     return ScaleOnly(spec)
 
 
+def _weights_grad(spec: TileSpec, i: int, t: Tile, p: Tensor, do_t: Tensor, v: Tensor,
+                  sums: list, scratch: list) -> Tensor:
+    """d(loss)/d(weights) of tile ``t`` of query block i, dp = dout·vᵀ (B, H, bq, bk), in the
+    second scratch buffer; adds the tile's weights p (dropped as in the forward) times dout
+    into the dv sums. Dropout scales dp as it scales the weights."""
+    batch, hv = spec.batch, v.shape[1]
+    k0, k1 = t.idx.k0, t.idx.k0 + t.shape[3]
+    dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
+    torch.matmul(do_t, v[:, :, k0:k1].transpose(-1, -2), out=dp)
+    dp = dp.view(t.shape)
+    weights = p
+    if spec.dropout_p > 0:
+        keep = dropout_keep(spec, i, k0, p.shape, p.device)
+        weights = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
+        dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
+    # dv is summed transposed, (B, Hv, Dv, Nk): doᵀ·p multiplies faster than pᵀ·do
+    # (docs/performance.md, "CPU: inner loops").
+    sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
+        do_t.flatten(0, 1).transpose(1, 2), weights.view(batch * hv, -1, k1 - k0))
+    return dp
+
+
 def _backward_block(grads: ScaleOnly, i, tiles, saved, dout, delta, dfq, sums, extras,
                     scratch) -> None:
     """Recompute query block i's tiles; write its rows of dfq, add to the key-side sums
@@ -258,18 +280,7 @@ def _backward_block(grads: ScaleOnly, i, tiles, saved, dout, delta, dfq, sums, e
         s, kept = grads.scores(t)
         allowed = tile_mask(spec, idx) if masked and not grads.graph else None
         p = probabilities(s, lse_t, copy=grads.graph, allowed=allowed)
-        dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
-        torch.matmul(do_t, v[:, :, k0:k1].transpose(-1, -2), out=dp)
-        dp = dp.view(t.shape)
-        weights = p
-        if spec.dropout_p > 0:
-            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
-            weights = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
-            dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        # dv is summed transposed, (B, Hv, Dv, Nk): doᵀ·p multiplies faster than pᵀ·do
-        # (docs/performance.md, "CPU: inner loops").
-        sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
-            do_t.flatten(0, 1).transpose(1, 2), weights.view(batch * hv, -1, k1 - k0))
+        dp = _weights_grad(spec, i, t, p, do_t, v, sums, scratch)
         ds = grads.raw_grad(t, s, kept, grads.softmax_grad(p, dp, delta_t, kept))
         if ds is not None:
             add_pair_grads(spec, group_heads(ds, hk), t.fq, t.fk, dfq_t, t.dfk, sums, extras)
@@ -298,16 +309,7 @@ def _backward_block_carried(grads: ScaleOnly, i, tiles, saved, dout, delta, dfq,
         s, kept = grads.scores(t)
         allowed = tile_mask(spec, idx) if masked else None
         p = rows.weights(s, allowed, idx)
-        dp = scratch[1][: p.numel()].view(batch, hv, -1, k1 - k0)
-        torch.matmul(do_t, v[:, :, k0:k1].transpose(-1, -2), out=dp)
-        dp = dp.view(t.shape)
-        weights = p
-        if spec.dropout_p > 0:
-            keep = dropout_keep(spec, i, k0, p.shape, fq.device)
-            weights = p.masked_fill(~keep, 0.0).div_(1.0 - spec.dropout_p)
-            dp = dp.masked_fill_(~keep, 0.0).div_(1.0 - spec.dropout_p)
-        sums[1][..., k0:k1].flatten(0, 1).baddbmm_(
-            do_t.flatten(0, 1).transpose(1, 2), weights.view(batch * hv, -1, k1 - k0))
+        dp = _weights_grad(spec, i, t, p, do_t, v, sums, scratch)
         ds = grads.raw_grad(t, s, kept, grads.with_slope(rows.grad(s, p, dp, allowed, idx), kept))
         if ds is not None:
             add_pair_grads(spec, group_heads(ds, hk), t.fq, t.fk, dfq_t, t.dfk, sums, extras)

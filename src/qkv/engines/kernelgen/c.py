@@ -160,15 +160,14 @@ def load_functions(source: str, stem: str, signatures: dict) -> tuple | None:
 _WARNED: set[tuple[str, int]] = set()
 
 
-def _warn_untraced(pair, error: Exception) -> None:
-    """Once per term: it runs on torch operations in tiles (exact, slower), not in C."""
-    key = (pair.name, id(pair.term))
+def warn_untraced(what: str, key, error: Exception) -> None:
+    """Once per ``key``: ``what`` (a similarity term, a score modifier) runs on torch
+    operations in tiles (exact, slower), not in C."""
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"qkv: similarity term {pair.name!r} does not trace to C "
-                      f"({type(error).__name__}: {error}); the fused engine runs it on torch "
-                      "operations in tiles instead, exact but slower", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(f"qkv: {what} does not trace to C ({type(error).__name__}: {error}); "
+                      "the fused engine runs it on torch operations in tiles instead, exact "
+                      "but slower", RuntimeWarning, stacklevel=3)
 
 
 _TRACES = memo.Traces()
@@ -206,7 +205,7 @@ def traced_loops(pair, dtype: torch.dtype, head_dim: int, scale: float = 1.0,
     try:
         root = trace_term(pair.term, graph)
     except Exception as e:  # noqa: BLE001  any term this tracer cannot follow runs in torch
-        _warn_untraced(pair, e)
+        warn_untraced(f"similarity term {pair.name!r}", (pair.name, id(pair.term)), e)
         return None
     if not all(t.is_floating_point() and t.dim() <= 1 for t in graph.slots):
         return None

@@ -21,14 +21,13 @@ the engine then runs it with torch under autograd, as before.
 from __future__ import annotations
 
 import ctypes
-import warnings
 
 import torch
 from torch import Tensor
 
 from ..cpu import native
 from . import memo
-from .c import _C_TYPES, load_functions
+from .c import _C_TYPES, load_functions, warn_untraced
 from .c_emit import CEmitter, flat_offset
 from .c_text import HEADER
 from .derivative import depends_on, derivative, loads_in
@@ -237,19 +236,6 @@ class ModLoops:
 
 
 _TRACES = memo.Traces()
-_WARNED: set = set()
-
-
-def _warn_untraced(score_mod, error: Exception) -> None:
-    """Once per modifier's code: it runs on torch operations in tiles (exact, slower)."""
-    fn = getattr(score_mod, "fn", None)
-    key = (type(score_mod), getattr(fn, "__code__", None))
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(f"qkv: score modifier {score_mod!r} does not trace to C "
-                      f"({type(error).__name__}: {error}); the fused engine runs it on torch "
-                      "operations in tiles instead, exact but slower", RuntimeWarning,
-                      stacklevel=2)
 
 
 def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
@@ -271,7 +257,9 @@ def traced_mod(score_mod, dtype: torch.dtype) -> ModLoops | None:
     try:
         root = trace_score_mod(score_mod, graph)
     except Exception as e:  # noqa: BLE001  any modifier this tracer cannot follow runs in torch
-        _warn_untraced(score_mod, e)
+        # Once per modifier's code: a lambda made anew each step is the same code.
+        code = getattr(getattr(score_mod, "fn", None), "__code__", None)
+        warn_untraced(f"score modifier {score_mod!r}", (type(score_mod), code), e)
         return None
     if not all(t.is_floating_point() or t.dtype in _INT_C_TYPES for t in graph.slots):
         return None
