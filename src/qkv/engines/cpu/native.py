@@ -10,7 +10,8 @@ single operation for.
 - Graph edges: per-edge scores, weighted scatters and kernel gradients that read the query,
   key and value rows in place instead of gathering a copy per edge.
 - Query blocks (``cpu_blocks.c``, in the same library; their Python side is
-  ``native_blocks``): a whole block of queries head by head, calling the loops above.
+  ``native_blocks``): a whole block of queries head by head, calling the loops above and the
+  weightings' steps (``cpu_weights.c``).
 
 The sources are compiled once per machine with the system C compiler (``$CC``, else ``cc``
 or ``gcc``) for ``-march=$QKV_MARCH`` (default ``native``) into ``$QKV_CACHE`` (default
@@ -40,7 +41,7 @@ from . import build
 
 # One library: the tile kernels, then the query blocks that call them (``native_blocks``).
 SOURCES = [Path(__file__).with_name(name)
-            for name in ("exp_nonpositive.c", "cpu_kernels.c", "cpu_blocks.c")]
+            for name in ("exp_nonpositive.c", "cpu_kernels.c", "cpu_weights.c", "cpu_blocks.c")]
 _BLOCK = 64  # BLOCK in cpu_kernels.c: keys per transposed block of the L1 loops
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
