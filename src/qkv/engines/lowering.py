@@ -86,8 +86,9 @@ class Lowered(Node):
 
     - ``pair``: the pairwise term (``similarity.Pairwise``), and ``term``, its kind;
     - ``score_mod`` and ``mask``: the core's objects, or None;
-    - ``scale``: None when folded into the features, else a float or a tensor (the CPU
-      engines' broadcastable to (B, H, 1, 1), the Triton engine's (H,));
+    - ``scale``: None when folded into the features, else a float or a tensor of shape (H,)
+      in the accumulation dtype, for every engine (``scale_bhqk`` is its view on score
+      tiles (B, H, ·, ·));
     - ``carry``: the row statistic of the weighting (``core.weighting.Carry``), and
       ``normalizer``, the weighting that carries it (None for ``Carry.NONE``, whose
       elementwise function ends ``score_mod``: ``lower``).
@@ -100,6 +101,11 @@ class Lowered(Node):
         self.term: TermKind = term_kind(pair)
 
     @property
+    def scale_bhqk(self) -> float | Tensor | None:
+        """The scale broadcastable to scores (B, H, Nq, Nk): a tensor viewed (1, H, 1, 1)."""
+        return self.scale.view(1, -1, 1, 1) if isinstance(self.scale, Tensor) else self.scale
+
+    @property
     def is_softmax(self) -> bool:
         return self.normalizer is not None and self.normalizer.is_softmax
 
@@ -109,8 +115,8 @@ class Lowered(Node):
 
 
 class Lowering(NamedTuple):
-    """A call lowered for the CPU engines: the scores' features fq (B, H, Nq, D) and
-    fk (B, Hk, Nk, D), v (B, Hk, Nk, Dv), all in the accumulation dtype, and the variant."""
+    """A call lowered for the engines: the scores' features fq (B, H, Nq, D) and
+    fk (B, Hk, Nk, D), v (B, Hk, Nk, Dv), and the variant."""
 
     fq: Tensor
     fk: Tensor
@@ -118,29 +124,41 @@ class Lowering(NamedTuple):
     variant: Lowered
 
 
-def lower(p: Problem) -> Lowering:
-    """``p`` lowered in the accumulation dtype, the scale folded into the features where the
-    term can absorb it (``Pairwise.fold_scale``). A learnable scale folded into the features
-    gets its gradient from autograd through that product (O(N·D)), and the tiles run as for
-    a number: no autograd graph per tile."""
+def lower(p: Problem, *, inputs_dtype: bool = False, fold_scale: bool = True) -> Lowering:
+    """``p`` lowered once for an engine.
+
+    Args:
+        inputs_dtype: keep q, k, v (and the metric) in their own dtype, for kernels that
+            accumulate in registers (Triton); else cast them to the accumulation dtype.
+        fold_scale: fold the scale into the features where the term can absorb it
+            (``Pairwise.fold_scale``). A learnable scale folded into the features gets its
+            gradient from autograd through that product (O(N·D)), and the tiles run as for a
+            number: no autograd graph per tile.
+
+    A scale left to the kernels is a float or an (H,) tensor in the accumulation dtype."""
     acc = accumulation_dtype(p.q.dtype)
-    q, k, v = (t.to(acc) for t in (p.q, p.k, p.v))
-    metric = None if p.metric is None else p.metric.to(acc)
+    dtype = p.q.dtype if inputs_dtype else acc
+    q, k, v = (t.to(dtype) for t in (p.q, p.k, p.v))
+    metric = None if p.metric is None else p.metric.to(dtype)
     fq, fk = p.similarity.features(q, k, metric)
-    pair = p.similarity.pairwise
     scale = p.scale
     folded = None
-    if pair.fold_scale is not None:
-        folded = pair.fold_scale(
+    if fold_scale and p.similarity.pairwise.fold_scale is not None:
+        folded = p.similarity.pairwise.fold_scale(
             fq, fk, p.scale_tensor().to(acc) if isinstance(scale, Tensor) else scale)
     if folded is not None:
         (fq, fk), scale = folded, None
     if fk.shape[1] != v.shape[1]:  # a per-head metric gave k one feature map per query head
         v = v.repeat_interleave(fk.shape[1] // v.shape[1], dim=1)
-    if isinstance(scale, Tensor) and scale.dim() == 1:
-        scale = scale.view(1, -1, 1, 1)
+    if isinstance(scale, Tensor):
+        scale = scale.to(acc).reshape(-1).expand(p.heads).contiguous()
+    return Lowering(fq, fk, v, lowered_variant(p, scale))
+
+
+def lowered_variant(p: Problem, scale: float | Tensor | None) -> Lowered:
+    """``p``'s variant with ``scale`` (see ``Lowered``), its features not computed."""
     score_mod, normalizer = weighted_mod(p)
-    return Lowering(fq, fk, v, Lowered(pair, score_mod, p.mask, scale, normalizer))
+    return Lowered(p.similarity.pairwise, score_mod, p.mask, scale, normalizer)
 
 
 def weighted_mod(p: Problem):

@@ -65,7 +65,8 @@ class TileSpec:
 
     @property
     def scale(self) -> float | Tensor | None:
-        return self.variant.scale
+        """Broadcastable to a tile's scores (B, H, bq, bk)."""
+        return self.variant.scale_bhqk
 
     @property
     def score_mod(self) -> ScoreMod | None:

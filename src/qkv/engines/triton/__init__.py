@@ -12,7 +12,7 @@ import torch
 
 from ...core.problem import Problem
 from ..kernelgen.graph import CompileError
-from ..lowering import Lowered, WeightsKind, weighted_mod, weights_kind
+from ..lowering import WeightsKind, lowered_variant, weights_kind
 from .traced import trace_functions
 
 __all__ = ["MAX_HEAD_DIM", "plan", "unsupported"]
@@ -43,8 +43,7 @@ def unsupported(p: Problem) -> str | None:
             "return_weights=True while gradients are needed: the Triton engine recomputes the "
             "weights from its log-sum-exp without a gradient; use backend='reference'"
         )
-    score_mod, normalizer = weighted_mod(p)
-    variant = Lowered(p.similarity.pairwise, score_mod, p.mask, None, normalizer)
+    variant = lowered_variant(p, None)
     kind = weights_kind(variant)
     if kind is None:
         return f"the Triton kernels have no loop for the weighting {p.weighting!r}"

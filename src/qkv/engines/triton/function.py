@@ -17,12 +17,11 @@ import torch
 from torch import Tensor
 
 from ...core.problem import Problem
-from ...core.reference import expand_kv_heads
 from ...core.result import Result
 from .. import ops
 from ..kernelgen.graph import MAX_SLOTS, SLOT_INFO
 from ..kernelgen.triton import load_module
-from ..lowering import Lowered, TermKind, WeightsKind, weighted_mod, weights_kind
+from ..lowering import Lowered, TermKind, WeightsKind, lower, weights_kind
 from . import backward, kernels, weighted, weighted_backward
 from .blocks import BlockLayout, block_layout
 from .groups import Code, Shape, Sizes, constants, mat
@@ -317,8 +316,9 @@ def _kernel_forward(fq, fk, v, variant: Lowered, dropout_p, want_weights):
     seed = int(torch.randint(0, 2**30, ())) if dropout_p > 0 else 0  # dropout's Philox seed
     plan = _prepare(fq, fk, variant, dropout_p, seed)
     slots = plan.traced.slots
-    out, lse = attention_forward(plan, fq, fk, v, variant.scale, slots)
-    weights = attention_weights(plan, fq, fk, lse, variant.scale, slots) if want_weights else None
+    scale = scale_per_head(variant.scale, fq.shape[1], fq.device)
+    out, lse = attention_forward(plan, fq, fk, v, scale, slots)
+    weights = attention_weights(plan, fq, fk, lse, scale, slots) if want_weights else None
     return out, lse, weights, seed
 
 
@@ -330,7 +330,8 @@ def _kernel_backward(dout, dlse, fq, fk, v, out, lse, seed, variant: Lowered, dr
     need_scale = any(t is scale for t in wanted)
     need_slots = {i for i in plan.traced.grad_slots if slots[i].requires_grad}
     dq, dk, dv, dscale, grads = attention_backward(
-        plan, fq, fk, v, scale, out, lse, dout, slots, need_scale, need_slots, dlse)
+        plan, fq, fk, v, scale_per_head(scale, fq.shape[1], fq.device), out, lse, dout, slots,
+        need_scale, need_slots, dlse)
     extras = ([scale] if need_scale else []) + [slots[i] for i in sorted(need_slots)]
     dextras = ([dscale] if need_scale else []) + [grads[i] for i in sorted(need_slots)]
     return dq, dk, dv, ops.grads_of_wanted(wanted, extras, dextras)
@@ -343,10 +344,11 @@ KERNELS = ops.EngineKernels(
 OP = ops.define("triton", KERNELS)
 
 
-def scale_per_head(scale, heads: int, device) -> Tensor:
-    """The scale as an fp32 (H,) tensor (differentiable when it is a tensor)."""
+def scale_per_head(scale: float | Tensor, heads: int, device) -> Tensor:
+    """The kernels' scale argument, an fp32 (H,) tensor: a float filled, ``Lowered``'s (H,)
+    tensor as it is (its gradient is the kernels' dscale)."""
     if isinstance(scale, Tensor):
-        return scale.to(device=device, dtype=torch.float32).reshape(-1).expand(heads).contiguous()
+        return scale
     return torch.full((heads,), float(scale), dtype=torch.float32, device=device)
 
 
@@ -357,12 +359,9 @@ def natural_lse(lse2: Tensor) -> Tensor:
 
 def run(p: Problem) -> Result:
     """Attention for a problem the engine accepts (see ``plan``), with the weights recomputed
-    from the saved log-sum-exp (no gradient) when asked."""
-    fq, fk = p.similarity.features(p.q, p.k, p.metric)
-    v = p.v if fk.shape[1] == p.v.shape[1] else expand_kv_heads(p.v, fk.shape[1])
-    fq, fk, v = _rows(fq), _rows(fk), _rows(v)
-    scale = scale_per_head(p.scale, p.heads, p.q.device)
-    score_mod, normalizer = weighted_mod(p)
-    variant = Lowered(p.similarity.pairwise, score_mod, p.mask, scale, normalizer)
-    out, lse, weights = OP.run(fq, fk, v, variant, p.dropout_p, p.return_weights)
+    from the saved log-sum-exp (no gradient) when asked. The features stay in the inputs'
+    dtype and the scale stays out of them: the kernels apply it in fp32, with log2(e)."""
+    fq, fk, v, variant = lower(p, inputs_dtype=True, fold_scale=False)
+    out, lse, weights = OP.run(_rows(fq), _rows(fk), _rows(v), variant, p.dropout_p,
+                               p.return_weights)
     return Result(out, natural_lse(lse), weights)
