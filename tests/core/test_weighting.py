@@ -273,6 +273,30 @@ def test_flash_linear_attentions_stick_breaking_equals_ours(include_self):
             assert rel_err(g, g_want) < 1e-10
 
 
+@pytest.mark.parametrize("name", ["sigmoid", "relu", "identity", "cube"])
+def test_graph_engine_runs_the_elementwise_weightings_along_edges(name):
+    """The sparse graph engine: weights straight from the modified score of each edge, a
+    learnable scale and a target with no edge included (zeros, zero gradients)."""
+    torch.manual_seed(3)
+    n = 64
+    target, source = torch.randint(0, n - 1, (2, 90))  # node n - 1 has no incoming edge
+    mask = qkv.graph(torch.stack([target, source]), n)
+    q, k, v = rand_qkv(h=4, hkv=2, nq=n, nk=n, d=5, dv=3, requires_grad=True)
+    scale = torch.full((4,), 0.4, dtype=torch.float64, requires_grad=True)
+    weighting = qkv.weighting.elementwise(cube) if name == "cube" else name
+    kw = dict(mask=mask, weighting=weighting, scale=scale)
+    assert qkv.explain(q, k, v, **kw).engine == "graph"
+    got = qkv.attention(q, k, v, **kw)
+    want = qkv.attention(q, k, v, backend="reference", **kw)
+    assert rel_err(got, want) < 1e-12
+    assert got[:, :, n - 1].abs().max() == 0
+    inputs = (q, k, v, scale)
+    grads = torch.autograd.grad(got.square().sum(), inputs)
+    wants = torch.autograd.grad(want.square().sum(), inputs)
+    for g, g_want in zip(grads, wants, strict=True):
+        assert rel_err(g, g_want) < 1e-10
+
+
 def test_identity_with_cosine_and_scale_one_is_content_based_attention():
     q, k, v = rand_qkv(h=2, hkv=2, nq=11, nk=11, d=4, dv=3)
     want = (F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)) @ v
@@ -289,8 +313,8 @@ def test_explain_names_the_engine_and_every_refusal():
     assert "sigmoid" in dict(sig.refused)["sdpa"]
     edges = torch.tensor([[0, 1, 2], [0, 0, 1]])
     on_graph = qkv.explain(q[..., :3, :], k[..., :3, :], v[..., :3, :], mask=qkv.graph(edges, 3),
-                           weighting="relu")
-    assert "relu" in dict(on_graph.refused)["graph"]
+                           weighting="softpick")
+    assert "softpick" in dict(on_graph.refused)["graph"]
     assert str(sig).splitlines()[0] == "runs on: fused"
     assert qkv.explain(q, k, v, backend="reference").engine == "reference"
     with pytest.raises(TypeError, match="need_weights"):

@@ -7,7 +7,8 @@ A ``GraphMask`` stores its edges target-major and sorted, so the edges of a run 
 nodes are one contiguous slice. Each slice of targets is one chunk:
 - score each edge with the similarity's kernel on its target's query row and its source's
   key row, then apply the scale and score modifier with the edge's (target, source) indices;
-- softmax over each target's edges (the chunk holds all of them, so no online rescaling);
+- softmax over each target's edges (the chunk holds all of them, so no online rescaling),
+  or, for an elementwise weighting (``Carry.NONE``), the modified scores as the weights;
 - add the weighted value rows into each target's output row.
 The backward pass recomputes one chunk at a time: only the elementwise part (scale,
 modifier) runs under autograd, and the kernel's and the values' gradients are scattered
@@ -32,6 +33,7 @@ from ...core.masks import GraphMask
 from ...core.result import Result
 from ...core.scores import modified_scores
 from ...core.similarity import DOT
+from ...core.weighting import Carry
 from .. import ops
 from ..kernelgen import c as c_target
 from ..lowering import TermKind, lower, term_kind
@@ -158,19 +160,24 @@ def _forward_chunk(spec, c, chunk, graph, rows, out, lse) -> None:
     first, count, e0, e1 = chunk
     t, s = target[e0:e1], source[e0:e1]
     scores = _modify(spec, _scores(spec, fq_rows, fk_rows, t, s).unsqueeze(-1), t, s)
-    local = t - first
-    shape = (scores.shape[0], count, spec.heads, 1)
-    index = local.view(1, -1, 1, 1).expand_as(scores)
-    row_max = scores.new_full(shape, float("-inf")).scatter_reduce_(1, index, scores, "amax")
-    row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
-    p = torch.exp(scores - row_max.index_select(1, local))
-    row_sum = scores.new_zeros(shape).index_add_(1, local, p)
+    softmax = spec.variant.is_softmax
+    if softmax:
+        local = t - first
+        shape = (scores.shape[0], count, spec.heads, 1)
+        index = local.view(1, -1, 1, 1).expand_as(scores)
+        row_max = scores.new_full(shape, float("-inf")).scatter_reduce_(1, index, scores, "amax")
+        row_max = row_max.masked_fill(row_max == float("-inf"), 0.0)
+        p = torch.exp(scores - row_max.index_select(1, local))
+        row_sum = scores.new_zeros(shape).index_add_(1, local, p)
+    else:  # an elementwise weighting: its function ended the modifier, the scores are weights
+        p = scores
     if spec.dropout_p > 0:
         # Chunk c's keep mask from its own generator: the backward pass redraws the same one.
         p = p * dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
     _scatter(p.squeeze(-1).contiguous(), v_rows, s, t, out)
-    out[:, first:first + count] /= row_sum.masked_fill(row_sum == 0, 1.0)
-    lse[:, first:first + count] = row_max + row_sum.log()
+    if softmax:
+        out[:, first:first + count] /= row_sum.masked_fill(row_sum == 0, 1.0)
+        lse[:, first:first + count] = row_max + row_sum.log()
 
 
 def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
@@ -187,14 +194,15 @@ def _backward_chunk(spec, c, chunk, graph, saved, wanted, sums) -> None:
             scores = _modify(spec, raw, t, s)
     else:
         scores = _modify(spec, raw, t, s)
-    p = torch.exp(scores.detach() - lse.index_select(1, t))
+    softmax = spec.variant.is_softmax
+    p = torch.exp(scores.detach() - lse.index_select(1, t)) if softmax else scores.detach()
     dp = _dot_rows(dout, v_rows, t, s).unsqueeze(-1)
     kept = p
     if spec.dropout_p > 0:
         keep = dropout_keep(spec, c, 0, p.shape, p.device) / (1.0 - spec.dropout_p)
         kept, dp = p * keep, dp * keep
     _scatter(kept.squeeze(-1).contiguous(), dout, t, s, sums[2])
-    ds = p * (dp - delta.index_select(1, t))
+    ds = p * (dp - delta.index_select(1, t)) if softmax else dp
     if graph_needed:
         if not scores.requires_grad:  # a modifier that ignores the score and reads no tensor
             return
@@ -295,9 +303,9 @@ def why_not(p) -> str | None:
         return reason
     if not isinstance(p.mask, GraphMask):
         return "the graph engine runs qkv.graph masks"
-    if not p.weighting.is_softmax:
-        return (f"the graph engine computes softmax along edges only, not the weighting "
-                f"{p.weighting!r}")
+    if not (p.weighting.is_softmax or p.weighting.carry is Carry.NONE):
+        return (f"the graph engine's edges run softmax and the elementwise weightings, not "
+                f"the weighting {p.weighting!r}, whose row statistic it does not carry")
     if not is_sparse(p.mask, p.nq, p.nk):
         return "the graph has too many edges: dense tiles are faster"
     if p.return_weights:
