@@ -24,19 +24,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
 from ..data.atomic import fsync_dir, write_atomic, write_json_atomic
 from . import distributed
 
 FILES = ("model.safetensors", "trainer.pt")
 SHARDED_FILES = ("state/.metadata", "trainer.pt")
+
+
+def _dcp():
+    """torch.distributed.checkpoint and its state_dict helpers, imported by the sharded paths
+    only: the import takes 1.3 s, which every command would pay at start-up
+    (docs/performance.md, "Start-up")."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as state_dict
+
+    return dcp, state_dict
 
 
 class CheckpointError(ValueError):
@@ -56,11 +60,12 @@ class Checkpoint:
     def load_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """A sharded checkpoint's weights and optimizer state into ``model`` and ``optimizer``,
         sharded or not, at any number of ranks (collective when a process group exists)."""
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        _, state_dict = _dcp()
+        model_state, optimizer_state = state_dict.get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         self._read(state)
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                  optim_state_dict=state["optimizer"])
 
     def load_unsharded(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """A single-file checkpoint's weights into the unsharded ``model`` and its optimizer
@@ -68,14 +73,14 @@ class Checkpoint:
         ``set_optimizer_state_dict`` shards once the model is."""
         self.load_weights(model)
         optimizer.load_state_dict(self.trainer_state["optimizer"])
-        return get_optimizer_state_dict(model, optimizer)
+        return _dcp()[1].get_optimizer_state_dict(model, optimizer)
 
     def _read(self, state: dict) -> None:
         single = not (dist.is_available() and dist.is_initialized())
         try:
             with warnings.catch_warnings():  # one process reading it all is what is meant
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
-                dcp.load(state, checkpoint_id=self.path / "state", no_dist=single)
+                _dcp()[0].load(state, checkpoint_id=self.path / "state", no_dist=single)
         except (RuntimeError, ValueError) as e:  # DCP names a missing key or a wrong shape
             detail = " ".join(str(e).split())[:300]
             raise CheckpointError(f"checkpoint {self.path} does not fit the model: {detail}"
@@ -154,7 +159,8 @@ def save_sharded(run_dir: str | Path, step: int, model: torch.nn.Module,
         shutil.rmtree(temp, ignore_errors=True)
         temp.mkdir(parents=True)
     distributed.barrier(env)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp, state_dict = _dcp()
+    model_state, optimizer_state = state_dict.get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temp / "state")
     if env.is_main:  # dcp.save returns once every rank's files and the metadata are written
         write_atomic(temp / "trainer.pt", lambda p: torch.save(trainer_state, p))

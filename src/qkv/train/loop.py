@@ -34,19 +34,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from .. import threads
 from ..allocations import map_large_allocations
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
-from ..models.pretrained import built_on_meta, fill, materialize
+from ..models.pretrained import built_on_meta, fill, is_dtensor, materialize
 from ..nn.blocks import checkpoint_blocks
-from . import checkpoint, distributed, plan, sharding
+from . import checkpoint, distributed, plan
 from .config import RunConfig
 from .interrupt import Interrupted, StopOnSignal
 from .loop_parts import (
@@ -78,6 +73,15 @@ class Trainer:
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
+        # FSDP and DCP are imported by training only: they take 1.5 s, which the commands
+        # that stop on a wrong argument would pay (docs/performance.md, "Start-up").
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        from . import sharding
+
         sharding.check(t, env, resume)
         distributed.check_context_parallel(env, t.context_parallel)
         # The checkpoint first: a run without one fails before any data is read.
@@ -273,7 +277,7 @@ class Trainer:
         # Always measured (an infinite limit clips nothing), so a non-finite gradient stops
         # the run before it reaches the weights and, from there, a checkpoint.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad or math.inf)
-        if isinstance(norm, DTensor):  # the norm of sharded gradients, summed over the ranks
+        if is_dtensor(norm):  # the norm of sharded gradients, summed over the ranks
             norm = norm.full_tensor()
         norm = float(norm)
         if not (math.isfinite(loss) and math.isfinite(norm)):

@@ -28,6 +28,7 @@ from .files import (
     built_to_load,
     check_filled,
     fill,
+    is_dtensor,
     materialize,
     read_config,
     read_safetensors,
@@ -38,7 +39,7 @@ from .gguf import GGUFFile
 from .tokenizer import PretrainedTokenizer, from_directory, from_gguf
 
 __all__ = ["SHORT_NAMES", "CheckpointError", "PretrainedTokenizer", "built_on_meta",
-           "encoder_from_pretrained", "fill", "gpt_from_pretrained", "is_encoder",
+           "encoder_from_pretrained", "fill", "gpt_from_pretrained", "is_dtensor", "is_encoder",
            "load_gpt_config", "load_gpt_weights", "load_tokenizer", "materialize", "resolve"]
 
 DECODER_TYPES = ("gpt2", "llama")

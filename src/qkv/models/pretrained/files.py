@@ -24,7 +24,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...cache import cache_dir
 
@@ -294,13 +293,21 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a sharded parameter, or a norm of sharded gradients). One
+    exists only once FSDP has imported torch.distributed.tensor; importing it here would add
+    1.6 s to every command's start (docs/performance.md, "Start-up")."""
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    return dtensors is not None and isinstance(t, dtensors.DTensor)
+
+
 def fill(param: Tensor, value: Tensor) -> None:
     """Copy ``value`` (the whole tensor) into ``param``; into a sharded parameter (a DTensor,
     as FSDP makes them) only this rank's part of it, cut locally (no communication: every
     rank reads the checkpoint)."""
-    if isinstance(param, DTensor):
-        value = distribute_tensor(value, param.device_mesh, param.placements,
-                                  src_data_rank=None)
+    if is_dtensor(param):
+        value = sys.modules["torch.distributed.tensor"].distribute_tensor(
+            value, param.device_mesh, param.placements, src_data_rank=None)
     with torch.no_grad():
         param.copy_(value)
 
