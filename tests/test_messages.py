@@ -1,6 +1,7 @@
 """Wrong input gets one line naming the argument and what it expects: from the command (run
 as a subprocess) and from the model API."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,28 +12,52 @@ import torch
 import qkv
 from qkv.models import GPT, Encoder, EncoderConfig, GPTConfig, Transformer, TransformerConfig
 
+# The command's entry point run on each argv in turn, in one process: a real command line's
+# parsing, dispatch and exit status, with the start-up (torch's import, seconds) paid once.
+EACH_COMMAND = """
+import contextlib, io, json, sys
+from qkv.cli import main
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([code, err.getvalue()]), flush=True)
+"""
 
-def qkv_error(*argv: str, cwd=None) -> str:
-    proc = subprocess.run([sys.executable, "-m", "qkv.cli", *argv], capture_output=True,
-                          text=True, timeout=300, cwd=cwd,
+
+def qkv_errors(*argvs: list[str]) -> list[str]:
+    """The one line each command prints on stderr, each exiting with status 2."""
+    proc = subprocess.run([sys.executable, "-c", EACH_COMMAND, json.dumps(argvs)],
+                          capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    return proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    outcomes = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(outcomes) == len(argvs), proc.stderr
+    for argv, (code, err) in zip(argvs, outcomes, strict=True):
+        assert code == 2 and err.count("\n") == 1, (argv, code, err)
+    return [err for _, err in outcomes]
 
 
 def test_command_arguments_of_the_wrong_kind(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("x")
-    assert qkv_error("train", "lm", "--config", str(tmp_path)) == (
+    config_dir, run_dir_file, output_dir, window = qkv_errors(
+        ["train", "lm", "--config", str(tmp_path)],
+        ["train", "lm", "--preset", "tiny", "--run-dir", str(a_file)],
+        ["viz", "--model", "minilm", "--text", "a", "-o", str(tmp_path)],
+        ["eval", "--model", "smollm2", "--window", "0"])
+    assert config_dir == (
         f"qkv: error: --config {str(tmp_path)!r} is a directory; expected a TOML or JSON file\n")
-    assert qkv_error("train", "lm", "--preset", "tiny", "--run-dir", str(a_file)) == (
+    assert run_dir_file == (
         f"qkv: error: --run-dir {str(a_file)!r} is a file; expected a directory (a new one, or "
         "a run's)\n")
-    assert qkv_error("viz", "--model", "minilm", "--text", "a", "-o", str(tmp_path)) == (
+    assert output_dir == (
         f"qkv: error: -o/--output {str(tmp_path)!r} is a directory; expected a file name such "
         f"as {str(tmp_path / 'attention.html')!r}\n")
-    assert qkv_error("eval", "--model", "smollm2", "--window", "0") == (
-        "qkv: error: --window must be at least 2 tokens; got 0\n")
+    assert window == "qkv: error: --window must be at least 2 tokens; got 0\n"
     assert list(tmp_path.iterdir()) == [a_file]  # nothing written
 
 
@@ -40,42 +65,50 @@ def test_inputs_that_would_waste_the_work_are_refused_first(tmp_path):
     """Each is one line naming the cause, before the slow part (a model loaded, a model built,
     training) and before anything is written."""
     tiny = ["train", "lm", "--preset", "tiny", "--run-dir", str(tmp_path / "r")]
-    assert qkv_error(*tiny, "--set", "train.steps=99999999999999999999999") == (
+    model = ["--model", "smollm2"]
+    (steps, block_train, block_held_out, max_tokens, huge, temperature_nan, temperature_inf,
+     top_p, seed, prompt, message, second_message) = qkv_errors(
+        [*tiny, "--set", "train.steps=99999999999999999999999"],
+        [*tiny, "--set", "model.block_size=10000000"],
+        [*tiny, "--set", "model.block_size=5000"],
+        [*tiny, "--set", "eval.max_tokens=8"],
+        [*tiny, "--set", "model.block.d_model=1048576"],
+        ["generate", *model, "--prompt", "x", "--temperature", "nan"],
+        ["generate", *model, "--prompt", "x", "--temperature", "inf"],
+        ["generate", *model, "--prompt", "x", "--top-p", "nan"],
+        ["generate", *model, "--prompt", "x", "--seed", str(2**64)],
+        ["generate", *model, "--prompt", ""],
+        ["chat", *model, "--message", ""],
+        ["chat", *model, "--message", "Hi", "--message", " "])
+    assert steps == (
         "qkv: error: train.steps: expected a value in [1, 1e9], got 99999999999999999999999\n")
     # The tiny preset's text: 18,000 training characters, 2,000 held out.
-    assert qkv_error(*tiny, "--set", "model.block_size=10000000") == (
+    assert block_train == (
         "qkv: error: model.block_size=10000000 is too long for the text: its training part has "
         "18,000 tokens, and a window takes block_size + 1 (set model.block_size to at most "
         "17,998, or give a larger data.max_chars (now 20,000) or a smaller data.test_fraction "
         "(now 0.1))\n")
-    assert "its held-out part has 2,000 tokens" in qkv_error(*tiny, "--set",
-                                                             "model.block_size=5000")
+    assert "its held-out part has 2,000 tokens" in block_held_out
     assert "at most 1,999, or give a larger data.max_chars (now 20,000) or a larger " \
-        "data.test_fraction (now 0.1))" in qkv_error(*tiny, "--set", "model.block_size=5000")
-    assert qkv_error(*tiny, "--set", "eval.max_tokens=8") == (
+        "data.test_fraction (now 0.1))" in block_held_out
+    assert max_tokens == (
         "qkv: error: eval.max_tokens=8 is less than one window of model.block_size=16 tokens; "
         "nothing would be scored\n")
-    huge = qkv_error(*tiny, "--set", "model.block.d_model=1048576")
     assert huge.startswith("qkv: error: the model does not fit in memory: 13,194,267,459,584 "
                            "parameters need about 211,108.3 GB to train (float32 weights, "
                            "gradients and AdamW's two moments), and ")
     assert huge.endswith(" GB is available on this machine; make the model smaller "
                          "(model.block.d_model, model.n_layer, ...)\n")
     assert not (tmp_path / "r").exists()
-    model = ["--model", "smollm2"]
-    assert qkv_error("generate", *model, "--prompt", "x", "--temperature", "nan") == (
+    assert temperature_nan == (
         "qkv: error: --temperature must be a finite number >= 0 (0 = greedy); got nan\n")
-    assert qkv_error("generate", *model, "--prompt", "x", "--temperature", "inf") == (
+    assert temperature_inf == (
         "qkv: error: --temperature must be a finite number >= 0 (0 = greedy); got inf\n")
-    assert qkv_error("generate", *model, "--prompt", "x", "--top-p", "nan") == (
-        "qkv: error: --top-p must be in (0, 1]; got nan\n")
-    assert qkv_error("generate", *model, "--prompt", "x", "--seed", str(2**64)) == (
-        f"qkv: error: --seed must be in [0, 4294967295]; got {2**64}\n")
-    assert qkv_error("generate", *model, "--prompt", "") == (
-        "qkv: error: --prompt is empty; give the text to continue\n")
-    assert qkv_error("chat", *model, "--message", "") == (
-        "qkv: error: --message is empty; nothing to answer\n")
-    assert qkv_error("chat", *model, "--message", "Hi", "--message", " ") == (
+    assert top_p == "qkv: error: --top-p must be in (0, 1]; got nan\n"
+    assert seed == f"qkv: error: --seed must be in [0, 4294967295]; got {2**64}\n"
+    assert prompt == "qkv: error: --prompt is empty; give the text to continue\n"
+    assert message == "qkv: error: --message is empty; nothing to answer\n"
+    assert second_message == (
         "qkv: error: --message is empty (message 2 of 2); nothing to answer\n")
 
 
@@ -83,14 +116,18 @@ def test_viz_outputs_are_checked_before_the_work(tmp_path):
     a_file = tmp_path / "pictures"
     a_file.write_text("x")
     viz = ["viz", "--model", "minilm", "--text", "a", "-o", str(tmp_path / "page.html")]
-    assert qkv_error(*viz, "--png", str(a_file)) == (
+    inside = str(a_file / "page.html")
+    png_file, png_under_file, output_under_file = qkv_errors(
+        [*viz, "--png", str(a_file)],
+        [*viz, "--png", str(a_file / "sub")],
+        ["viz", "--model", "minilm", "--text", "a", "-o", inside])
+    assert png_file == (
         f"qkv: error: --png {str(a_file)!r}: {str(a_file)!r} is a file; expected a folder for "
         "the pictures (a new or an existing one)\n")
-    assert qkv_error(*viz, "--png", str(a_file / "sub")) == (
+    assert png_under_file == (
         f"qkv: error: --png {str(a_file / 'sub')!r}: {str(a_file)!r} is a file; expected a "
         "folder for the pictures (a new or an existing one)\n")
-    inside = str(a_file / "page.html")
-    assert qkv_error("viz", "--model", "minilm", "--text", "a", "-o", inside) == (
+    assert output_under_file == (
         f"qkv: error: -o/--output {inside!r} cannot be written: {str(a_file)!r} is a file, not "
         "a folder\n")
     assert sorted(tmp_path.iterdir()) == [a_file]  # no page written
