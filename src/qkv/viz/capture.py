@@ -8,13 +8,14 @@ Attention layers are found by their module paths: a block's ``self_attn`` and
 ``cross_attn`` (``decoder.blocks.3.cross_attn`` is layer 3 of the stack ``decoder.blocks``,
 cross-attention), or the model itself when it is one ``MultiHeadAttention``.
 
-For the duration, each chosen layer's one call point, ``MultiHeadAttention.attend``, is
-wrapped. The call itself is unchanged (same engine, SDPA or fused, same outputs) and also
-hands back its log-sum-exp; from it the wrapper recomputes the softmax rows of the chosen
-heads only, from the q and k the layer computed and the same mask, score modifier,
-similarity and scale (``qkv.viz.weights.head_weights``). No (Nq, Nk) tensor is formed or kept
-for heads nobody asked for. Weights are those of eval mode: attention dropout, if a
-training-mode call applies it, is not in them.
+For the duration, each chosen layer's one call point, its ``attend``, is wrapped. The call
+itself is unchanged (same engine, SDPA or fused, same outputs) and also hands back its
+log-sum-exp; from it the wrapper recomputes the softmax rows of the chosen heads only, from
+the q and k the layer computed and the same mask, score modifier, similarity and scale
+(``qkv.viz.weights.head_weights``). No (Nq, Nk) tensor is formed or kept for heads nobody
+asked for. A differential attention layer's head h is its difference map A_2h − λ A_2h+1,
+from the two maps of its one fused call. Weights are those of eval mode: attention dropout,
+if a training-mode call applies it, is not in them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from ..engines.api import attention_result
 from ..nn.attention import MultiHeadAttention
+from ..nn.differential import DifferentialAttention
 from .weights import check_heads, head_weights
 
 
@@ -144,11 +146,11 @@ def _check_layers(layers, count: int, stack: str) -> set[int]:
 
 
 def _check_no_weights(name: str, module: nn.Module) -> None:
-    if not isinstance(module, MultiHeadAttention):
+    if not isinstance(module, (MultiHeadAttention, DifferentialAttention)):
         raise ValueError(
             f"{name} is {type(module).__name__}, an attention kind with no attention weights "
             "(linear attention and retention never form a softmax over keys), so there are no "
-            "maps to capture; capture works on multi-head attention (attention='multihead')"
+            "maps to capture; capture works on multi-head and differential attention"
         )
 
 
@@ -219,20 +221,33 @@ def _observer(site: CapturedMap, on_weights: OnWeights | None, row_bytes: int | 
         block = nq if on_weights is None or row_bytes is None else \
             max(1, row_bytes // (4 * len(site.heads) * nk))
         metric = kwargs.get("metric")
+        paired = isinstance(module, DifferentialAttention)
+        # A differential head h is the pair of query heads (2h, 2h+1) of the call.
+        heads = [2 * h + i for h in site.heads for i in (0, 1)] if paired else site.heads
         with torch.no_grad():
             for start in range(0, nq, block):
                 weights = head_weights(
-                    q, k, site.heads, mask=mask, score_mod=score_mod,
+                    q, k, heads, mask=mask, score_mod=score_mod,
                     similarity=kwargs.get("similarity", "dot"), scale=kwargs.get("scale"),
                     metric=None if metric is None else metric.detach(), lse=lse,
                     rows=(start, min(nq, start + block)),
                     weighting=kwargs.get("weighting", "softmax"),
                 )
+                if paired:
+                    weights = difference_map(module, weights)
                 if on_weights is None:
                     site.calls.append(weights)
                 else:
                     on_weights(site, weights, ObservedCall(module, q, k, mask, score_mod, start))
     return observe
+
+
+def difference_map(module: DifferentialAttention, weights: Tensor) -> Tensor:
+    """(B, 2h, Nq, Nk) maps of query heads 2h and 2h+1, interleaved -> (B, h, Nq, Nk)
+    A_2h − λ A_2h+1, the map a differential head applies to its values (rows may hold
+    negative weights and sum to 1 − λ)."""
+    lam = module.lambda_full().detach().to(weights.dtype)
+    return weights[:, 0::2] - lam * weights[:, 1::2]
 
 
 # The observers of each wrapped layer; a layer is wrapped while it has any (nested captures).
