@@ -29,7 +29,7 @@ MAY_IMPORT = {
     "train": {"models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
               "limits", "threads", "allocations"},
     "lab": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
-            "limits", "threads", "allocations"},
+            "limits", "threads", "allocations", "viz"},
     "viz": {"train", "models", "nn", "engines", "core", "distributed", "data", "bars", "cache",
             "limits", "threads", "allocations"},
 }

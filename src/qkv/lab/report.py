@@ -1,6 +1,7 @@
 """``report.html``: one offline page (no script, no network resource) with the training loss
 curves (the mean over seeds, a band from the lowest to the highest seed), the results table
-with within-noise differences marked, and speed and memory."""
+with within-noise differences marked, speed and memory, and (lm) each variant's attention
+summaries on held-out text against the text's unigram entropy."""
 
 from __future__ import annotations
 
@@ -102,6 +103,50 @@ def row(name: str, e: dict, lower: bool) -> str:
     return f'<tr class="{css}">{tds}</tr>{failed}'
 
 
+def attention_table(results: dict) -> str:
+    """Per variant and layer: mean entropy, sink mass and attention distance on held-out
+    text (``qkv.lab.attention``), averaged over the variant's seeds."""
+    rows = []
+    for name, e in results["variants"].items():
+        found = e.get("attention")
+        if not found:
+            continue
+        if "error" in found:
+            rows.append(f'<tr class="failed"><td>{escape(name)}</td><td colspan="4" '
+                        f'style="text-align:left">no summaries: {escape(found["error"])}'
+                        "</td></tr>")
+            continue
+        for i, layer in enumerate(found["layers"]):
+            rows.append(f"<tr><td>{escape(name) if i == 0 else ''}</td><td>{i}</td>"
+                        f"<td>{layer['entropy_bits']:.3f}</td><td>{layer['sink']:.3f}</td>"
+                        f"<td>{layer['distance']:.2f}</td></tr>")
+    if not rows:
+        return ""
+    tokens = next(e["attention"]["tokens"] for e in results["variants"].values()
+                  if e.get("attention") and "tokens" in e["attention"])
+    head = "".join(f"<th>{h}</th>" for h in ("variant", "layer", "entropy (bits)",
+                                              "sink mass", "distance (tokens)"))
+    return f"""<h2>Attention on held-out text</h2>
+<table class="attention"><thead><tr>{head}</tr></thead><tbody>
+{chr(10).join(rows)}
+</tbody></table>
+<p>The viewer's summaries over the first {tokens} held-out tokens (whole windows of the
+context), every head and every query row but the first (which sees only itself): the
+entropy of a row's weights, the mass on the first token of the window (an attention sink)
+and the mean distance from the query to the keys it attends, averaged over the seeds. A
+differential layer is summarized over its two softmax maps per head; their difference is no
+distribution.</p>"""
+
+
+def unigram_line(results: dict) -> str:
+    h = results.get("unigram_entropy")
+    if h is None:
+        return ""
+    return (f'<p class="unigram">Unigram entropy of the held-out text: {h:.4f} nats per token '
+            "(the loss of a model that reads no context; the training text's frequencies, "
+            "add-one smoothed).</p>")
+
+
 def page(results: dict, out: Path) -> str:
     metric, lower = results["metric"], results["lower_is_better"]
     series = {name: bands(out, e) for name, e in results["variants"].items()}
@@ -124,10 +169,12 @@ Held-out {escape(metric)}: {better} is better.</p>{status}
 <tbody>
 {rows}
 </tbody></table>
+{unigram_line(results)}
 <p>The interval is the {escape(results['interval'])}. A difference whose interval holds 0
 is <em>within noise</em> (greyed): these seeds do not tell it from no difference. Speed is
 the median training rate of each run, averaged over seeds; peak memory the highest over
 seeds.</p>
+{attention_table(results)}
 </body></html>
 """
 

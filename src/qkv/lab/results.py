@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..data.atomic import write_json_atomic
-from . import stats, worker
+from . import attention, stats, worker
 from .labfile import Lab
 from .runner import Run
 
@@ -22,6 +22,19 @@ def run_entry(r: Run, out: Path, metric: str) -> dict:
             "peak_memory_bytes": record["peak_memory_bytes"],
             "parameters": record["parameters"], "steps": record["steps"],
             "seconds": record["seconds"], "unit": record["unit"]}
+
+
+def attention_entry(done: list[Run]) -> dict | None:
+    """The variant's attention summaries on held-out text, per layer, averaged over its
+    finished seeds; a run whose summaries fail gives its error instead."""
+    if not done:
+        return None
+    try:
+        found = [attention.run_summary(r.run_dir) for r in done]
+    except Exception as e:  # noqa: BLE001 - the table stands without the summaries
+        return {"error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    return {"layers": attention.mean_over_seeds(found), "seeds": len(found),
+            "tokens": found[0]["tokens"], "unigram_entropy": found[0]["unigram_entropy"]}
 
 
 def summarize(lab: Lab, runs: list[Run], failures: dict[str, str], out: Path) -> dict:
@@ -39,7 +52,11 @@ def summarize(lab: Lab, runs: list[Run], failures: dict[str, str], out: Path) ->
                        if r.name in failures],
             "n": len(values), "mean": mean, "std": std,
         }
+        if lab.task == "lm":
+            variants[v.name]["attention"] = attention_entry([r for r in mine if r.finished()])
     base = lab.variants[0].name
+    unigram = next((e["attention"]["unigram_entropy"] for e in variants.values()
+                    if e.get("attention") and e["attention"].get("unigram_entropy")), None)
     base_values = [d[metric] for d in variants[base]["runs"]]
     for name, entry in variants.items():
         values = [d[metric] for d in entry["runs"]]
@@ -48,7 +65,8 @@ def summarize(lab: Lab, runs: list[Run], failures: dict[str, str], out: Path) ->
     return {"lab": str(lab.path), "task": lab.task, "preset": lab.preset,
             "seeds": list(lab.seeds), "metric": metric, "lower_is_better": lower,
             "baseline": base, "interval": stats.INTERVAL,
-            "complete": all(r.finished() for r in runs), "variants": variants}
+            "complete": all(r.finished() for r in runs), "unigram_entropy": unigram,
+            "variants": variants}
 
 
 def write(results: dict, out: Path) -> Path:

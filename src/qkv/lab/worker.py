@@ -1,5 +1,6 @@
 """One lab run: trained the way ``qkv train`` trains it, its measurements written to
-``RUN/lab.json`` (the mark of a finished run).
+``RUN/lab.json`` (the mark of a finished run), then, for lm runs, its attention summaries to
+``RUN/attention.json`` (``qkv.lab.attention``), in the run's own process.
 
 ``python -m qkv.lab.worker SPEC_JSON`` runs one in a process of its own; a failure prints
 ``error: ...`` as its last line and exits 1, an interrupt saves a checkpoint and exits 130.
@@ -19,6 +20,7 @@ from ..train import config, plan, run
 from ..train.interrupt import Interrupted
 from ..train.loop_parts import peak_memory_bytes
 from ..train.rundir import get_task
+from . import attention
 
 MARK = "lab.json"
 STATUS = Path("/proc/self/status")
@@ -85,6 +87,11 @@ def train(spec: dict) -> dict:
         "parameters": plan.n_parameters(trainer.model),
     }
     write_json_atomic(run_dir / MARK, record)
+    if spec["task"] == "lm":
+        try:
+            attention.run_summary(run_dir)
+        except Exception:  # noqa: BLE001, S110 - the results retry it and report its error
+            pass
     return record
 
 
