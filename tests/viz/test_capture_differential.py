@@ -1,17 +1,24 @@
 """Capture of differential attention: head h's map is A_2h − λ A_2h+1, the formula's, from
-the layer's one fused call; a GPT of differential layers gives one such map per head."""
+the layer's one fused call; a GPT of differential layers gives one such map per head, and its
+page stores them."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 import qkv
+from qkv.cli import main
 from qkv.models import GPT, GPTConfig
 from qkv.nn import DifferentialAttention
+from qkv.train import checkpoint
 from qkv.viz import capture
+from qkv.viz.page import read_page
 
 from ..nn.test_differential import formula
+from .runs import TEXT, make_lm_run
+from .test_command import assert_stored
 
 
 def test_captured_heads_are_the_formulas_difference_maps():
@@ -43,3 +50,22 @@ def test_a_differential_gpt_gives_one_map_per_head_whose_rows_sum_to_one_less_la
         torch.testing.assert_close(w.sum(-1), torch.full((1, 2, 12), 1 - lam),
                                    rtol=1e-5, atol=1e-5)
         assert torch.all(w.triu(1) == 0)  # causal: no weight on later keys
+
+
+def test_the_page_of_a_differential_run_stores_the_difference_maps(tmp_path, capsys):
+    run_dir, out = tmp_path / "run", tmp_path / "attention.html"
+    model, tok = make_lm_run(run_dir, ["model.block.attention=differential"])
+    with torch.no_grad():  # peaked maps, so that A_2h+1 outweighs A_2h somewhere
+        for block in model.blocks:
+            block.self_attn.q_proj.weight.mul_(40)
+    checkpoint.save(run_dir, 2, model, {}, keep=1)
+    assert main(["viz", str(run_dir), "--text", TEXT, "-o", str(out)]) == 0
+    capsys.readouterr()
+    page = read_page(out)
+    with capture(model.eval()) as maps, torch.no_grad():
+        model(torch.tensor([tok.encode(TEXT)]))
+    assert (maps[0] < 0).any()
+    for head in (0, 1):  # the positive weights of A_2h − λ A_2h+1, as the page keeps them
+        assert_stored(page.weights(0, 0, head), maps[0][0, head])
+    summary = np.array(page.meta["views"][0]["summary"])
+    assert np.isfinite(summary).all()

@@ -65,7 +65,10 @@ def _summary(w: Tensor, row_sums: Tensor, distance: Tensor, positions: Tensor):
     and positions (Nq,) each query's position among the keys -> (sums (4,), rows, rows with a
     previous token)."""
     live = row_sums > 0
-    entropy = -torch.special.xlogy(w, w).sum(-1) / math.log(2)
+    # A differential head's map holds negative weights too: the entropy is of its positive
+    # ones, the weights the page draws (softmax rows are unchanged).
+    positive = w.clamp_min(0)
+    entropy = -torch.special.xlogy(positive, positive).sum(-1) / math.log(2)
     attended = (w * distance).sum(-1)
     sink = w[:, 0]
     has_prev = (positions >= 1) & (positions - 1 < w.shape[1]) & live

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from ..nn.differential import DifferentialAttention
 from .capture import CapturedMap, ObservedCall
 from .compact import RowsBuilder, join_rows
 from .neuron import NeuronLayer, finish, record
@@ -69,7 +70,10 @@ class Recorder:
         if call.first_row + w.shape[1] < nq:
             return  # more blocks of this call to come
         blocks, entry.blocks = entry.builder.parts[-entry.blocks:], 0
-        if site.layer in self.neuron_layers:
+        # The neuron view explains one score per query-key pair; a differential head's map
+        # comes from two, so it has none.
+        if site.layer in self.neuron_layers and not isinstance(call.module,
+                                                               DifferentialAttention):
             entry.neuron = record(entry.neuron, site.layer, site.heads, call,
                                   join_rows(blocks))
         if site.stack in self.rollout_stacks and not site.is_cross:
