@@ -180,6 +180,26 @@ def test_qkv_causal_is_bottom_right_and_is_causal_top_left():
         qkv.causal(align="left")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_decode_steps_causal_mask_sees_every_key_on_sdpa(bias, dtype):
+    """One query aligned bottom-right sees every key: SDPA runs it without a mask (and not
+    with its top-left is_causal, which would leave the query key 0 alone), with or without
+    a float bias."""
+    q, k, v = (t.detach() for t in sdpa_inputs(h=4, hkv=2, nq=1, dtype=dtype))
+    kw = dict(mask=qkv.causal())
+    if bias:
+        kw["attn_mask"] = torch.randn(2, 4, 1, S, generator=torch.Generator().manual_seed(1),
+                                      dtype=dtype)
+    got = qkv.attention(q, k, v, **kw, backend="sdpa")
+    if not bias:  # what a decode step picks
+        assert qkv.explain(q, k, v, **kw).engine == "sdpa"
+    want = qkv.attention(q, k, v, **kw, backend="reference")
+    assert rel_err(got, want) < (1e-12 if dtype == torch.float64 else 1e-5)
+    top_left = qkv.attention(q, k, v, is_causal=True)
+    assert rel_err(top_left, v[:, :, :1].repeat_interleave(2, 1)) < 1e-6
+
+
 DOCS = torch.tensor([0] * 30 + [1] * 50 + [2] * 20)
 
 

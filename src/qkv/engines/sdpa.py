@@ -74,13 +74,19 @@ def plan(p: Problem):
     return lambda: run(p, allowed)
 
 
+def _spelled_causal(p: Problem) -> bool:
+    """Whether SDPA's ``is_causal=True`` (aligned top-left) is ``p``'s mask: a top-left causal
+    mask, or qkv's bottom-right causal one when Nq = Nk, with no bias."""
+    return p.score_mod is None and (isinstance(p.mask, TopLeftCausalMask)
+                                    or (p.is_causal_only and p.nq == p.nk))
+
+
 def _allowed(p: Problem):
-    """The mask as the bool tensor SDPA receives, or None where it receives none (no mask, or
-    a causal mask it spells ``is_causal=True``)."""
-    if p.mask is None:
-        return None
-    if p.score_mod is None and (isinstance(p.mask, TopLeftCausalMask)
-                                or (p.is_causal_only and p.nq == p.nk)):
+    """The mask as the bool tensor SDPA receives, or None where it receives none: no mask, a
+    causal mask it spells ``is_causal=True``, or a decode step's causal mask (one query,
+    aligned bottom-right, sees every key), which would cost a (B, H, 1, Nk) mask built and
+    read in each layer of each token (docs/performance.md, "CPU: host time")."""
+    if p.mask is None or _spelled_causal(p) or (p.is_causal_only and p.nq == 1):
         return None
     return p.mask.materialize(p.batch, p.heads, p.nq, p.nk, p.q.device)
 
@@ -89,7 +95,7 @@ def _attn_mask(p: Problem, allowed):
     """SDPA's (attn_mask, is_causal) for the mask (``allowed``, from ``_allowed``) and the
     additive bias of ``p``."""
     if p.score_mod is None:
-        return (allowed, False) if allowed is not None else (None, p.mask is not None)
+        return (allowed, False) if allowed is not None else (None, _spelled_causal(p))
     bias = p.score_mod.bias.to(p.q.dtype)
     return (bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))), False
 
