@@ -13,7 +13,7 @@ from ..data.atomic import write_text_atomic
 from .results import fmt_memory, fmt_rate, verdict
 
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-          "#7f7f7f", "#bcbd22", "#17becf")
+          "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939")
 WIDTH, HEIGHT, PAD = 720, 320, 48
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:60em;color:#222}
 table{border-collapse:collapse}td,th{padding:.25em .7em;border-bottom:1px solid #ddd;
