@@ -1,16 +1,13 @@
 """The model configs compose a BlockConfig and a PositionsConfig: the sections' fields are
-declared once, with their limits beside them; dicts fill in over each model's defaults; the
-old flat form upgrades; old parameter names load."""
+declared once, with their limits beside them; dicts fill in over each model's defaults; a
+flat config and other parameter names are refused."""
 
 import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from qkv.models import GPT, EncoderConfig, GPTConfig, Transformer, TransformerConfig, ViTConfig
-from qkv.models.configs import moved_key, upgrade_flat
 from qkv.nn import BlockConfig, PositionsConfig
 
 MODEL_CONFIGS = (GPTConfig, EncoderConfig, TransformerConfig, ViTConfig)
@@ -62,47 +59,18 @@ FLAT = dict(vocab_size=37, block_size=20, n_layer=2, n_head=4, d_model=16, n_kv_
             dropout=0.0, similarity="dot", attention="multihead", tie_embeddings=False)
 
 
-def test_the_old_flat_form_upgrades_to_the_same_config():
-    config = GPTConfig(**upgrade_flat(FLAT))
-    assert config.block == BlockConfig(d_model=16, n_head=4, n_kv_head=2, norm="rmsnorm",
-                                       ffn="swiglu", bias=False)
-    assert config.positions == PositionsConfig(kind="rope", rope_base=500.0)
-    assert upgrade_flat(dataclasses.asdict(config)) == dataclasses.asdict(config)
-    assert (moved_key("n_head"), moved_key("positions"), moved_key("window")) == (
-        "block.n_head", "positions.kind", None)
+def test_the_flat_form_is_refused_naming_its_first_key():
+    with pytest.raises(TypeError, match="n_head"):
+        GPTConfig(**FLAT)
 
 
-@given(st.sampled_from(sorted(set(FLAT) - {"vocab_size", "block_size", "n_layer",
-                                          "tie_embeddings"})))
-def test_every_moved_key_names_a_real_field(name):
-    section, field = moved_key(name).split(".")
-    assert field in {f.name for f in dataclasses.fields({"block": BlockConfig,
-                                                          "positions": PositionsConfig}[section])}
-
-
-# New parameter name -> the name runs saved before the layers took Hugging Face's names.
-OLD_NAMES = {
-    "gelu": {"ffn.up_proj.": "ffn.linear1.", "ffn.down_proj.": "ffn.linear2."},
-    "swiglu": {"ffn.gate_proj.": "ffn.linear1.", "ffn.up_proj.": "ffn.gate.",
-               "ffn.down_proj.": "ffn.linear2."},
-}
-
-
-@pytest.mark.parametrize("ffn", ["gelu", "swiglu"])
-def test_weights_saved_under_the_old_layer_names_load(ffn):
-    torch.manual_seed(0)
-    config = GPTConfig(11, 8, 2, block={"d_model": 16, "n_head": 2, "ffn": ffn})
-    model, fresh = GPT(config).eval(), GPT(config).eval()
-    renames = {**OLD_NAMES[ffn], "positions.table.": "positions.learned.table."}
-    old = {}
-    for key, value in model.state_dict().items():
-        for new, before in renames.items():
-            key = key.replace(new, before)
-        old[key] = value
-    assert "blocks.1.ffn.linear1.weight" in old and "positions.learned.table.weight" in old
-    fresh.load_state_dict(old)  # strict: every old name found its place
-    ids = torch.tensor([[1, 2, 3]])
-    assert torch.equal(fresh(ids), model(ids))
+@pytest.mark.parametrize(("new", "old"), [("ffn.up_proj.", "ffn.linear1."),
+                                          ("positions.table.", "positions.learned.table.")])
+def test_weights_under_other_names_are_refused_naming_them(new, old):
+    config = GPTConfig(11, 8, 1, block={"d_model": 16, "n_head": 2, "ffn": "gelu"})
+    state = {k.replace(new, old): v for k, v in GPT(config).state_dict().items()}
+    with pytest.raises(RuntimeError, match=old.replace(".", r"\.")):
+        GPT(config).load_state_dict(state)
 
 
 def test_transformer_from_torch_takes_block_overrides():

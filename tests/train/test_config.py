@@ -42,8 +42,7 @@ def test_unknown_key_lists_close_matches(lm):
     ("train.steps=1.5", "expected int"),
     ("train.compile=1", "expected bool"),
     ("model.block.n_kv_head=two", "model.block.n_kv_head: expected int | None"),
-    ("model.n_head=4", "model.n_head has moved: the model config keeps it in a section now; "
-                       "set model.block.n_head"),
+    ("model.n_head=4", "unknown config key 'model.n_head'; did you mean model.block.n_head"),
     ("model.vocab_size=9", "set from the data"),
     ("trainsteps=1", "section.key=value"),
 ])

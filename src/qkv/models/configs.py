@@ -3,9 +3,7 @@
 
 Nested sections may be given as dicts (a config file, a run's ``model.json``): a dict fills in
 over the model's default section, so ``GPTConfig(..., block={"n_head": 4})`` keeps GPT's
-other block defaults. Configs written before the sections existed held the block and
-position fields flat; ``upgrade_flat`` moves them (run directories of that time still load),
-and ``moved_key`` names the new place of such a key for an error message.
+other block defaults.
 """
 
 from __future__ import annotations
@@ -18,30 +16,7 @@ from ..nn.blocks import BlockConfig
 from ..nn.positions import PositionsConfig
 
 SECTIONS = {"block": BlockConfig, "positions": PositionsConfig}
-# Flat keys of the configs before they had sections -> their section and name now.
-_FLAT = {**{f.name: ("block", f.name) for f in dataclasses.fields(BlockConfig)},
-         "positions": ("positions", "kind"), "rope_base": ("positions", "rope_base")}
 POOLINGS = ("mean", "cls", "first")
-
-
-def moved_key(name: str) -> str | None:
-    """'n_head' -> 'block.n_head': where a flat key of the old configs lives now, or None."""
-    return ".".join(_FLAT[name]) if name in _FLAT else None
-
-
-def upgrade_flat(values: dict) -> dict:
-    """A model config dict in the old flat form -> the sectioned form (a sectioned dict is
-    returned unchanged)."""
-    out: dict = {}
-    for key, value in values.items():
-        if key in _FLAT and not isinstance(value, dict):
-            section, name = _FLAT[key]
-            out.setdefault(section, {}).setdefault(name, value)
-        elif key in SECTIONS and isinstance(value, dict):
-            out.setdefault(key, {}).update(value)  # the sectioned form wins over a flat key
-        else:
-            out[key] = value
-    return out
 
 
 def _compose(config, name: str) -> None:

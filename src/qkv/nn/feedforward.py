@@ -20,15 +20,6 @@ MLP_ACTIVATIONS = {
 ACTIVATIONS = (*MLP_ACTIVATIONS, "swiglu")
 
 
-def _renamed(old_to_new: dict[str, str]):
-    """A load_state_dict pre-hook that reads weights saved under the layer's former names."""
-    def hook(module, state_dict, prefix, *args) -> None:
-        for old, new in old_to_new.items():
-            for key in [k for k in state_dict if k.startswith(prefix + old + ".")]:
-                state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
-    return hook
-
-
 class MLP(nn.Module):
     """down_proj(dropout(activation(up_proj(x)))), for each position independently.
 
@@ -41,9 +32,6 @@ class MLP(nn.Module):
         self.down_proj = Linear(d_ff, d_model, bias=bias)
         self.activation = activation
         self.dropout = nn.Dropout(dropout)
-        # Checkpoints written before the projections took Hugging Face's names.
-        self.register_load_state_dict_pre_hook(
-            _renamed({"linear1": "up_proj", "linear2": "down_proj"}))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.dropout(self.activation(self.up_proj(x))))
@@ -61,8 +49,6 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(d_ff, d_model, bias=bias)
         self.activation = nn.SiLU()
         self.dropout = nn.Dropout(dropout)
-        self.register_load_state_dict_pre_hook(
-            _renamed({"linear1": "gate_proj", "gate": "up_proj", "linear2": "down_proj"}))
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)

@@ -155,17 +155,9 @@ class LearnedPositions(PositionScheme):
         super().__init__()
         self.max_len = max_len
         self.table = nn.Embedding(max_len, d_model)
-        # Checkpoints written when the table sat inside a Positions wrapper.
-        self.register_load_state_dict_pre_hook(_moved_table)
 
     def embed(self, positions: Tensor) -> Tensor:
         return self.table(positions)
-
-
-def _moved_table(module, state_dict, prefix, *args) -> None:
-    old = prefix + "learned.table.weight"
-    if old in state_dict:
-        state_dict[prefix + "table.weight"] = state_dict.pop(old)
 
 
 class RotaryPositions(PositionScheme):

@@ -26,7 +26,6 @@ import tomllib
 from ..data.errors import DataError
 from ..limits import Limit, limit_of, limited
 from ..models.configs import SECTIONS as MODEL_SECTIONS
-from ..models.configs import moved_key, upgrade_flat
 
 
 class ConfigError(ValueError):
@@ -198,10 +197,6 @@ class Schema:
         if key.startswith("model.") and key[6:] in self.derived:
             raise ConfigError(f"{key} is set from the data and cannot be configured")
         if key not in self.types:
-            moved = moved_key(key[6:]) if key.startswith("model.") else None
-            if moved is not None and f"model.{moved}" in self.types:
-                raise ConfigError(f"{key} has moved: the model config keeps it in a section "
-                                  f"now; set model.{moved}")
             raise unknown_key(key, sorted(self.types))
         value = coerce(value, self.types[key], key)
         problem = self.limits[key].problem(value) if key in self.limits else None
@@ -242,12 +237,7 @@ class Schema:
 
 def flatten(tree: dict, where: str) -> dict[str, Any]:
     """{"train": {"lr": 1}, "model": {"block": {"n_head": 4}}} -> {"train.lr": 1,
-    "model.block.n_head": 4}; a top-level key outside the sections is an error.
-
-    A file (a config file, a run's config.json) written before the model configs had
-    sections keeps its model keys flat; they move to their sections here, so such files
-    still load. A flat key typed now (``--set model.n_head``) is refused by ``Schema.check``
-    with its new place."""
+    "model.block.n_head": 4}; a top-level key outside the sections is an error."""
     flat = {}
     for section, body in tree.items():
         if section == "task":
@@ -256,7 +246,7 @@ def flatten(tree: dict, where: str) -> dict[str, Any]:
             raise unknown_key(section, list(SECTIONS))
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: section {section!r} must be a table of key = value")
-        flat.update(_dotted(upgrade_flat(body) if section == "model" else body, section))
+        flat.update(_dotted(body, section))
     return flat
 
 

@@ -16,7 +16,6 @@ from torch import nn
 
 from .. import models
 from ..data.tokenizers import read_tokenizer
-from ..models.configs import upgrade_flat
 from . import checkpoint
 from .config import ConfigError, RunConfig, flatten, resolve
 from .tasks import TASKS
@@ -46,7 +45,7 @@ def read_run_config(run_dir: str | Path, expected_task: str | None = None,
         raise RunError(f"{str(path)!r} is not a readable qkv run configuration") from None
     if expected_task is not None and task_name != expected_task:
         raise RunError(f"{str(run_dir)!r} holds a {task_name!r} run, not {expected_task!r}")
-    stored = flatten(tree, str(path))  # flat model keys of older runs move to their sections
+    stored = flatten(tree, str(path))
     return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
 
 
@@ -106,8 +105,7 @@ def load_run(run_dir) -> LoadedRun:
     model_json = path / "model.json"
     if not model_json.is_file():
         raise RunError(f"{str(path)!r} holds no model (no model.json with the model's config)")
-    # Runs written before the model configs had sections keep their fields flat.
-    stored = upgrade_flat(_read_json(model_json, "model config"))
+    stored = _read_json(model_json, "model config")
     model = model_cls(config_cls(**stored))
     load_weights(path, model)
     tokenizers = {}
