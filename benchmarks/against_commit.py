@@ -72,7 +72,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("commit", help="the commit to compare with (e.g. the one before a change)")
     parser.add_argument("--n", type=int, default=4096, help="sequence length")
-    parser.add_argument("--rounds", type=int, default=5, help="counted rounds (each: two processes)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="counted rounds (each: two processes)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per variant per process")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     args = parser.parse_args()

@@ -102,6 +102,15 @@ class Checkpoint:
                                   ) from None
 
 
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict) -> None:
+    """``load_unsharded``'s optimizer state, keyed by parameter names, into the optimizer of
+    the model now sharded: each rank keeps its shard of it."""
+    state_dict = _dcp()[1]
+    state_dict.set_optimizer_state_dict(model, optimizer, state,
+                                        options=state_dict.StateDictOptions(full_state_dict=True))
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

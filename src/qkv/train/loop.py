@@ -41,7 +41,7 @@ from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
 from ..models.pretrained import built_on_meta, fill, is_dtensor, materialize
 from ..nn.blocks import checkpoint_blocks
-from . import checkpoint, distributed, plan
+from . import checkpoint, distributed, plan, sharding
 from .config import RunConfig
 from .interrupt import Interrupted, StopOnSignal
 from .loop_parts import (
@@ -73,15 +73,6 @@ class Trainer:
         self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
         self.verbose = env.is_main and not quiet
         t = cfg.train
-        # FSDP and DCP are imported by training only: they take 1.5 s, which the commands
-        # that stop on a wrong argument would pay (docs/performance.md, "Start-up").
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        from . import sharding
-
         sharding.check(t, env, resume)
         distributed.check_context_parallel(env, t.context_parallel)
         # The checkpoint first: a run without one fails before any data is read.
@@ -134,8 +125,7 @@ class Trainer:
                 task.initialize(self.model, init)
         self.optimizer = make_optimizer(self.model, t)
         if carried is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, carried,
-                                     options=StateDictOptions(full_state_dict=True))
+            checkpoint.load_full_optimizer_state(self.model, self.optimizer, carried)
         self.stream = Stream(self.data.train_size, t.batch_size, t.seed)
         self.step = 0
         self.micro_step = 0  # the data position: micro-batches drawn from the stream so far

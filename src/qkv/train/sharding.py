@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ..distributed.vocab import ShardedEmbedding, ShardedHead, VocabShards, check_vocab
 from ..models import GPT
@@ -36,6 +34,15 @@ from ..nn.blocks import TransformerBlock
 from .distributed import Env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _fsdp():
+    """FSDP's and DTensor's modules, imported when a model is sharded: they take 1.5 s, which
+    every command would pay at start-up (docs/performance.md, "Start-up")."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.tensor as dtensor
+
+    return fsdp, dtensor
 
 
 def check(t, env: Env, resume: bool = False) -> None:
@@ -68,19 +75,20 @@ def fsdp_mesh(env: Env, context_parallel: int) -> DeviceMesh:
 
 def shard(model: torch.nn.Module, env: Env, t) -> torch.nn.Module:
     """Shard ``model`` in place (its parameters become DTensors) and return it."""
+    fsdp, _ = _fsdp()
     mesh = fsdp_mesh(env, t.context_parallel)
-    policy = MixedPrecisionPolicy(param_dtype=DTYPES[t.param_dtype],
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=DTYPES[t.param_dtype],
                                   reduce_dtype=DTYPES[t.reduce_dtype])
     for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
         if t.compile:
             block.compile()  # in place: the state dict keeps its names
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fsdp.fully_shard(block, mesh=mesh, mp_policy=policy)
     vocab = shard_vocabulary(model, mesh, DTYPES[t.param_dtype])
-    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=vocab)
+    fsdp.fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=vocab)
     if hasattr(model, "generate"):  # evaluation decodes through it, not through forward:
         # its call gathers the root unit's weights (the translate model's encode and
         # decode read its embeddings directly)
-        register_fsdp_forward_method(model, "generate")
+        fsdp.register_fsdp_forward_method(model, "generate")
     return model
 
 
@@ -96,12 +104,13 @@ def shard_vocabulary(model: torch.nn.Module, mesh: DeviceMesh,
     check_vocab(vocab, mesh["data"].size())
     shards = VocabShards(data, mesh.get_group("context") if mesh.ndim == 2 else None, vocab,
                          dtype)
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    _, dtensor = _fsdp()
+    placements = [dtensor.Replicate()] * (mesh.ndim - 1) + [dtensor.Shard(0)]
 
     def rows(weight: torch.Tensor) -> torch.nn.Parameter:
         # each rank cuts its rows locally, as fully_shard does: every rank built the same model
-        return torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, placements,
-                                                    src_data_rank=None))
+        return torch.nn.Parameter(dtensor.distribute_tensor(weight.detach(), mesh, placements,
+                                                            src_data_rank=None))
 
     tied = model.lm_head.weight is model.tok_emb.weight
     embedding = rows(model.tok_emb.weight)
