@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import qkv
+from qkv.core.kept import Kept
 from qkv.core.masks import EMPTY, FULL, PARTIAL, states_from
-from qkv.engines.kept import Kept
 from qkv.engines.triton import blocks
 from qkv.engines.triton.blocks import (
     block_layout,

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import EMPTY, FULL, Mask, causal
+from .kept import Kept
+from .masks import EMPTY, FULL, CausalMask, Mask, causal
 from .scores import ScoreMod, captured_tensors
 from .structure import Node, values_readable
 
@@ -324,6 +325,10 @@ class Softpick(Normalized):
 
 
 # -- Carry.STICK: stick-breaking ---------------------------------------------------------------
+# Masks found to keep every query to the keys before it, by layout key and shape.
+_IN_ORDER = Kept(64)
+
+
 class StickBreaking(Weighting):
     """β_ij ∏_{l∈M, j<l<i} (1 − β_il), β = σ(s) (Tan et al., "Scaling Stick-Breaking
     Attention", ICLR 2025): each key takes a share β of the stick the nearer keys left, so
@@ -347,12 +352,20 @@ class StickBreaking(Weighting):
                    device=None) -> None:
         """Raise ValueError when ``mask`` lets some query see a key after its own position:
         the stick is broken in key order, from the query back. Tiles are classified first,
-        and only those that hold both allowed and forbidden later keys are evaluated."""
+        and only those that hold both allowed and forbidden later keys are evaluated. A mask
+        with a layout key (``Mask.layout_key``) passes once per shape: a decode step would
+        otherwise classify it in every layer of every token."""
+        if type(mask) is CausalMask:  # within itself by definition
+            return
         if mask is None:
             if nq > 1:
                 raise ValueError("weighting='stick_breaking' breaks the stick over the keys "
                                  "before each query: pass mask=qkv.causal() (or a mask within "
                                  "it); with no mask, queries would see later keys")
+            return
+        key = mask.layout_key()
+        key = None if key is None else (key, batch, heads, nq, nk)
+        if key is not None and _IN_ORDER.get(key):
             return
         later = mask & ~causal()
         block = 128
@@ -371,6 +384,8 @@ class StickBreaking(Weighting):
             raise ValueError(f"weighting='stick_breaking' breaks the stick over the keys "
                              f"before each query, but the mask {mask!r} lets a query see a "
                              f"later key: combine it with qkv.causal()")
+        if key is not None:
+            _IN_ORDER.keep(key, True)
 
     def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         keep = allowed & self.in_order(pos_q, kv_idx)

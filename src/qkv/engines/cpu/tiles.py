@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...core.kept import Kept
 from ...core.masks import EMPTY, FULL, Mask
 from ...core.problem import Problem
 from ...core.scores import ScoreMod, modified_scores
 from ...core.similarity import Pairwise
-from ..kept import Kept
 from ..kernelgen.c_mod import ModLoops
 from ..lowering import Lowered
 from . import native

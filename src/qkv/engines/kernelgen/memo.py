@@ -23,8 +23,8 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
+from ...core.kept import Kept
 from ...core.structure import Node
-from ..kept import Kept
 from .graph import Graph
 
 _PLAIN = (bool, int, str, type(None), torch.dtype, torch.device)

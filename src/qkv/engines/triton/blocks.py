@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...core.kept import Kept
 from ...core.masks import EMPTY, FULL, PARTIAL, Mask
-from ..kept import Kept
 
 
 def classify(mask: Mask | None, batch: int, heads: int, nq: int, nk: int, block_m: int,

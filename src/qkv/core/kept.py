@@ -1,5 +1,6 @@
-"""The last few values by key, shared by the threads that call an engine: traces of
-variants (``kernelgen.memo``), block layouts (``triton.blocks``) and tile plans (``tiles``)."""
+"""The last few values by key, shared by the threads that call attention: the masks checked
+for stick-breaking (``weighting``), and in the engines traces of variants
+(``kernelgen.memo``), block layouts (``triton.blocks``) and tile plans (``tiles``)."""
 
 from __future__ import annotations
 
