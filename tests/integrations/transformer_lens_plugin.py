@@ -27,9 +27,10 @@ def _stand_in(name: str):
     import transformer_lens_tiny as tiny  # beside this plugin, on the path the caller sets
 
     if name == "distilgpt2":
-        # A LLaMA rather than GPT-2: GPT-2's bridge computes its attention in torch from its
-        # joint projection, so only a LLaMA-family bridge runs qkv's attention itself.
-        return tiny.llama(layers=3), tiny.tokenizer(50, WORDS)
+        # distilgpt2's 6 layers, as a LLaMA rather than GPT-2: GPT-2's bridge computes its
+        # attention in torch from its joint projection, so only a LLaMA-family bridge runs
+        # qkv's attention itself.
+        return tiny.llama(layers=6, vocab_size=128), tiny.tokenizer(128, WORDS)
     return None
 
 
