@@ -11,6 +11,8 @@ from scipy import stats as scipy_stats
 from qkv import cli
 from qkv.lab import stats
 
+from .conftest import finished_lab
+
 LAB = """
 [lab]
 task = "lm"
@@ -39,16 +41,8 @@ def lab(capsys, path, out, *extra):
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
     """A finished 2 x 2 lab: (lab file, output folder)."""
-    root = tmp_path_factory.mktemp("lab")
-    (root / "lab.toml").write_text(LAB)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("QKV_CACHE", str(tmp_path_factory.getbasetemp() / "qkv-cache"))
-    try:
-        assert cli.main(["lab", str(root / "lab.toml"), "-o", str(root / "out"), "--jobs", "1",
-                         "--threads", "1", "--quiet"]) == 0
-    finally:
-        mp.undo()
-    return root / "lab.toml", root / "out"
+    out = finished_lab(tmp_path_factory, LAB)
+    return out.parent / "lab.toml", out
 
 
 def test_results_hold_every_run_and_the_welch_interval(done):

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 
 import pytest
 
-from qkv import cli
 from qkv.lab import report
 
-from ..viz.conftest import CHROMEDRIVER, CHROMIUM, FLAGS, _missing, unavailable
+from ..viz.conftest import headless_chromium
+from .conftest import finished_lab
 
 LAB = """
 [lab]
@@ -32,40 +31,12 @@ GREY = "rgb(119, 119, 119)"  # tr.noise td: #777
 @pytest.fixture(scope="module")
 def chromium(tmp_path_factory):
     """Headless Chromium, as tests/viz drive it, also keeping the page's console."""
-    verdict = unavailable(_missing(), os.environ.get("CI"))
-    if verdict is not None:
-        action, message = verdict
-        (pytest.fail if action == "fail" else pytest.skip)(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    yield from headless_chromium(tmp_path_factory, keep_console=True)
 
 
 @pytest.fixture(scope="module")
 def lab_out(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lab")
-    (root / "lab.toml").write_text(LAB)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("QKV_CACHE", str(tmp_path_factory.getbasetemp() / "qkv-cache"))
-    try:
-        assert cli.main(["lab", str(root / "lab.toml"), "-o", str(root / "out"), "--jobs", "1",
-                         "--threads", "1", "--quiet"]) == 0
-    finally:
-        mp.undo()
-    return root / "out"
+    return finished_lab(tmp_path_factory, LAB)
 
 
 def load(driver, path) -> list[dict]:

@@ -43,8 +43,10 @@ def unavailable(reason: str | None, ci: str | None) -> tuple[str, str] | None:
     return "skip", f"browser test skipped: {reason}; {ENABLE}"
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def headless_chromium(tmp_path_factory, keep_console: bool = False):
+    """A headless Chromium driver, for a fixture to yield from (it quits and removes its
+    profile after); with ``keep_console``, ``driver.get_log("browser")`` returns the page's
+    console messages."""
     verdict = unavailable(_missing(), os.environ.get("CI"))
     if verdict is not None:
         action, message = verdict
@@ -56,6 +58,8 @@ def browser(tmp_path_factory):
     options.binary_location = str(CHROMIUM)
     for flag in FLAGS:
         options.add_argument(flag)
+    if keep_console:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     profile = tmp_path_factory.mktemp("chromium-profile")
     options.add_argument(f"--user-data-dir={profile}")
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
@@ -64,3 +68,8 @@ def browser(tmp_path_factory):
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    yield from headless_chromium(tmp_path_factory)
