@@ -153,10 +153,32 @@ def test_joint_qkv_bridge_on_qkv_masks():
     assert (out - ref)[mask.bool()].abs().max().item() <= 1e-5
 
 
+def test_switching_back_to_eager(pair, calls):
+    eager, fast = pair
+    ids = tokens()
+    fast.original_model.set_attn_implementation("eager")
+    try:
+        _, cache = fast.run_with_cache(ids, names_filter=PATTERN.format(0))
+        _, ref = eager.run_with_cache(ids, names_filter=PATTERN.format(0))
+    finally:
+        fast.original_model.set_attn_implementation("qkv")
+    assert calls == []  # TransformerLens's own attention again
+    assert torch.equal(cache[PATTERN.format(0)], ref[PATTERN.format(0)])
+
+
 def test_errors_name_the_argument(pair):
     _, fast = pair
     with pytest.raises(TypeError, match="bridge"):
         enable(torch.nn.Linear(2, 2))
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    native = TransformerBridge.boot_native(TransformerBridgeConfig(
+        d_model=32, d_head=16, n_heads=2, n_layers=1, n_ctx=8, d_vocab=16, d_mlp=64,
+        act_fn="gelu", normalization_type="LN", seed=0))
+    with pytest.raises(TypeError, match="bridge must be .* over a transformers model; got one "
+                                        "over NativeModel"):
+        enable(native)
     with pytest.raises(ValueError, match="name"):
         enable(fast, name="eager")
     with pytest.raises(ValueError, match="hook_pattern must return a tensor of shape"):

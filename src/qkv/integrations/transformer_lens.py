@@ -96,8 +96,9 @@ def enable(bridge, name: str = "qkv", **attention_kwargs):
     """
     model = getattr(bridge, "original_model", None)
     if not hasattr(model, "set_attn_implementation"):
+        got = type(bridge).__name__ if model is None else f"one over {type(model).__name__}"
         raise TypeError(f"enable: bridge must be a TransformerBridge over a transformers model; "
-                        f"got {type(bridge).__name__}")
+                        f"got {got}")
     register(name, **attention_kwargs)
     model.set_attn_implementation(name)
     for component in bridge.modules():
