@@ -31,10 +31,8 @@ from transformer_lens.model_bridge.generalized_components.attention import Atten
 from transformer_lens.model_bridge.generalized_components.position_embeddings_attention import (
     PositionEmbeddingsAttentionBridge,
 )
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
-from .transformers import VARIANT_KEYS, attention_forward, mask_function
+from .transformers import attention_forward, register_forward
 from .transformers.masks import Prepared
 
 __all__ = ["attention_forward_hooked", "boot_transformers", "enable", "register"]
@@ -55,17 +53,7 @@ def register(name: str = "qkv", **attention_kwargs) -> str:
     Returns:
         ``name``.
     """
-    if not isinstance(name, str) or not name or name == "eager":
-        raise ValueError(
-            f"register: name must be a non-empty string other than 'eager'; got {name!r}")
-    unknown = sorted(set(attention_kwargs) - set(VARIANT_KEYS))
-    if unknown:
-        raise TypeError(f"register: unsupported argument {unknown[0]!r}; expected one of "
-                        f"{', '.join(VARIANT_KEYS)}")
-    forward = functools.partial(attention_forward_hooked, variant=attention_kwargs)
-    AttentionInterface.register(name, forward)
-    AttentionMaskInterface.register(name, mask_function)
-    return name
+    return register_forward(attention_forward_hooked, name, attention_kwargs)
 
 
 class _WhenImplementation:

@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from .attention import VARIANT_KEYS, attention_forward
 from .masks import mask_function
 
-__all__ = ["attention_forward", "mask_function", "register"]
+__all__ = ["attention_forward", "mask_function", "register", "register_forward"]
 
 
 def register(name: str = "qkv", **attention_kwargs) -> str:
@@ -39,6 +39,13 @@ def register(name: str = "qkv", **attention_kwargs) -> str:
     Returns:
         ``name``.
     """
+    return register_forward(attention_forward, name, attention_kwargs)
+
+
+def register_forward(forward, name: str, attention_kwargs: dict) -> str:
+    """``register`` with the attention function ``forward(module, q, k, v, attention_mask,
+    ..., variant=attention_kwargs)`` (``attention_forward``, or one that also takes
+    TransformerLens's ``pattern_fn``) and qkv's mask function, under ``name``."""
     if not isinstance(name, str) or not name or name == "eager":
         raise ValueError(
             f"register: name must be a non-empty string other than 'eager'; got {name!r}")
@@ -46,7 +53,6 @@ def register(name: str = "qkv", **attention_kwargs) -> str:
     if unknown:
         raise TypeError(f"register: unsupported argument {unknown[0]!r}; expected one of "
                         f"{', '.join(VARIANT_KEYS)}")
-    forward = functools.partial(attention_forward, variant=attention_kwargs)
-    AttentionInterface.register(name, forward)
+    AttentionInterface.register(name, functools.partial(forward, variant=attention_kwargs))
     AttentionMaskInterface.register(name, mask_function)
     return name
