@@ -37,9 +37,11 @@ from .transformers.masks import Prepared
 
 __all__ = ["attention_forward_hooked", "boot_transformers", "enable", "register"]
 
-# Each wrapped attention module -> its bridge's hook_attn_scores, which the bridge fires on
-# the weights the module returns (eager returns them always; qkv only when that hook is on).
-_SCORES_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a wrapped attention module that holds its bridge's hook_attn_scores, which
+# the bridge fires on the weights the module returns (eager returns them always; qkv only
+# when that hook is on). An attribute of the module, not a table beside it: torch.compile
+# reads an attribute of a module it traces, where a weak table's keys would be guarded on.
+_SCORES_HOOK = "_qkv_scores_hook"
 
 
 def register(name: str = "qkv", **attention_kwargs) -> str:
@@ -98,7 +100,8 @@ def enable(bridge, name: str = "qkv", **attention_kwargs):
         seam = _passes_kwargs(module)
         if seam:
             module.accepts_pattern_fn = _WhenImplementation(module, name)
-            _SCORES_HOOKS[module] = component.hook_attn_scores
+            # past nn.Module's __setattr__: the hook stays the bridge's, not a submodule
+            object.__setattr__(module, _SCORES_HOOK, component.hook_attn_scores)
         forward = type(component).forward
         if forward is not AttentionBridge.forward:
             delegates = seam and forward is _RECONSTRUCTING
@@ -182,7 +185,7 @@ def attention_forward_hooked(module: torch.nn.Module, query: Tensor, key: Tensor
     Returns:
         (out (B, Nq, H, Dv), weights (B, H, Nq, Nk) as the hook left them, or None).
     """
-    if not (_hooked(pattern_fn) or _hooked(_SCORES_HOOKS.get(module))):
+    if not (_hooked(pattern_fn) or _hooked(getattr(module, _SCORES_HOOK, None))):
         if pattern_fn is not None:
             # The bridge's run_with_cache asks every layer for its weights, for eager's
             # hooks after the fact; through the seam a layer's hooks get them when hooked.
