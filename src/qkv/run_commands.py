@@ -19,7 +19,7 @@ from safetensors.torch import save_model
 
 from . import model_commands, threads
 from .data.atomic import write_atomic
-from .train import config, distributed, run
+from .train import distributed, run
 from .train.rundir import load_run
 
 
@@ -40,39 +40,26 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    task = run.get_task(args.task)
+    overrides = list(args.overrides)
     if args.threads:  # the run's train.threads, stored with the rest of its configuration
-        args.overrides = [*args.overrides, f"train.threads={args.threads}"]
+        overrides.append(f"train.threads={args.threads}")
     if args.init:
-        args.overrides = [*args.overrides, f"train.init={json.dumps(args.init)}"]
-    if args.resume:
-        if not args.run_dir:
-            raise config.ConfigError("--resume needs --run-dir (the run to continue)")
-        if args.init:
-            raise config.ConfigError("--init starts a new run; --resume continues one")
-        cfg = run.resume_config(args.run_dir, args.task, args.overrides)
-    else:
-        if args.preset not in task.presets:
-            raise config.ConfigError(
-                f"unknown preset {args.preset!r}; expected one of {', '.join(task.presets)}")
-        tree = config.read_config_file(args.config) if args.config else None
-        cfg = config.resolve(task.schema, args.task, task.presets[args.preset], tree,
-                             args.overrides)
-        if cfg.train.init:
-            cfg = run.adopt_checkpoint(task, cfg, config.explicit_keys(tree, args.overrides))
-    run_dir = Path(args.run_dir or f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
-    trainer = run.start(cfg, run_dir, args.resume, quiet=args.quiet)
-    result = trainer.run()
-    model = trainer.whole_model()
-    if trainer.env.is_main:
-        print(f"run directory: {run_dir}")
-        print(trainer.time_report())
-        print(task.summary(result))
+        overrides.append(f"train.init={json.dumps(args.init)}")
+    # A new run's default directory; a resumed one names its own.
+    run_dir = args.run_dir or (None if args.resume else
+                               f"runs/{args.task}-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = run.train(run.RunRequest(args.task, run_dir and Path(run_dir), args.preset,
+                                      args.config, tuple(overrides), args.resume, args.quiet))
+    if result.is_main:
+        task = run.get_task(args.task)
+        print(f"run directory: {result.run_dir}")
+        print(result.time_line())
+        print(task.summary(result.evaluation))
         from .viz.heatmap import cross_attention_png  # matplotlib, an optional dependency
 
-        task.report(model, trainer.data, cfg, run_dir, sys.stdout,
+        task.report(result.model, result.data, result.config, result.run_dir, sys.stdout,
                     heatmap=cross_attention_png)
-    distributed.teardown(trainer.env)
+    distributed.teardown()
     return 0
 
 

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from qkv.cli import main
 from qkv.nn.blocks import TransformerBlock
-from qkv.train import checkpoint, run
+from qkv.train import checkpoint, plan, run
 from qkv.train.config import resolve
+from qkv.train.loop import Trainer
 from qkv.train.rundir import load_run
 from qkv.train.tasks import TASKS
 
@@ -157,7 +158,7 @@ def compiled_run(rank: int, world: int, run_dir) -> int:
     torch.compile = functools.partial(torch.compile, backend="aot_eager")
     cfg = resolve(TASKS["lm"].schema, "lm", TASKS["lm"].presets["tiny"], None, [
         "train.steps=4", "train.threads=1", "train.fsdp=true", "train.compile=true"])
-    trainer = run.start(cfg, run_dir, resume=False, quiet=True)
+    trainer = Trainer(plan.make(TASKS["lm"], cfg, run_dir, resume=False), quiet=True)
     trainer.run()
     blocks = [m for m in trainer.model.modules() if isinstance(m, TransformerBlock)]
     return len(blocks), sum(block._compiled_call_impl is not None for block in blocks)
@@ -197,7 +198,6 @@ def test_the_memory_check_counts_a_rank_s_shard(monkeypatch):
     """10G parameters with 100 GB: 160 GB unsharded, 40 + 160/2 GB at two shards, and
     40 + 160/4 = 80 GB at four, which fits; a model a checkpoint fills is never whole on a
     rank: 160/2 = 80 GB at two shards fits."""
-    from qkv.train import plan
     from qkv.train.config import ConfigError
 
     monkeypatch.setattr(plan, "available_memory", lambda device: 100e9)
@@ -219,13 +219,12 @@ def test_a_context_parallel_degree_that_does_not_divide_the_ranks_is_refused_fir
     """Checked before the data, the memory check and any collective: every rank of the two
     says so and stops."""
     from qkv.train.distributed import Env
-    from qkv.train.loop import Trainer
 
     cfg = resolve(TASKS["lm"].schema, "lm", TASKS["lm"].presets["tiny"], None,
                   ["train.fsdp=true", "train.context_parallel=3"])
     with pytest.raises(ValueError, match=r"^train.context_parallel=3 must divide the number "
                                          r"of processes \(2\)$"):
-        Trainer(TASKS["lm"], cfg, tmp_path / "run", Env(1, 2, torch.device("cpu")))
+        plan.make(TASKS["lm"], cfg, tmp_path / "run", False, Env(1, 2, torch.device("cpu")))
 
 
 def free_port() -> int:

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from qkv.cli import main
 from qkv.models import GPT
 from qkv.models.pretrained.llama import LAYER_TENSORS, MODEL_TENSORS, _gpt_config
-from qkv.train import run
-from qkv.train.config import explicit_keys, resolve
+from qkv.train import plan, run
+from qkv.train.loop import Trainer
 from qkv.train.tasks import TASKS
 
 from ..train.conftest import losses, private_cache  # noqa: F401  (a fixture)
@@ -74,10 +74,9 @@ def sharded_fine_tune(rank: int, world: int, init, text, run_dir) -> dict:
         return model
 
     task.build_model = recorded
-    overrides = [*settings(init, text), "train.fsdp=true", "train.checkpointing=true"]
-    cfg = resolve(task.schema, "lm", task.presets["default"], None, overrides)
-    cfg = run.adopt_checkpoint(task, cfg, explicit_keys(None, overrides))
-    trainer = run.start(cfg, run_dir, resume=False, quiet=True)
+    overrides = (*settings(init, text), "train.fsdp=true", "train.checkpointing=true")
+    cfg = run.configure(run.RunRequest("lm", overrides=overrides))
+    trainer = Trainer(plan.make(task, cfg, run_dir, resume=False), quiet=True)
     model, whole = trainer.model, GPT.from_pretrained(init)
     params = dict(model.named_parameters())
     report = {
@@ -90,9 +89,8 @@ def sharded_fine_tune(rank: int, world: int, init, text, run_dir) -> dict:
         "buffers": all(torch.equal(b, whole.get_buffer(name))
                        for name, b in model.named_buffers()),
     }
-    trainer.run()
     # The whole trained model gathered to rank 0 (for the sample): the shards' values, tied.
-    copy = trainer.whole_model()
+    copy = trainer.run().model
     gathered = {name: p.full_tensor() for name, p in model.named_parameters()}
     if rank == 0:
         report["whole"] = (copy.lm_head.weight is copy.tok_emb.weight and all(

@@ -13,7 +13,8 @@ import torch
 
 from qkv import cli
 from qkv.models import load_pretrained
-from qkv.train import config, plan, run
+from qkv.train import plan, run
+from qkv.train.loop import Trainer
 
 ALPHABET = string.ascii_lowercase + " .,\n"
 
@@ -67,7 +68,8 @@ def test_init_run_starts_from_the_checkpoint_and_keeps_its_tokenizer(
     assert tokenizer["kind"] == "pretrained" and tokenizer["eos"] == "</s>"
     # The run's model is the checkpoint's at step 0: rebuild it and compare weights.
     cfg = run.read_run_config(run_dir)
-    trainer = run.start(cfg, tmp_path / "again", resume=False, quiet=True)
+    trainer = Trainer(plan.make(run.get_task("lm"), cfg, tmp_path / "again", resume=False),
+                      quiet=True)
     original, _ = load_pretrained(llama_dir)
     for name, value in original.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[name], value), name
@@ -131,17 +133,17 @@ def test_the_readme_fine_tune_on_a_short_text_plans_a_block_it_holds(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(10))
                             + f", line {i}.\n" for i in range(120)))
-    task = run.get_task("lm")
-    overrides = ["train.init=smollm2", f"data.path={text}", "model.window=128",
-                 "train.threads=1"]
-    cfg = config.resolve(task.schema, "lm", task.presets["default"], None, overrides)
-    cfg = run.adopt_checkpoint(task, cfg, config.explicit_keys(None, overrides))
-    trainer = run.start(cfg, tmp_path / "run", resume=False, quiet=True)
+    overrides = ("train.init=smollm2", f"data.path={text}", "model.window=128",
+                 "train.threads=1")
+    cfg = run.configure(run.RunRequest("lm", overrides=overrides))
+    the_plan = plan.make(run.get_task("lm"), cfg, tmp_path / "run", resume=False)
+    trainer = Trainer(the_plan, quiet=True)
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (stored["model"]["block_size"], stored["model"]["window"]) == (128, 128)
-    assert stored["train"]["batch_size"] == 8 and trainer.tokens_per_step() == 1024
-    line = plan.plan_line(trainer.cfg, trainer.model, trainer.tokens_per_step(),
-                          trainer.sizing, 0, trainer.block_note)
+    assert stored["train"]["batch_size"] == 8 and the_plan.tokens_per_step == 1024
+    assert the_plan.parameters == plan.n_parameters(trainer.model)
+    line = plan.plan_line(trainer.cfg, trainer.model, the_plan.tokens_per_step,
+                          the_plan.sizing, 0, the_plan.block_note)
     assert re.match(r"plan: 134\.5M parameters \| 1,024 tokens/step x 10 steps \(.*\) \| "
                     r"model\.block_size=128, not 256: the text's held-out part has \d+ tokens "
                     r"\(set model\.block_size to choose\) \| warm-up 1 steps \|", line), line

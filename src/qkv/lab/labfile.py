@@ -12,7 +12,7 @@ from pathlib import Path
 
 import tomllib
 
-from ..train import config
+from ..train import config, run
 from ..train.config import ConfigError, RunConfig
 from ..train.rundir import get_task
 
@@ -40,10 +40,9 @@ class Lab:
 
     def run_config(self, variant: Variant, seed: int, threads: int = 0) -> RunConfig:
         """The run's configuration, resolved as ``qkv train TASK --preset P --set ...``."""
-        task = get_task(self.task)
-        extra = [f"train.seed={seed}", f"train.threads={threads}"]
-        return config.resolve(task.schema, self.task, task.presets[self.preset], None,
-                              [*variant.overrides, *extra])
+        extra = (f"train.seed={seed}", f"train.threads={threads}")
+        return run.configure(run.RunRequest(self.task, preset=self.preset,
+                                            overrides=(*variant.overrides, *extra)))
 
 
 def _unknown(where: str, keys, allowed: tuple[str, ...]) -> None:

@@ -2,10 +2,12 @@
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, RunConfig, TrainConfig
-from .run import RunError, load, read_run_config, start
+from .result import RunResult
+from .run import RunRequest, configure, load, train
+from .rundir import RunError, read_run_config
 from .tasks import TASKS
 
 __all__ = [
-    "TASKS", "CheckpointError", "ConfigError", "RunConfig", "RunError", "TrainConfig", "load",
-    "read_run_config", "start",
+    "TASKS", "CheckpointError", "ConfigError", "RunConfig", "RunError", "RunRequest",
+    "RunResult", "TrainConfig", "configure", "load", "read_run_config", "train",
 ]

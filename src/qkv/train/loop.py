@@ -28,31 +28,31 @@ import contextlib
 import dataclasses
 import functools
 import math
-import random
+import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .. import threads
 from ..allocations import map_large_allocations
 from ..data.atomic import write_json_atomic
 from ..distributed import context_parallel
 from ..models.pretrained import built_on_meta, fill, is_dtensor, materialize
 from ..nn.blocks import checkpoint_blocks
-from . import checkpoint, distributed, plan, sharding
-from .config import RunConfig
+from . import checkpoint, distributed, sharding
 from .interrupt import Interrupted, StopOnSignal
 from .loop_parts import (
     Stream,
     autocast,
     make_optimizer,
     peak_memory_bytes,
+    reset_peak_memory,
     rng_state,
     set_rng_state,
 )
+from .plan import Plan, n_parameters, plan_line
 from .progress import MetricsLog, Progress
+from .result import RunResult
 from .schedule import learning_rate
 
 
@@ -61,68 +61,41 @@ class DivergedError(ValueError):
 
 
 class Trainer:
-    """Runs ``task`` with ``cfg`` in ``run_dir``; only rank 0 writes files or prints.
+    """Builds and trains the model of a ``plan`` (``qkv.train.plan.make``); only rank 0
+    writes files or prints.
 
-    Building a Trainer writes nothing: ``commit`` writes the run's files once the whole start
-    (data, tokenizers, model, the checkpoint to resume from) has succeeded. A fresh Trainer
-    learns its tokenizers anew; a resumed one (``resume=True``) reads the run's.
+    Building a Trainer writes the run's files (``commit``) once the whole start (the model,
+    the checkpoint it continues from) has succeeded; a start that fails leaves the run
+    directory as it was. A fresh run learns its tokenizers anew; a resumed one reads the run's.
     """
 
-    def __init__(self, task, cfg: RunConfig, run_dir: str | Path, env: distributed.Env,
-                 quiet: bool = False, resume: bool = False):
-        self.task, self.cfg, self.run_dir, self.env = task, cfg, Path(run_dir), env
-        self.verbose = env.is_main and not quiet
-        t = cfg.train
-        sharding.check(t, env, resume)
-        distributed.check_context_parallel(env, t.context_parallel)
-        # The checkpoint first: a run without one fails before any data is read.
-        found = checkpoint.load_latest(self.run_dir) if resume else None
-        if resume and found is None:
-            raise checkpoint.CheckpointError(f"{str(self.run_dir)!r} holds no checkpoint to resume")
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
-        self.data = task.prepare(cfg, self.run_dir if resume else None, env)
-        self.block_note = ""
-        if "model.block_size" in cfg.auto:  # a fine-tune's block, sized to a short text
-            cfg, self.block_note = task.fit_block(cfg, self.data)
-            self.cfg, t = cfg, cfg.train
-        shards = env.world_size // t.context_parallel if t.fsdp else 1
-        init = t.init if not resume else ""
-        # Sharded, a model whose weights a checkpoint gives takes memory only once it is:
-        # built on the meta device, sharded, then each rank's shard filled (no rank holds
-        # the whole model). From scratch, the whole model is drawn as one process draws it.
-        on_meta = t.fsdp and bool(init or (found is not None and found.sharded))
-        plan.check_fits(plan.count_parameters(task, cfg, self.data), env.device, shards,
-                        whole=not on_meta)
-        threads.configure(t.threads)  # after the checks: a refused run prints one line
+    def __init__(self, plan: Plan, quiet: bool = False):
+        self.plan = plan
+        self.task, self.cfg, self.run_dir = plan.task, plan.cfg, plan.run_dir
+        self.env, self.data = plan.env, plan.data
+        self.verbose = self.env.is_main and not quiet
+        t, env, found = self.cfg.train, self.env, plan.found
         if t.fsdp:  # memory is what sharding is for
             map_large_allocations()
-        build = functools.partial(task.build_model, cfg, self.data)
-        self.model = built_on_meta(build) if on_meta else build()
-        if init and not on_meta:
-            task.initialize(self.model, init)
-        if not on_meta:
+        # From scratch, the whole model is drawn as one process draws it.
+        build = functools.partial(self.task.build_model, self.cfg, self.data)
+        self.model = built_on_meta(build) if plan.on_meta else build()
+        if plan.init and not plan.on_meta:
+            self.task.initialize(self.model, plan.init)
+        if not plan.on_meta:
             self.model.to(env.device)
-        self.sizing = "train.steps as set"
-        if cfg.auto:
-            cfg, self.sizing = plan.fine_tune_sizes(
-                cfg, self.data.train_tokens(), plan.n_parameters(self.model),
-                self.tokens_per_step())
-            self.cfg, t = cfg, cfg.train
         if t.checkpointing:
             checkpoint_blocks(self.model)
-        if t.context_parallel > 1 and not hasattr(self.data, "shard"):
-            raise ValueError("train.context_parallel applies to the lm task only")
         self.mesh = distributed.mesh(env, t.context_parallel)
         carried = None
         if t.fsdp:  # before the optimizer, which then holds each rank's shards
             if found is not None and not found.sharded:  # a DDP run continued sharded
                 carried = found.load_unsharded(self.model, make_optimizer(self.model, t))
             sharding.shard(self.model, env, t)
-        if on_meta:  # filled here from train.init, or by resume() from the checkpoint
+        if plan.on_meta:  # filled here from train.init, or by resume() from the checkpoint
             materialize(self.model, env.device)
-            if init:
-                task.initialize(self.model, init)
+            if plan.init:
+                self.task.initialize(self.model, plan.init)
         self.optimizer = make_optimizer(self.model, t)
         if carried is not None:
             checkpoint.load_full_optimizer_state(self.model, self.optimizer, carried)
@@ -138,11 +111,7 @@ class Trainer:
         torch.manual_seed(t.seed + env.rank)
         if found is not None:
             self.resume(found)
-
-    def tokens_per_step(self) -> int:
-        """Training tokens (lm) per optimizer step: every micro-batch of every rank."""
-        t = self.cfg.train
-        return t.batch_size * t.accumulate * self.data.block
+        self.commit()
 
     def resume(self, found: checkpoint.Checkpoint) -> None:
         state = found.trainer_state
@@ -170,6 +139,9 @@ class Trainer:
             for name, tree in files.items():
                 write_json_atomic(self.run_dir / name, tree)
             self.metrics.truncate_after(self.step)
+            if self.plan.afresh:
+                print(f"qkv: {str(self.run_dir)!r} held a run stopped before its first "
+                      "checkpoint; started it afresh", file=sys.stderr)
         distributed.barrier(self.env)
 
     def save(self) -> None:
@@ -282,16 +254,18 @@ class Trainer:
             f"training stopped at step {self.step + 1}: {what}; the weights were not updated "
             f"and {kept} (try a lower train.lr or train.clip_grad > 0)")
 
-    def run(self) -> dict | None:
-        """Train to ``train.steps``, evaluating and checkpointing on the way; the final eval."""
+    def run(self) -> RunResult:
+        """Train to ``train.steps``, evaluating and checkpointing on the way; then the final
+        evaluation, and the result."""
         t, env = self.cfg.train, self.env
         model = self.wrapped_model()
         model.train()
         d_model = self.model.config.block.d_model
         if self.verbose and self.task.name == "lm":
-            print(plan.plan_line(self.cfg, self.model, self.tokens_per_step(), self.sizing,
-                                 self.step, self.block_note), file=sys.stderr, flush=True)
+            print(plan_line(self.cfg, self.model, self.plan.tokens_per_step, self.plan.sizing,
+                            self.step, self.plan.block_note), file=sys.stderr, flush=True)
         progress = Progress(t.steps, self.data.unit, t.log_every, self.verbose, self.step)
+        reset_peak_memory(env.device)  # the peak is training's, not the loading's before it
         self.started = time.perf_counter()
         # Where an interrupted step rolls back to: its data position, its RNG.
         at_start = (self.step, self.micro_step, rng_state())
@@ -323,7 +297,21 @@ class Trainer:
                 progress.message("")
                 self.save_interrupted(at_start, stop.exit_code)
         self.seconds = time.perf_counter() - self.started
-        return self.evaluate(final=True)
+        return self.result(self.evaluate(final=True))
+
+    def result(self, evaluation: dict | None) -> RunResult:
+        """The run's result; under train.fsdp this gathers the whole model (``whole_model``)."""
+        peak = peak_memory_bytes(self.env.device)  # training's, before a whole copy is made
+        records = self.metrics.records() if self.env.is_main else []
+        rates = [r["rate"] for r in records if r.get("rate") is not None]
+        return RunResult(
+            run_dir=self.run_dir, config=self.cfg, evaluation=evaluation, steps=self.step,
+            seconds=self.earlier_seconds + self.seconds, first_step=self.first_step,
+            session_seconds=self.seconds, unit=self.data.unit,
+            throughput=statistics.median(rates) if rates else None,
+            peak_memory_bytes=peak, parameters=n_parameters(self.model),
+            is_main=self.env.is_main, model=self.whole_model(), data=self.data,
+            losses=[(r["step"], r["loss"]) for r in records if "loss" in r])
 
     def save_interrupted(self, at_start: tuple[int, int, dict], exit_code: int) -> None:
         """Save the last finished step (rolling back one that was under way) and raise
@@ -344,11 +332,3 @@ class Trainer:
             f"interrupted at step {self.step}/{self.cfg.train.steps}; checkpoint {path}; "
             f"continue with: qkv train {self.cfg.task} --run-dir {self.run_dir} --resume",
             exit_code)
-
-    def time_report(self) -> str:
-        """The training time over every session, and this session's share when resumed."""
-        line = f"trained {self.step} steps in {self.earlier_seconds + self.seconds:.1f}s"
-        if 0 < self.first_step < self.step:
-            line += (f" in all (this session: steps {self.first_step + 1}-{self.step} in "
-                     f"{self.seconds:.1f}s)")
-        return line + f"; peak memory {peak_memory_bytes(self.env.device) / 1e9:.2f} GB"

@@ -1,14 +1,18 @@
 """The parts of the training loop that hold no trainer state: the stream of global batches
 (``Stream``), the AdamW optimizer with weight decay on matrices only, the RNG state a
-checkpoint stores and restores, autocast for ``train.precision``, and the peak memory the
-time report gives."""
+checkpoint stores and restores, autocast for ``train.precision``, and the peak memory a run's
+result gives."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import sys
+from pathlib import Path
 
 import torch
+
+STATUS = Path("/proc/self/status")
 
 
 class Stream:
@@ -61,10 +65,29 @@ def autocast(cfg, device: torch.device):
     return contextlib.nullcontext()
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over, so that it measures what follows (in a process that trained
+    before, or built a model first). On Linux, writing 5 to clear_refs resets the resident
+    peak, VmHWM."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the process's peak so far is what there is
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """The GPU's peak allocation, or on the CPU the process's peak resident size."""
+    """The GPU's peak allocation, or on the CPU the process's peak resident size (since
+    ``reset_peak_memory``, on Linux)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    if STATUS.exists():
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes there, else kilobytes

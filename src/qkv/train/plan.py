@@ -1,4 +1,8 @@
-"""What a run will do, said before its first step; a fine-tune's sizes from its data.
+"""What a run will do, decided and said before its first step.
+
+``make`` is a run's plan: every check that can refuse it (the run directory, the ranks, the
+checkpoint to resume, the memory), its data, and the sizes a fine-tune takes from that data.
+It builds no model and writes nothing, so a refused run leaves its directory as it was.
 
 A real checkpoint trains slowly on a CPU (SmolLM2-135M: about 125 tokens/s on 2 cores), so a
 fine-tune is sized to finish: one pass over the training text, capped at a compute budget
@@ -12,16 +16,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from .. import threads
+from . import checkpoint, distributed, sharding
 from .config import ConfigError, RunConfig
 from .progress import format_seconds
+from .rundir import RunError, unfinished_run
 from .schedule import warmup_steps
 
-# A fine-tune's step: about 1k tokens, enough to average out a noisy gradient.
-FINE_TUNE_TOKENS_PER_STEP = 1024
 # parameters x tokens: 5e12 is 37k tokens of SmolLM2-135M, about 6 minutes on the 2-core
 # development machine (measured: 9.6 s per 1,024-token step); a larger checkpoint gets fewer.
 FINE_TUNE_BUDGET = 5e12
@@ -32,6 +41,76 @@ TRAIN_BYTES_PER_PARAM = 16
 BASE_BYTES = 0.6e9
 # Training runs at about this fraction of the probe matmul's FLOP rate (measured: 0.88).
 MATMUL_EFFICIENCY = 0.8
+
+
+@dataclass
+class Plan:
+    """A run checked and sized, ready for its Trainer (``qkv.train.loop``) to build."""
+
+    task: Any
+    cfg: RunConfig  # with the sizes taken from the data (cfg.auto is then empty)
+    run_dir: Path
+    env: distributed.Env
+    data: Any  # the task's prepared data
+    found: checkpoint.Checkpoint | None  # the checkpoint a resumed run continues from
+    # Sharded, a model whose weights a checkpoint gives is built on the meta device, sharded,
+    # then each rank's shard filled: no rank holds the whole model.
+    on_meta: bool
+    parameters: int
+    sizing: str  # how train.steps was chosen
+    block_note: str  # how a fine-tune's model.block_size was chosen ("" when set)
+    afresh: bool  # it replaces a run killed before its first checkpoint
+
+    @property
+    def init(self) -> str:
+        """The pretrained checkpoint the weights start from ("" from scratch or resumed)."""
+        return self.cfg.train.init if self.found is None else ""
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens (lm) per optimizer step: every micro-batch of every rank."""
+        t = self.cfg.train
+        return t.batch_size * t.accumulate * self.data.block
+
+
+def make(task, cfg: RunConfig, run_dir: str | Path, resume: bool,
+         env: distributed.Env | None = None) -> Plan:
+    """The plan of ``task`` with ``cfg`` in ``run_dir``, fresh or (``resume``) from its
+    newest intact checkpoint; ``env`` is the process's place among the ranks (default: as
+    torchrun's environment says). The global seed is set here, before the data is read, so
+    the data and the model the Trainer then builds are drawn as in every run of that seed."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--run-dir {str(run_dir)!r} is a file; expected a directory (a new one, "
+                       "or a run's)")
+    t = cfg.train
+    env = env or distributed.setup(t.device)
+    afresh = not resume and unfinished_run(run_dir, cfg.task)
+    sharding.check(t, env, resume)
+    distributed.check_context_parallel(env, t.context_parallel)
+    # The checkpoint first: a run without one fails before any data is read.
+    found = checkpoint.load_latest(run_dir) if resume else None
+    if resume and found is None:
+        raise checkpoint.CheckpointError(f"{str(run_dir)!r} holds no checkpoint to resume")
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    data = task.prepare(cfg, run_dir if resume else None, env)
+    if t.context_parallel > 1 and not hasattr(data, "shard"):
+        raise ValueError("train.context_parallel applies to the lm task only")
+    block_note = ""
+    if "model.block_size" in cfg.auto:  # a fine-tune's block, sized to a short text
+        cfg, block_note = task.fit_block(cfg, data)
+    shards = env.world_size // t.context_parallel if t.fsdp else 1
+    on_meta = t.fsdp and bool((t.init and not resume) or (found is not None and found.sharded))
+    params = count_parameters(task, cfg, data)
+    check_fits(params, env.device, shards, whole=not on_meta)
+    threads.configure(t.threads)  # after the checks: a refused run prints one line
+    sizing = "train.steps as set"
+    if cfg.auto:
+        tokens = cfg.train.batch_size * cfg.train.accumulate * data.block
+        cfg, sizing = fine_tune_sizes(cfg, data.train_tokens(), params, tokens)
+    return Plan(task, cfg, run_dir, env, data, found, on_meta, params, sizing, block_note,
+                afresh)
 
 
 def n_parameters(model: torch.nn.Module) -> int:

@@ -72,20 +72,27 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.enabled = enabled
 
+    def records(self) -> list[dict]:
+        """Every record written so far, in order (the torn last line of a killed run is
+        skipped)."""
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
     def truncate_after(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a resumed run writes them again; a fresh
         one, at step 0, starts the file empty)."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the torn last line of a killed run
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        write_text_atomic(self.path, "".join(k + "\n" for k in kept))
+        kept = [record for record in self.records() if record.get("step", 0) <= step]
+        write_text_atomic(self.path, "".join(json.dumps(record, sort_keys=True) + "\n"
+                                             for record in kept))
 
     def write(self, record: dict) -> None:
         if self.enabled:

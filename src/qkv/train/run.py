@@ -1,37 +1,97 @@
-"""Run directories: start or resume a training run, and load a finished run for inference.
+"""A training run as one call, ``train(RunRequest(...))``: config, plan, trainer, result.
 
-The files of a run directory, and reading them, are ``rundir``'s.
+``qkv train`` and every ``qkv lab`` run go this one way:
+
+- ``configure``: the request's configuration (defaults < preset < config file < ``--set``;
+  a resumed run's stored one; a fine-tune's taken from its checkpoint), checked key by key;
+- ``plan.make``: every check that can refuse the run, its data, and what the data sizes;
+- ``Trainer``: the model, its optimizer and the checkpoint it continues from; the run's files;
+- ``Trainer.run``: the steps, then a ``RunResult``.
 
 A start that fails (bad data, a model the config cannot build, no intact checkpoint to
-resume) leaves the directory exactly as it was: nothing is written before it has succeeded.
+resume) leaves the run directory exactly as it was: nothing is written before it succeeded.
+``load`` reads a finished run back for inference.
 """
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint, distributed
-from .config import ConfigError, RunConfig, flatten, parse_overrides
+from . import checkpoint, distributed, plan
+from .config import (
+    ConfigError,
+    RunConfig,
+    explicit_keys,
+    flatten,
+    parse_overrides,
+    read_config_file,
+    resolve,
+)
 from .loop import Trainer
+from .result import RunResult
 from .rundir import RunError, get_task, read_run_config
 
 
-def adopt_checkpoint(task, cfg: RunConfig, explicit: set[str]) -> RunConfig:
-    """``cfg`` with the model section of its ``train.init`` checkpoint (and the attention
-    options the user set that add no parameters); refused for tasks that cannot start from
-    one."""
+@dataclass(frozen=True)
+class RunRequest:
+    """What a user asks for: ``qkv train TASK --preset P --config FILE --set K=V ...
+    --run-dir DIR [--resume]``. A resumed run keeps its stored configuration: ``overrides``
+    may change how it trains, never its model or data."""
+
+    task: str
+    run_dir: Path | None = None  # needed to train (and to resume); not to configure
+    preset: str = "default"
+    config_file: str | Path | None = None
+    overrides: tuple[str, ...] = ()
+    resume: bool = False
+    quiet: bool = False  # no progress output
+
+
+def train(request: RunRequest) -> RunResult:
+    """Run ``request`` to its ``train.steps``: configure, plan, build, train."""
+    cfg = configure(request)
+    if request.run_dir is None:
+        raise ConfigError("a run needs a run directory (--run-dir)")
+    trainer = Trainer(plan.make(get_task(cfg.task), cfg, request.run_dir, request.resume),
+                      quiet=request.quiet)
+    return trainer.run()
+
+
+def configure(request: RunRequest) -> RunConfig:
+    """The checked configuration of ``request``."""
+    task = get_task(request.task)
+    overrides = list(request.overrides)
+    if request.resume:
+        if request.run_dir is None:
+            raise ConfigError("--resume needs --run-dir (the run to continue)")
+        if "train.init" in parse_overrides(overrides):
+            raise ConfigError("--init starts a new run; --resume continues one "
+                              "(drop --init, or train.init)")
+        if request.config_file is not None:
+            raise ConfigError("--config starts a new run; --resume continues one with its "
+                              "stored configuration (change how it trains with --set)")
+        return _resumed(request.run_dir, request.task, overrides)
+    if request.preset not in task.presets:
+        raise ConfigError(f"unknown preset {request.preset!r}; expected one of "
+                          f"{', '.join(task.presets)}")
+    tree = read_config_file(request.config_file) if request.config_file is not None else None
+    cfg = resolve(task.schema, request.task, task.presets[request.preset], tree, overrides)
+    if not cfg.train.init:
+        return cfg
     adopt = getattr(task, "adopt_checkpoint", None)
     if adopt is None:
         raise ConfigError(f"train.init (--init) starts lm runs from a pretrained checkpoint; "
                           f"the {cfg.task!r} task cannot")
-    return adopt(cfg, explicit)
+    # The checkpoint's model section, with the attention options the user set that add no
+    # parameters.
+    return adopt(cfg, explicit_keys(tree, overrides))
 
 
-def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunConfig:
-    """The configuration to continue ``run_dir`` with: the stored one plus ``overrides``.
-    A change to a model or data key is refused: the checkpoints hold that model, trained on
-    that data (and the tokenizers were learned from it)."""
+def _resumed(run_dir: str | Path, task: str, overrides: list[str]) -> RunConfig:
+    """The stored configuration of ``run_dir`` plus ``overrides``. A change to a model or data
+    key is refused: the checkpoints hold that model, trained on that data (and the tokenizers
+    were learned from it)."""
     stored = read_run_config(run_dir, task)
     cfg = read_run_config(run_dir, task, overrides)
     fixed = lambda c: flatten({s: c.to_dict()[s] for s in ("model", "data")}, "")  # noqa: E731
@@ -42,50 +102,6 @@ def resume_config(run_dir: str | Path, task: str, overrides: list[str]) -> RunCo
                 f"--resume cannot change {key} (the run was trained with "
                 f"{before.get(key)!r}); start a new --run-dir instead")
     return cfg
-
-
-RUN_FILES = ("config.json", "model.json", "metrics.jsonl", "tokenizer.json",
-             "tokenizer_src.json", "tokenizer_tgt.json")
-
-
-def unfinished_run(run_dir: Path, task: str) -> bool:
-    """Whether a fresh ``task`` start in ``run_dir`` replaces a run of that task killed before
-    its first checkpoint (True) or starts in a folder that holds no run (False). A folder that
-    holds a run with checkpoints or of another task, or files of a run's names that are not a
-    qkv run's, is refused."""
-    if checkpoint.list_checkpoints(run_dir):
-        raise RunError(
-            f"{str(run_dir)!r} already holds a run; add --resume or pick a new --run-dir")
-    present = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not present:
-        return False
-    try:
-        stored = read_run_config(run_dir)
-    except ValueError:
-        raise RunError(f"{str(run_dir)!r} holds {', '.join(present)} but no readable qkv run; "
-                       "pick a new --run-dir") from None
-    if stored.task != task:
-        raise RunError(f"{str(run_dir)!r} holds a {stored.task!r} run stopped before its first "
-                       f"checkpoint; pick a new --run-dir for a {task!r} run")
-    return True
-
-
-def start(cfg: RunConfig, run_dir: str | Path, resume: bool, quiet: bool = False) -> Trainer:
-    """A Trainer for ``cfg`` in ``run_dir``: fresh or resumed from the newest intact
-    checkpoint. A fresh start over a run killed before its first checkpoint starts that run
-    afresh (its metrics, tokenizers and configuration are replaced) and says so."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--run-dir {str(run_dir)!r} is a file; expected a directory (a new one, "
-                       "or a run's)")
-    env = distributed.setup(cfg.train.device)
-    afresh = not resume and unfinished_run(run_dir, cfg.task)
-    trainer = Trainer(get_task(cfg.task), cfg, run_dir, env, quiet, resume=resume)
-    trainer.commit()
-    if afresh and env.is_main:
-        print(f"qkv: {str(run_dir)!r} held a run stopped before its first checkpoint; "
-              "started it afresh", file=sys.stderr)
-    return trainer
 
 
 def load(run_dir: str | Path, device: str = "cpu", task: str | None = None,

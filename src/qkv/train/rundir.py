@@ -49,6 +49,32 @@ def read_run_config(run_dir: str | Path, expected_task: str | None = None,
     return resolve(get_task(task_name).schema, task_name, stored, None, list(overrides))
 
 
+RUN_FILES = ("config.json", "model.json", "metrics.jsonl", "tokenizer.json",
+             "tokenizer_src.json", "tokenizer_tgt.json")
+
+
+def unfinished_run(run_dir: Path, task: str) -> bool:
+    """Whether a fresh ``task`` start in ``run_dir`` replaces a run of that task killed before
+    its first checkpoint (True) or starts in a folder that holds no run (False). A folder that
+    holds a run with checkpoints or of another task, or files of a run's names that are not a
+    qkv run's, is refused."""
+    if checkpoint.list_checkpoints(run_dir):
+        raise RunError(
+            f"{str(run_dir)!r} already holds a run; add --resume or pick a new --run-dir")
+    present = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not present:
+        return False
+    try:
+        stored = read_run_config(run_dir)
+    except ValueError:
+        raise RunError(f"{str(run_dir)!r} holds {', '.join(present)} but no readable qkv run; "
+                       "pick a new --run-dir") from None
+    if stored.task != task:
+        raise RunError(f"{str(run_dir)!r} holds a {stored.task!r} run stopped before its first "
+                       f"checkpoint; pick a new --run-dir for a {task!r} run")
+    return True
+
+
 # task -> (model class, its config class, the tokenizer files it keeps)
 TASK_MODELS = {
     "lm": (models.GPT, models.GPTConfig, ("tokenizer",)),

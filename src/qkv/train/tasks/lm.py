@@ -22,7 +22,6 @@ from ...models.pretrained import load_gpt_config, load_gpt_weights
 from ...models.pretrained.usage import TextStream
 from ...models.scoring import summed_cross_entropy, token_nll
 from ..config import ConfigError, RunConfig, Schema, flatten, limited, nest
-from ..plan import FINE_TUNE_TOKENS_PER_STEP
 from .common import build, run_tokenizer
 
 
@@ -121,6 +120,8 @@ FINE_TUNE_TRAIN = {
     "checkpointing": True,
 }
 FINE_TUNE_EVAL = {"max_tokens": 4096, "batch_size": 4}
+# A fine-tune's step: about 1k tokens, enough to average out a noisy gradient.
+FINE_TUNE_TOKENS_PER_STEP = 1024
 # Sized from the data once it is read (qkv.train.plan.fine_tune_sizes).
 FINE_TUNE_AUTO = ("train.steps", "train.checkpoint_every")
 # A fine-tune's block, when the user sets none, shrinks to a text too short for
