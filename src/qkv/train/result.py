@@ -33,7 +33,7 @@ class RunResult:
     seconds: float  # training time over every session
     first_step: int  # where this session started (> 0 when resumed)
     session_seconds: float
-    unit: str  # what the throughput counts: tokens, pairs, images
+    unit: str  # what the throughput counts: "tok" (lm, translate) or "img" (vit)
     throughput: float | None
     peak_memory_bytes: int
     parameters: int
