@@ -350,14 +350,14 @@ def test_bad_weightings_get_one_line_naming_the_argument():
 def test_the_stick_check_passes_a_mask_once_per_layout_and_shape():
     """A decode step checks the same mask in every layer: a mask with a layout key is
     classified once per shape, and causal() needs no classification at all."""
-    from qkv.core import weighting
+    from qkv.core.weighting import stick
 
     q, k, v = rand_qkv(h=2, hkv=2, nq=6, nk=9, d=4, dv=3)
     window = qkv.sliding_window(3, 0)
     key = (window.layout_key(), 2, 2, 6, 9)
-    assert not weighting._IN_ORDER.get(key)
+    assert not stick._IN_ORDER.get(key)
     first = qkv.attention(q, k, v, weighting="stick_breaking", mask=window)
-    assert weighting._IN_ORDER.get(key)
+    assert stick._IN_ORDER.get(key)
     again = qkv.attention(q, k, v, weighting="stick_breaking", mask=qkv.sliding_window(3, 0))
     assert torch.equal(first, again)
     with pytest.raises(ValueError, match="later key"):  # another window is checked anew

@@ -1,4 +1,4 @@
-/* The weightings' steps on one head's tile (core/weighting.py; engines/lowering.py
+/* The weightings' steps on one head's tile (core/weighting/; engines/lowering.py
  * WeightsKind): zeroing masked weights, softpick's online step, weights and gradient, and
  * stick-breaking's shares, weights and gradient. Compiled after cpu_kernels.c (its
  * exp_nonpositive) and before cpu_blocks.c, which calls them, in the same library. */
