@@ -250,6 +250,28 @@ static inline const uint8_t *mask_row(const uint8_t *mask, int64_t r, int64_t he
     return mask + (r / (heads * bq)) * sb + ((r / bq) % heads) * sh + (r % bq) * cols;
 }
 
+/* The largest of m and a row's scores, a forbidden score counting as `fill`: the online
+ * steps' running max (softmax's, fill -inf; softpick's in cpu_weights.c, fill 0). Masked and
+ * unmasked rows loop apart: a test of the mask pointer inside the loop keeps it from
+ * vectorizing. */
+#define DEFINE_ROW_MAX(T, SUFFIX)                                                           \
+static inline T row_max_##SUFFIX(const T *row, const uint8_t *allowed, int64_t cols, T m,   \
+                                 T fill) {                                                  \
+    if (allowed) {                                                                          \
+        _Pragma("omp simd reduction(max:m)")                                                \
+        for (int64_t j = 0; j < cols; j++) {                                                \
+            const T x = allowed[j] ? row[j] : fill;                                         \
+            m = x > m ? x : m;                                                              \
+        }                                                                                   \
+    } else {                                                                                \
+        _Pragma("omp simd reduction(max:m)")                                                \
+        for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                     \
+    }                                                                                       \
+    return m;                                                                               \
+}
+DEFINE_ROW_MAX(float, f32)
+DEFINE_ROW_MAX(double, f64)
+
 #define DEFINE_SOFTMAX(T, SUFFIX)                                                           \
 void online_softmax_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max,            \
                                   T *row_sum, T *acc, int64_t dv, const uint8_t *mask,      \
@@ -258,16 +280,7 @@ void online_softmax_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *row_max, 
     for (int64_t r = 0; r < rows; r++) {                                                    \
         T *row = s + r * cols, m = row_max[r], sum = 0;                                     \
         const uint8_t *allowed = mask_row(mask, r, heads, bq, sb, sh, cols);                \
-        if (allowed) {                                                                      \
-            _Pragma("omp simd reduction(max:m)")                                            \
-            for (int64_t j = 0; j < cols; j++) {                                            \
-                T x = allowed[j] ? row[j] : neg_inf;                                        \
-                m = x > m ? x : m;                                                          \
-            }                                                                               \
-        } else {                                                                            \
-            _Pragma("omp simd reduction(max:m)")                                            \
-            for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                 \
-        }                                                                                   \
+        m = row_max_##SUFFIX(row, allowed, cols, m, neg_inf);                               \
         const T safe = m == neg_inf ? 0 : m;                                                \
         if (allowed) {                                                                      \
             _Pragma("omp simd reduction(+:sum)")                                            \

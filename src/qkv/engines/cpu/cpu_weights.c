@@ -57,18 +57,7 @@ static inline void softpick_step_##SUFFIX(T *s, int64_t rows, int64_t cols, T *r
     for (int64_t r = 0; r < rows; r++) {                                                    \
         T *row = s + r * cols, m = row_max[r], sum = 0;                                     \
         const uint8_t *allowed = mask ? mask + r * cols : 0;                                \
-        /* Masked and unmasked rows loop apart: a test of the mask pointer inside the loop  \
-         * keeps it from vectorizing. */                                                    \
-        if (allowed) {                                                                      \
-            _Pragma("omp simd reduction(max:m)")                                            \
-            for (int64_t j = 0; j < cols; j++) {                                            \
-                const T v = row[j], x = allowed[j] ? v : 0;                                 \
-                m = x > m ? x : m;                                                          \
-            }                                                                               \
-        } else {                                                                            \
-            _Pragma("omp simd reduction(max:m)")                                            \
-            for (int64_t j = 0; j < cols; j++) m = row[j] > m ? row[j] : m;                 \
-        }                                                                                   \
+        m = row_max_##SUFFIX(row, allowed, cols, m, 0);                                     \
         const T em = exp_nonpositive_##SUFFIX(-m);                                          \
         if (allowed) {                                                                      \
             _Pragma("omp simd reduction(+:sum)")                                            \
