@@ -4,8 +4,8 @@ A run's configuration has four sections: ``data`` and ``eval`` (a dataclass per 
 ``train`` (shared) and ``model`` (the fields of the task's model config dataclass, minus
 the ones the data decides, such as vocabulary sizes; its ``block`` and ``positions``
 sections nest: ``model.block.n_head``). Every key is checked when the configuration is
-built: an unknown key names its close matches, a key of the old flat model configs names its
-new place, a value of the wrong type names the expected type, a value out of its field's
+built: an unknown key names its close matches (``model.n_head``: ``model.block.n_head``, ...),
+a value of the wrong type names the expected type, a value out of its field's
 range or choices names them (``qkv.limits``), and the model config's own cross-field checks
 run.
 """
