@@ -68,9 +68,12 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int:
-        """Training tokens (lm) per optimizer step: every micro-batch of every rank."""
-        t = self.cfg.train
-        return t.batch_size * t.accumulate * self.data.block
+        return tokens_per_step(self.cfg, self.data)
+
+
+def tokens_per_step(cfg: RunConfig, data) -> int:
+    """Training tokens (lm) per optimizer step: every micro-batch of every rank."""
+    return cfg.train.batch_size * cfg.train.accumulate * data.block
 
 
 def make(task, cfg: RunConfig, run_dir: str | Path, resume: bool,
@@ -107,8 +110,8 @@ def make(task, cfg: RunConfig, run_dir: str | Path, resume: bool,
     threads.configure(t.threads)  # after the checks: a refused run prints one line
     sizing = "train.steps as set"
     if cfg.auto:
-        tokens = cfg.train.batch_size * cfg.train.accumulate * data.block
-        cfg, sizing = fine_tune_sizes(cfg, data.train_tokens(), params, tokens)
+        cfg, sizing = fine_tune_sizes(cfg, data.train_tokens(), params,
+                                      tokens_per_step(cfg, data))
     return Plan(task, cfg, run_dir, env, data, found, on_meta, params, sizing, block_note,
                 afresh)
 
