@@ -52,11 +52,7 @@ class Weighting(Node):
         return f"{self.name}()"
 
 
-def _safe(s: Tensor, allowed: Tensor) -> Tensor:
-    """s with 0 where not allowed: masked entries (often -inf) never reach a formula, so
-    they give neither NaN nor a gradient."""
-    return torch.where(allowed, s, torch.zeros((), dtype=s.dtype, device=s.device))
-
-
-def _zero_masked(w: Tensor, allowed: Tensor) -> Tensor:
-    return torch.where(allowed, w, torch.zeros((), dtype=w.dtype, device=w.device))
+def zero_masked(x: Tensor, allowed: Tensor) -> Tensor:
+    """x with 0 where not allowed. On scores, masked entries (often -inf) never reach a
+    formula, so they give neither NaN nor a gradient; on weights, a forbidden pair weighs 0."""
+    return torch.where(allowed, x, torch.zeros((), dtype=x.dtype, device=x.device))

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..scores import ScoreMod, captured_tensors
 from ..structure import values_readable
-from .base import Carry, Weighting, _safe, _zero_masked
+from .base import Carry, Weighting, zero_masked
 
 
 class Elementwise(Weighting):
@@ -25,14 +25,14 @@ class Elementwise(Weighting):
 
     def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         fn = self.score_fn(s.shape[-1])
-        safe = _safe(s, allowed)
+        safe = zero_masked(s, allowed)
         if fn is None:
-            return _zero_masked(safe, allowed)
+            return zero_masked(safe, allowed)
         b = torch.arange(s.shape[0], device=s.device).view(-1, 1, 1, 1)
         h = torch.arange(s.shape[1], device=s.device).view(1, -1, 1, 1) if heads is None \
             else heads
         w = fn(safe, b, h, pos_q.view(1, 1, -1, 1), kv_idx.view(1, 1, 1, -1))
-        return _zero_masked(w.expand(s.shape).to(s.dtype), allowed)
+        return zero_masked(w.expand(s.shape).to(s.dtype), allowed)
 
 
 class _SigmoidFn(ScoreMod):

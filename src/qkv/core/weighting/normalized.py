@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Carry, Weighting, _safe, _zero_masked
+from .base import Carry, Weighting, zero_masked
 
 
 class Normalized(Weighting):
@@ -27,13 +27,13 @@ class Normalized(Weighting):
         raise NotImplementedError
 
     def weights(self, s, allowed, pos_q, kv_idx, heads=None):
-        safe = _safe(s, allowed)
+        safe = zero_masked(s, allowed)
         low = torch.full((), float("-inf"), dtype=s.dtype, device=s.device)
         m = torch.where(allowed, safe, low).amax(-1, keepdim=True)
         m = m.clamp_min(self.max_floor) if self.max_floor > float("-inf") else m
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()
         num, den = self.terms(safe, m)
-        num, den = _zero_masked(num, allowed), _zero_masked(den, allowed)
+        num, den = zero_masked(num, allowed), zero_masked(den, allowed)
         z = den.sum(-1, keepdim=True) + self.eps * torch.exp(-m)
         return num / torch.where(z == 0, torch.ones_like(z), z)
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..kept import Kept
 from ..masks import EMPTY, FULL, CausalMask, Mask, causal
-from .base import Carry, Weighting, _safe, _zero_masked
+from .base import Carry, Weighting, zero_masked
 
 # Masks found to keep every query to the keys before it, by layout key and shape.
 _IN_ORDER = Kept(64)
@@ -75,11 +75,11 @@ class StickBreaking(Weighting):
 
     def weights(self, s, allowed, pos_q, kv_idx, heads=None):
         keep = allowed & self.in_order(pos_q, kv_idx)
-        safe = _safe(s, keep)
+        safe = zero_masked(s, keep)
         # log(1 - β) = -softplus(s); the stick left before key j is exp(-Σ_{l>j} softplus).
-        spent = _zero_masked(F.softplus(safe), keep)
+        spent = zero_masked(F.softplus(safe), keep)
         after = spent.flip(-1).cumsum(-1).flip(-1) - spent
-        return _zero_masked(torch.exp(F.logsigmoid(safe) - after), keep)
+        return zero_masked(torch.exp(F.logsigmoid(safe) - after), keep)
 
     def __repr__(self):
         return f"stick_breaking(include_self={self.include_self})"
