@@ -191,6 +191,31 @@ def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch, fresh_librar
         assert _engine(*(t.bfloat16() for t in (q, k, v)), mask=qkv.causal()) == "sdpa"
 
 
+def test_qkv_flash_forces_the_choice_of_vendor(monkeypatch, fresh_library):
+    """QKV_FLASH=0 turns the engine off on any CPU, QKV_FLASH=1 lets a CPU of another vendor
+    run it (to measure it there), and any other value is refused with the variable's name."""
+    q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.float32)
+    monkeypatch.setattr(build, "amd_cpu", lambda: True)
+    monkeypatch.setenv("QKV_FLASH", "0")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="QKV_FLASH=0 turns it off"):
+            qkv.attention(q, k, v, mask=qkv.causal(), backend="flash")
+        assert _engine(q, k, v, mask=qkv.causal()) == "sdpa"
+        monkeypatch.setenv("QKV_FLASH", "yes")
+        cpu_flash._library.cache_clear()
+        with pytest.raises(ValueError, match="QKV_FLASH must be 0, 1 or unset; got 'yes'"):
+            qkv.attention(q, k, v, mask=qkv.causal(), backend="flash")
+        monkeypatch.setattr(build, "amd_cpu", lambda: False)
+        monkeypatch.setenv("QKV_FLASH", "1")
+        cpu_flash._library.cache_clear()
+        if cpu_flash.available("fp32"):
+            assert _engine(q, k, v, mask=qkv.causal()) == "flash"
+        else:  # no AVX-512 here: the reason is the build's, not the vendor's
+            with pytest.raises(ValueError, match="no fp32 kernel here") as refused:
+                qkv.attention(q, k, v, mask=qkv.causal(), backend="flash")
+            assert "AMD" not in str(refused.value)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not native.available(
     torch.float32), reason="builds x86 targets with the C compiler")
 @pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v4"])

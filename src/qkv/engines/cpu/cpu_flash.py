@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -65,10 +66,18 @@ _NEEDS = {"bf16": "AVX512-BF16", "fp32": "AVX-512"}
 
 @functools.cache
 def _library(products: str) -> ctypes.CDLL | str:
-    """The kernel with ``products`` ("bf16" or "fp32"), or why this machine has none."""
-    if not build.amd_cpu():
+    """The kernel with ``products`` ("bf16" or "fp32"), or why this machine has none.
+    ``QKV_FLASH=1`` or ``0`` forces the choice of CPU vendor (read once per process), to
+    measure the engine on another vendor's CPU or compare a call without it."""
+    forced = os.environ.get("QKV_FLASH", "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"QKV_FLASH must be 0, 1 or unset; got {forced!r}")
+    if forced == "0":
+        return "QKV_FLASH=0 turns it off"
+    if not forced and not build.amd_cpu():
         return ("it runs on AMD CPUs only: it was measured there, and is not enabled on others "
-                "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves)")
+                "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves; "
+                "QKV_FLASH=1 enables it to measure it)")
     if not native.available(torch.float32):
         return ("the C kernels are off here (QKV_NATIVE=0, no C compiler, a failed build or a "
                 "QKV_MARCH this CPU lacks: qkv's warning said which)")
