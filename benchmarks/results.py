@@ -121,15 +121,21 @@ def _commit() -> str | None:
     return done.stdout.strip() + (" (src modified)" if dirty.stdout.strip() else "")
 
 
+# The environment variables that change which code runs: a command that set them is not the
+# same measurement without them.
+DISPATCH_VARIABLES = ("QKV_FLASH", "QKV_ONEDNN_LINEAR", "QKV_NATIVE", "QKV_MARCH")
+
+
 def _command(name: str) -> str:
     """The command line that ran: a script relative to the checkout (``qkv bench`` by its
-    executable's name)."""
+    executable's name), after the dispatch variables that were set (``QKV_FLASH=0 ...``)."""
     if not sys.argv or not sys.argv[0]:
         return name
     script = Path(sys.argv[0]).resolve()
     shown = (str(script.relative_to(ROOT)) if script.suffix == ".py" and ROOT in script.parents
              else script.name)
-    return shlex.join([shown, *sys.argv[1:]])
+    settings = [f"{key}={os.environ[key]}" for key in DISPATCH_VARIABLES if key in os.environ]
+    return " ".join([*settings, shlex.join([shown, *sys.argv[1:]])])
 
 
 def _qkv_source() -> str | None:
