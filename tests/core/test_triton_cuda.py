@@ -26,6 +26,7 @@ from qkv import engines
 from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
 
+from ..versions import ONE_GRAPH
 from .test_triton_engine import (
     CASES,
     REGISTRY_GRAD_TOLERANCE,
@@ -188,10 +189,6 @@ def triton_only(monkeypatch):
     monkeypatch.setattr(engines, "ENGINES", [e for e in engines.ENGINES if e.name == "triton"])
 
 
-# Dynamo traces qkv's variant objects (vars() of their attributes) from torch 2.12 on; torch
-# 2.11 (the GPU machine's) cannot, so there the compiled call breaks the graph around
-# qkv.attention and the kernels run eagerly in between.
-ONE_GRAPH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])

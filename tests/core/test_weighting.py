@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import qkv
 from qkv.core.weighting import Carry
 
+from ..versions import one_graph
 from .conftest import rand_qkv, rel_err
 
 NAMES = ["sigmoid", "softpick", "stick_breaking", "relu", "identity"]
@@ -394,6 +395,7 @@ def test_the_built_in_weightings_run_in_the_c_blocks(name):
         assert paths.choose(fused_cpu._spec(fq, fk, variant, 0.0, 0), fq)[0] is path
 
 
+@one_graph
 @pytest.mark.parametrize("name", ["sigmoid", "softpick", "stick_breaking"])
 def test_weightings_compile_fullgraph_and_export_as_custom_ops(name):
     q, k, v = (t.requires_grad_() for t in rand_qkv(b=1, h=2, hkv=2, nq=40, nk=40, d=4, dv=3,

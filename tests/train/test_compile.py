@@ -8,6 +8,7 @@ import torch
 
 from qkv.cli import main
 
+from ..versions import ONE_GRAPH
 from .conftest import losses, tiny_lm
 
 # Similarities, position schemes that are score modifiers (ALiBi, T5's relative bias) and a
@@ -24,13 +25,14 @@ VARIANTS = {
 @pytest.fixture
 def compile_counter(monkeypatch):
     """``torch.compile`` as the trainer calls it, on the aot_eager backend (inductor needs
-    minutes per graph on two cores) and with fullgraph=True, so that any graph break fails."""
+    minutes per graph on two cores) and with fullgraph=True, so that any graph break fails
+    (on torch 2.11, which breaks the graph around qkv.attention, without: tests/versions.py)."""
     compiled = []
     original = torch.compile
 
     def fullgraph_compile(model, **kwargs):
         compiled.append(model)
-        return original(model, backend="aot_eager", fullgraph=True, **kwargs)
+        return original(model, backend="aot_eager", fullgraph=ONE_GRAPH, **kwargs)
 
     monkeypatch.setattr(torch, "compile", fullgraph_compile)
     torch._dynamo.reset()
