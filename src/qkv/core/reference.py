@@ -55,6 +55,35 @@ def scores_of(p: Problem, q: Tensor, k: Tensor, masked: bool = True) -> Tensor:
                            mask=p.mask if masked else None)
 
 
+def head_scores(p: Problem, q: Tensor, k: Tensor, index: Tensor, rows: tuple[int, int], *,
+                masked: bool = True, inplace: bool = False) -> tuple[Tensor, tuple]:
+    """Modified scores (B, len(index), stop - start, Nk) of query heads ``index`` (a long
+    tensor) and rows ``(start, stop)`` only, in the accumulation dtype, with the index grid
+    (b, h, q_idx, kv_idx) they were modified on: the chosen heads and rows keep their own
+    indices, so per-head modifiers and masks stay right. With ``masked``, forbidden entries
+    are -inf; ``inplace`` scales and masks the raw scores' memory (no gradient is wanted)."""
+    acc = accumulation_dtype(q.dtype)
+    start, stop = rows
+    q_sel = q.index_select(1, index)[:, :, start:stop].to(acc)
+    k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
+    scale = p.scale
+    if isinstance(scale, Tensor):
+        scale = scale.to(acc)
+        if scale.dim() == 1:
+            scale = scale.index_select(0, index).view(1, -1, 1, 1)
+    metric = p.metric
+    if metric is not None:
+        metric = metric.to(acc)
+        if metric.dim() == 3:
+            metric = metric.index_select(0, index)
+    raw = p.similarity.raw_scores(q_sel, k_sel, metric)
+    b, _, _, ki = index_grid(p.batch, 1, 1, p.nk, q.device)
+    qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
+    grid = (b, index.view(1, -1, 1, 1), qi, ki)
+    return modified_scores(raw, grid, p.offset, scale=scale, score_mod=p.score_mod,
+                           mask=p.mask if masked else None, inplace=inplace), grid
+
+
 def weighted(p: Problem, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """The weights (B, H, Nq, Nk) of ``p``'s weighting and the lse (B, H, Nq): softmax's, or
     zeros for a weighting without one. A weighting other than softmax reads the scores

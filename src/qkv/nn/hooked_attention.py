@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.masks.base import index_grid
 from ..core.problem import Problem, build_problem
-from ..core.reference import accumulation_dtype, masked_softmax
-from ..core.scores import modified_scores
+from ..core.reference import accumulation_dtype, head_scores, masked_softmax
 from ..core.weighting import Elementwise
 from ..engines.api import attention_result
 
@@ -62,32 +60,6 @@ def run_hooks(fns: list, tensor: Tensor, point: HookPoint) -> tuple[Tensor, bool
     return tensor, written
 
 
-def _selected_scores(p: Problem, q: Tensor, k: Tensor, index: Tensor, start: int,
-                     stop: int, inplace: bool = False) -> Tensor:
-    """Masked, modified scores (B, len(index), stop - start, Nk) of query heads ``index``
-    and rows [start, stop), in the accumulation dtype; forbidden entries are -inf.
-    ``inplace``: scale and mask the raw scores' memory (no gradient is wanted)."""
-    acc = accumulation_dtype(q.dtype)
-    q_sel = q.index_select(1, index)[:, :, start:stop].to(acc)
-    k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
-    scale = p.scale
-    if isinstance(scale, Tensor):
-        scale = scale.to(acc)
-        if scale.dim() == 1:
-            scale = scale.index_select(0, index).view(1, -1, 1, 1)
-    metric = p.metric
-    if metric is not None:
-        metric = metric.to(acc)
-        if metric.dim() == 3:
-            metric = metric.index_select(0, index)
-    raw = p.similarity.raw_scores(q_sel, k_sel, metric)
-    b, _, _, ki = index_grid(p.batch, 1, 1, p.nk, q.device)
-    qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
-    # The chosen heads keep their own indices: per-head modifiers and masks stay right.
-    return modified_scores(raw, (b, index.view(1, -1, 1, 1), qi, ki), p.offset,
-                           scale=scale, score_mod=p.score_mod, mask=p.mask, inplace=inplace)
-
-
 def weigh(p: Problem, s: Tensor, index: Tensor, start: int) -> Tensor:
     """The weights of scores s (B, len(index), rows, Nk) (-inf: forbidden) under the layer's
     weighting, rows counted from ``start``."""
@@ -121,7 +93,7 @@ def _blocked(p: Problem, q: Tensor, k: Tensor, index: Tensor, rows: tuple[int, i
     with torch.no_grad():
         for r0 in range(start, stop, step):
             r1 = min(stop, r0 + step)
-            s = _selected_scores(p, q, k, index, r0, r1, inplace=True)
+            s = head_scores(p, q, k, index, (r0, r1), inplace=True)[0]
             if weights and lse is not None:
                 # exp(s - lse) in the block's own memory; a row with no allowed key
                 # (lse -inf) subtracts +inf, so its weights are 0.
@@ -190,7 +162,7 @@ class AttentionHooks:
         lse = result.lse if p.weighting.is_softmax else None
         written, weights = False, None
         if scores_fns:
-            s = _selected_scores(p, q, k, index, *rows) if grad else \
+            s = head_scores(p, q, k, index, rows)[0] if grad else \
                 _blocked(p, q, k, index, rows, None, weights=False)
             s, written = run_hooks(scores_fns, s, self.point("hook_attn_scores", heads, rows))
             if written:
@@ -198,7 +170,7 @@ class AttentionHooks:
         if pattern_fns:
             if weights is None:
                 if grad:
-                    weights = weigh(p, _selected_scores(p, q, k, index, *rows), index, rows[0])
+                    weights = weigh(p, head_scores(p, q, k, index, rows)[0], index, rows[0])
                 else:
                     weights = _blocked(p, q, k, index, rows, lse, weights=True)
             weights, wrote = run_hooks(pattern_fns, weights,

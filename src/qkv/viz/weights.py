@@ -12,10 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..core.masks import index_grid
 from ..core.problem import build_problem
-from ..core.reference import accumulation_dtype, masked_softmax
-from ..core.scores import modified_scores
+from ..core.reference import accumulation_dtype, head_scores, masked_softmax
 
 
 def check_heads(heads: Sequence[int] | int | None, n_head: int, where: str) -> list[int]:
@@ -67,32 +65,15 @@ def head_weights(
     index = torch.tensor(chosen, device=q.device)
     acc = accumulation_dtype(q.dtype)
     start, stop = (0, p.nq) if rows is None else rows
-    q_sel = q.index_select(1, index)[:, :, start:stop].to(acc)
-    k_sel = k.index_select(1, index // (p.heads // p.kv_heads)).to(acc)
-    scale_sel = p.scale
-    if isinstance(scale_sel, Tensor):
-        scale_sel = scale_sel.to(acc)
-        if scale_sel.dim() == 1:
-            scale_sel = scale_sel.index_select(0, index).view(1, -1, 1, 1)
-    metric_sel = p.metric
-    if metric_sel is not None:
-        metric_sel = metric_sel.to(acc)
-        if metric_sel.dim() == 3:
-            metric_sel = metric_sel.index_select(0, index)
-    raw = p.similarity.raw_scores(q_sel, k_sel, metric_sel)
-    b, _, _, ki = index_grid(p.batch, 1, 1, p.nk, q.device)
-    qi = torch.arange(start, stop, device=q.device).view(1, 1, -1, 1)
-    # The chosen heads keep their own indices: per-head modifiers and masks stay right.
-    grid = (b, index.view(1, -1, 1, 1), qi, ki)
-    if not p.weighting.is_softmax:
-        scores = modified_scores(raw, grid, p.offset, scale=scale_sel, score_mod=p.score_mod)
+    softmax = p.weighting.is_softmax
+    scores, grid = head_scores(p, q, k, index, (start, stop), masked=softmax)
+    qi, ki = grid[2], grid[3]
+    if not softmax:
         allowed = (torch.ones((), dtype=torch.bool, device=q.device) if p.mask is None else
                    torch.as_tensor(p.mask.mask_mod(*grid, p.offset), device=q.device))
         weights = p.weighting.weights(scores, allowed.expand(scores.shape), qi.view(-1, 1)
                                       + p.offset, ki.view(1, -1), heads=grid[1])
         return weights.to(q.dtype)
-    scores = modified_scores(raw, grid, p.offset, scale=scale_sel, score_mod=p.score_mod,
-                             mask=p.mask)
     if lse is None:
         weights, _ = masked_softmax(scores)
     else:
