@@ -189,8 +189,6 @@ def triton_only(monkeypatch):
     monkeypatch.setattr(engines, "ENGINES", [e for e in engines.ENGINES if e.name == "triton"])
 
 
-
-
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 def test_compiled_call_runs_the_triton_kernels(triton_only, backend):
     torch._dynamo.reset()
