@@ -18,13 +18,12 @@ AVX-512 (there both libraries run AVX2 code).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..engines.cpu.build import amd_cpu
+from ..engines.cpu.build import amd_cpu, forced_choice
 
 
 @functools.cache
@@ -34,11 +33,9 @@ def onednn_available() -> bool:
     choice on any CPU (read once per process), for comparisons."""
     if not torch.backends.mkldnn.is_available():
         return False
-    forced = os.environ.get("QKV_ONEDNN_LINEAR", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"QKV_ONEDNN_LINEAR must be 0, 1 or unset; got {forced!r}")
-    if forced:
-        return forced == "1"
+    forced = forced_choice("QKV_ONEDNN_LINEAR")
+    if forced is not None:
+        return forced
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and amd_cpu()
 
 

@@ -47,6 +47,15 @@ def amd_cpu() -> bool:
     return "AuthenticAMD" in (cpuinfo_line("vendor_id") or platform.processor())
 
 
+def forced_choice(variable: str) -> bool | None:
+    """A comparison switch from the environment: True for ``variable=1``, False for ``0``,
+    None when it is unset; any other value is refused with the variable's name."""
+    forced = os.environ.get(variable, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{variable} must be 0, 1 or unset; got {forced!r}")
+    return None if not forced else forced == "1"
+
+
 def march() -> str:
     """The target the C sources are built for: ``$QKV_MARCH``, default ``native`` (this CPU's
     own features). An x86-64 level (``x86-64-v3``) builds code that any CPU of that level

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -69,12 +68,10 @@ def _library(products: str) -> ctypes.CDLL | str:
     """The kernel with ``products`` ("bf16" or "fp32"), or why this machine has none.
     ``QKV_FLASH=1`` or ``0`` forces the choice of CPU vendor (read once per process), to
     measure the engine on another vendor's CPU or compare a call without it."""
-    forced = os.environ.get("QKV_FLASH", "")
-    if forced not in ("", "0", "1"):
-        raise ValueError(f"QKV_FLASH must be 0, 1 or unset; got {forced!r}")
-    if forced == "0":
+    forced = build.forced_choice("QKV_FLASH")
+    if forced is False:
         return "QKV_FLASH=0 turns it off"
-    if not forced and not build.amd_cpu():
+    if forced is None and not build.amd_cpu():
         return ("it runs on AMD CPUs only: it was measured there, and is not enabled on others "
                 "until measured (on Intel's, MKL and oneDNN run AVX-512 themselves; "
                 "QKV_FLASH=1 enables it to measure it)")
