@@ -63,9 +63,9 @@ static inline qkv_v qkv_vload(const {T} *p) {{ qkv_v v; memcpy(&v, p, sizeof v);
 """
 
 # sign(x), 0 for NaN and -0 as torch.sign: 1.0 carrying x's sign bit where x is neither,
-# which (x < 0) | (x > 0) tells (GCC writes it as one ordered not-equal comparison): 3 vector
-# operations with AVX-512, 4 with AVX2, where two selects take 5. With AVX2 in float,
-# vpsignd of that comparison's mask and a convert: 3 (docs/performance.md, "CPU: inner
+# which (x < 0) | (x > 0) tells (GCC writes it as one ordered not-equal comparison): 4 vector
+# operations with AVX2, where two selects take 5 (AVX-512 takes one, below). With AVX2 in
+# float, vpsignd of that comparison's mask and a convert: 3 (docs/performance.md, "CPU: inner
 # loops").
 _SIGN_BITS = """static inline qkv_v qkv_vsign(qkv_v x) {
     const qkv_vi neither = (x < QV(0)) | (x > QV(0));
@@ -77,8 +77,29 @@ _SIGN_BITS = """static inline qkv_v qkv_vsign(qkv_v x) {
 _SIGN2_BITS = """static inline qkv_v qkv_vsign2(qkv_v x) {
     return (qkv_v)(((qkv_vi)QV(2) | ((qkv_vi)x & (qkv_vi)(-QV(0)))) & (x != QV(0)));
 }"""
+# With AVX-512, sign(x) is one fixup-by-class operation (vfixupimm's table, 4 bits a class
+# from the lowest: QNaN, SNaN, zero, +1, -inf, +inf, negative, positive; 8 is +0, 9 is -1,
+# 10 is +1), as in the built-in L1's gradient; 2 sign(x) would take one more, so the halved
+# form is sign itself and its sums are not halved (QKV_SIGN2_HALF).
+def _sign_avx512(lanes: str, register: str, table: str) -> str:
+    """The AVX-512 branch opening a type's sign functions: ``lanes`` is the intrinsics'
+    suffix (ps, pd), ``register`` the __m512 type, ``table`` the broadcast's suffix."""
+    return f"""#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline qkv_v qkv_vsign(qkv_v x) {{
+    return (qkv_v)_mm512_fixupimm_{lanes}(({register})x, ({register})x,
+                                       _mm512_set1_{table}(0xA9A9A888), 0);
+}}
+#define qkv_vsign2 qkv_vsign
+#define QKV_SIGN2_HALF 1
+#else
+#define QKV_SIGN2_HALF 0.5
+"""
+
+
 _SIGN = {
-    "float": """#if defined(__AVX2__) && VBYTES == 32 /* immintrin.h: in the prelude, with AVX */
+    "float": _sign_avx512("ps", "__m512", "epi32") + """\
+#if defined(__AVX2__) && VBYTES == 32 /* immintrin.h: in the prelude, with AVX */
 static inline qkv_v qkv_vsign(qkv_v x) {
     /* the integer -1 where x is neither, negated by vpsignd where x's bits as an int32 are
      * negative (its sign bit): -sign(x) */
@@ -90,8 +111,10 @@ static inline qkv_v qkv_vsign2(qkv_v x) {
 }
 #else
 """ + _SIGN_BITS + "\n" + _SIGN2_BITS + """
+#endif
 #endif""",
-    "double": _SIGN_BITS + "\n" + _SIGN2_BITS,
+    "double": _sign_avx512("pd", "__m512d", "epi64") + _SIGN_BITS + "\n" + _SIGN2_BITS
+    + "\n#endif",
 }
 
 # One group of up to GROUP_KEYS keys against every query, over ``width`` vectors of d from
@@ -350,4 +373,4 @@ def vector_groups(d_q, d_k, pd: Sym, ctype: str, const_slots: str,
                  _vector_function("term_dk_v", d_k, pd, ctype, halved),
                  GROUP.format(T=ctype, CONST_SLOTS=const_slots, WIDE=int(ctype == "float"))]
     return "\n\n".join(functions), GROUPS.replace(
-        "{SCALE}", "scale" if halved is None else "(scale * 0.5)")
+        "{SCALE}", "scale" if halved is None else "(scale * QKV_SIGN2_HALF)")
