@@ -45,7 +45,7 @@ int64_t l1_vector_bytes(void) { return VBYTES; }
  * its count of vector operations, four a pair of vectors this way where a compare and a
  * masked ternary logic g ^ (diff & sign bit) make five (0.85-0.87x the time:
  * docs/performance.md, "CPU: inner loops"). sign(diff) times g is exact, so the sums are
- * the same bit for bit. */
+ * the same bit for bit, but for an infinite g at a tie (NaN, not 0, as the AVX2 form's). */
 typedef float vf32 __attribute__((vector_size(VBYTES)));
 typedef int32_t vi32 __attribute__((vector_size(VBYTES)));
 typedef double vf64 __attribute__((vector_size(VBYTES)));

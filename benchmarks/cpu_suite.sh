@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The CPU figures of docs/performance.md on this machine's CPU, in one call: what decides
+# whether the vendor-gated paths (the flash engine, oneDNN's products) are enabled on a CPU
+# kind, and the targets they are held to. The switches run both ways, whatever this CPU's
+# default is.
+#
+#   benchmarks/cpu_suite.sh [STAGES]     # STAGES: attention,flash,generate (default: all three)
+#
+#   attention  attention_cpu.py --vs-sdpa: every variant and weighting, forward+backward,
+#              against SDPA at N=4096 (the L1, ALiBi, softcap and weighting targets)
+#   flash      attention_flash_cpu.py with QKV_FLASH=1: the flash engine's inference forward
+#              against SDPA (float32 and bf16 products), where it would run
+#   generate   generate_cpu.py, SmolLM2 fp32 against transformers (time to first token of 1,024
+#              tokens, decoding at batch 1 and 8), with QKV_FLASH and QKV_ONEDNN_LINEAR both 0,
+#              then both 1
+#
+# Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
+# <machine>.json (benchmarks/results.py; the command recorded names the switches). On 2 cores
+# the three stages take about 6 minutes (Zen 4). Environment: PYTHON (default: .venv's, else python3),
+# ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
+set -uo pipefail
+
+stages=${1:-attention,flash,generate}
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root" || exit 1
+if [ -n "${PYTHON:-}" ]; then
+    py=$PYTHON
+elif [ -x .venv/bin/python ]; then
+    py=.venv/bin/python
+else
+    py=python3
+fi
+export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+for stage in ${stages//,/ }; do
+    case $stage in
+        attention|flash|generate) ;;
+        *) echo "cpu_suite.sh: unknown stage '$stage' (expected attention, flash or generate)" >&2
+           exit 2 ;;
+    esac
+done
+
+"$py" - <<'EOF'
+import sys
+sys.path.insert(0, "benchmarks")
+import torch
+from results import cpu_name
+flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+              if line.startswith("flags")), [])
+wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+print(f"CPU: {cpu_name()}; {' '.join(f for f in wanted if f in flags) or 'no AVX2'}; "
+      f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
+EOF
+
+status=0
+run() {
+    echo
+    echo "== $*"
+    env "$@" || status=1
+}
+for stage in ${stages//,/ }; do
+    case $stage in
+        attention)
+            run "$py" benchmarks/attention_cpu.py --vs-sdpa --no-table --n 4096 \
+                --repeat "${REPEAT:-3}" ;;
+        flash)
+            run QKV_FLASH=1 "$py" benchmarks/attention_flash_cpu.py --rounds 5 ;;
+        generate)
+            for switch in 0 1; do
+                run QKV_FLASH=$switch QKV_ONEDNN_LINEAR=$switch "$py" benchmarks/generate_cpu.py \
+                    --batches 1,8 --new 32 --rounds "${ROUNDS:-4}" --systems "qkv fp32,HF fp32" \
+                    --no-memory
+            done ;;
+    esac
+done
+exit $status
