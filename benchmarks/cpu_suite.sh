@@ -16,8 +16,8 @@
 #
 # Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
 # <machine>.json (benchmarks/results.py; the command recorded names the switches). On 2 cores
-# the three stages take about 6 minutes (Zen 4). Environment: PYTHON (default: .venv's, else python3),
-# ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
+# the three stages take about 6 minutes (Zen 4). Environment: PYTHON (default: .venv's, else
+# python3), ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
 set -uo pipefail
 
 stages=${1:-attention,flash,generate}
