@@ -44,9 +44,9 @@ done
 import sys
 sys.path.insert(0, "benchmarks")
 import torch
+from qkv.engines.cpu.build import cpuinfo_line
 from results import cpu_name
-flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
-              if line.startswith("flags")), [])
+flags = cpuinfo_line("flags").partition(":")[2].split()
 wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 print(f"CPU: {cpu_name()}; {' '.join(f for f in wanted if f in flags) or 'no AVX2'}; "
       f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}")
