@@ -1,5 +1,7 @@
 """qkv.nn.Linear: nn.Linear's numbers through oneDNN where that is faster, and F.linear
-wherever the oneDNN product does not apply (autograd, compile, autocast, other dtypes)."""
+wherever the oneDNN product does not apply (autograd, compile, autocast, other dtypes). The
+few-row loop that takes decoding's products first is tested in tests/core/test_few_rows.py;
+here it is off, so that each test sees the path it names."""
 
 from types import SimpleNamespace
 
@@ -17,6 +19,11 @@ from .conftest import assert_float32_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="this torch is built without oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def without_few_rows(monkeypatch):
+    monkeypatch.setattr(linear_module.few_rows, "available", lambda: False)
 
 
 @pytest.fixture
@@ -41,6 +48,7 @@ _NO_F_LINEAR = SimpleNamespace(linear=_no_f_linear)
        n_out=st.integers(1, 70), bias=st.booleans(), transposed=st.booleans())
 def test_onednn_product_is_the_linear_map(lead, n_in, n_out, bias, transposed):
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(linear_module.few_rows, "available", lambda: False)
         mp.setattr(linear_module, "onednn_available", lambda: True)
         mp.setattr(linear_module, "F", _NO_F_LINEAR)
         g = torch.Generator().manual_seed(n_in * 97 + n_out)

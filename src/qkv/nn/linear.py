@@ -1,5 +1,11 @@
-"""``Linear``: ``nn.Linear`` whose float32 inference products run in oneDNN on AMD CPUs with
-AVX-512.
+"""``Linear``: ``nn.Linear`` whose float32 inference products run in qkv's few-row loop when
+x has a few rows (decoding), and in oneDNN on AMD CPUs with AVX-512 otherwise.
+
+A product of a few rows (up to ``few_rows.MAX_ROWS``) streams the weight once and is bound by
+memory bandwidth. qkv's loop (``qkv.engines.cpu.few_rows``) reads it at 1.3-2x MKL's rate and
+1-1.5x oneDNN's on a Zen 4, built for AVX-512 or for AVX2 alike; it is plain vector code with
+no vendor's library under it, so it runs wherever it builds (``QKV_FEW_ROWS_LINEAR=0`` turns
+it off, to compare with MKL on a CPU not measured yet, such as Intel's).
 
 torch's float32 ``F.linear`` on x86 calls MKL, and MKL leaves AVX-512 unused on AMD
 processors. On a 2-core Zen 4 (AVX-512), oneDNN's product of the same operands (through the
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engines.cpu import few_rows
 from ..engines.cpu.build import amd_cpu, forced_choice
 
 
@@ -39,7 +46,9 @@ def onednn_available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and amd_cpu()
 
 
-def _onednn_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether the product may leave ``F.linear``: plain float32 CPU tensors, no gradient,
+    no compiler, no autocast."""
     # A subclass (a fake tensor of a trace, a user's) keeps F.linear and its own dispatch.
     if not (type(x) is Tensor and x.device.type == "cpu"
             and x.dtype == weight.dtype == torch.float32
@@ -50,9 +59,22 @@ def _onednn_applies(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"):
-        return False
-    return onednn_available()
+    return not (torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"))
+
+
+def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop, or None where it does not
+    take the product (more rows, an empty or non-contiguous operand, the loop not built)."""
+    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    most = few_rows.MAX_ROWS_BESIDE_ONEDNN if onednn_available() else few_rows.MAX_ROWS
+    if not (0 < rows <= most and x.shape[-1] > 0 and weight.shape[0] > 0
+            and weight.is_contiguous() and (bias is None or bias.is_contiguous())
+            and few_rows.available()):
+        return None
+    flat = x.reshape(rows, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return few_rows.few_rows_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -62,10 +84,14 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``: x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out), in oneDNN
-    where that is faster (module docstring), else in ``F.linear`` itself."""
-    if _onednn_applies(x, weight, bias):
-        return onednn_linear(x, weight, bias)
+    """``F.linear``: x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out), in the
+    few-row loop or oneDNN where that is faster (module docstring), else in ``F.linear``."""
+    if _float32_inference(x, weight, bias):
+        y = _few_rows(x, weight, bias)
+        if y is not None:
+            return y
+        if onednn_available():
+            return onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,63 @@
+"""The float32 product of a few rows by a linear layer's weight (``few_rows_linear.c``):
+decoding's products, which stream the weight once and are bound by memory bandwidth.
+
+On a 2-core Zen 4 it takes 0.45-0.75x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
+8 rows) and 0.55-1.0x oneDNN's, in its AVX-512 and its AVX2 builds alike (docs/performance.md,
+"Generation"). Each output row is computed from its own input row only, in a fixed order, so
+a row's result does not depend on the batch it is in, nor on the thread count.
+
+Built like the other C sources (``native.optional_library``, with OpenMP: its threads are
+those of torch's team). ``QKV_FEW_ROWS_LINEAR=0`` turns it off for a process, to compare.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import build, native
+
+# Rows up to which the loop takes the product: beside MKL, 16 (on a 2-core Zen 4 it takes
+# 0.57-0.83x MKL's time at 16 rows, 0.70-1.04x at 32); where oneDNN runs the others, 8 (at 16
+# it takes 1.16x oneDNN's time on SmolLM2's head). docs/performance.md, "Generation".
+MAX_ROWS = 16
+MAX_ROWS_BESIDE_ONEDNN = 8
+
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _function():
+    """The C function, or None: off by ``QKV_FEW_ROWS_LINEAR=0`` (read once per process), or
+    without a C compiler or OpenMP (``native.optional_library``)."""
+    if build.forced_choice("QKV_FEW_ROWS_LINEAR") is False:
+        return None
+    lib = native.optional_library(Path(__file__).with_name("few_rows_linear.c"),
+                                  "few_rows_linear", ("-fopenmp",))
+    if lib is None:
+        return None
+    function = lib.qkv_few_rows_linear_f32
+    function.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    function.restype = None
+    return function
+
+
+def available() -> bool:
+    """Whether the few-row product runs in this process."""
+    return _function() is not None
+
+
+def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (rows, in) float32 with unit column stride @ weight (out, in)ᵀ contiguous float32
+    + bias (out,) contiguous float32 -> (rows, out), on torch's thread count; the caller
+    (``qkv.nn.linear``) checks the layouts, dtypes and that ``available()``."""
+    rows, k = x.shape
+    y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    _function()(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                None if bias is None else bias.data_ptr(), y.data_ptr(),
+                rows, k, weight.shape[0], torch.get_num_threads())
+    return y
