@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
 # The CPU figures of docs/performance.md on this machine's CPU, in one call: what decides
 # whether the vendor-gated paths (the flash engine, oneDNN's products) are enabled on a CPU
-# kind, and the targets they are held to. The switches run both ways, whatever this CPU's
-# default is.
+# kind, whether the few-row products (decoding's) beat MKL there, and the targets they are
+# held to. The switches run both ways, whatever this CPU's default is.
 #
-#   benchmarks/cpu_suite.sh [STAGES]     # STAGES: attention,flash,generate (default: all three)
+#   benchmarks/cpu_suite.sh [STAGES]     # STAGES: attention,flash,linear,generate (default: all)
 #
 #   attention  attention_cpu.py --vs-sdpa: every variant and weighting, forward+backward,
 #              against SDPA at N=4096 (the L1, ALiBi, softcap and weighting targets)
 #   flash      attention_flash_cpu.py with QKV_FLASH=1: the flash engine's inference forward
 #              against SDPA (float32 and bf16 products), where it would run
+#   linear     linear_cpu.py: 1 to 32 rows by SmolLM2's weights in F.linear (MKL), oneDNN and
+#              qkv's few-row loop
 #   generate   generate_cpu.py, SmolLM2 fp32 against transformers (time to first token of 1,024
-#              tokens, decoding at batch 1 and 8), with QKV_FLASH and QKV_ONEDNN_LINEAR both 0,
-#              then both 1
+#              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR and
+#              QKV_FEW_ROWS_LINEAR all 0 (the products and attention transformers runs), with
+#              only the few-row loop on, then with all three on
 #
 # Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
 # <machine>.json (benchmarks/results.py; the command recorded names the switches). On 2 cores
-# the three stages take about 6 minutes (Zen 4). Environment: PYTHON (default: .venv's, else
+# the four stages take about 9 minutes (Zen 4). Environment: PYTHON (default: .venv's, else
 # python3), ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
 set -uo pipefail
 
-stages=${1:-attention,flash,generate}
+stages=${1:-attention,flash,linear,generate}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
 if [ -n "${PYTHON:-}" ]; then
@@ -34,8 +37,9 @@ export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 for stage in ${stages//,/ }; do
     case $stage in
-        attention|flash|generate) ;;
-        *) echo "cpu_suite.sh: unknown stage '$stage' (expected attention, flash or generate)" >&2
+        attention|flash|linear|generate) ;;
+        *) echo "cpu_suite.sh: unknown stage '$stage' (expected attention, flash, linear or" \
+                "generate)" >&2
            exit 2 ;;
     esac
 done
@@ -65,11 +69,14 @@ for stage in ${stages//,/ }; do
                 --repeat "${REPEAT:-3}" ;;
         flash)
             run QKV_FLASH=1 "$py" benchmarks/attention_flash_cpu.py --rounds 5 ;;
+        linear)
+            run "$py" benchmarks/linear_cpu.py --rounds 3 ;;
         generate)
-            for switch in 0 1; do
-                run QKV_FLASH=$switch QKV_ONEDNN_LINEAR=$switch "$py" benchmarks/generate_cpu.py \
-                    --batches 1,8 --new 32 --rounds "${ROUNDS:-4}" --systems "qkv fp32,HF fp32" \
-                    --no-memory
+            for switches in "0 0 0" "0 0 1" "1 1 1"; do
+                read -r flash onednn few <<<"$switches"
+                run QKV_FLASH=$flash QKV_ONEDNN_LINEAR=$onednn QKV_FEW_ROWS_LINEAR=$few \
+                    "$py" benchmarks/generate_cpu.py --batches 1,8 --new 32 \
+                    --rounds "${ROUNDS:-4}" --systems "qkv fp32,HF fp32" --no-memory
             done ;;
     esac
 done
