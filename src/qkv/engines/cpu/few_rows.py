@@ -1,8 +1,8 @@
 """The float32 product of a few rows by a linear layer's weight (``few_rows_linear.c``):
 decoding's products, which stream the weight once and are bound by memory bandwidth.
 
-On a 2-core Zen 4 it takes 0.45-0.75x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
-8 rows) and 0.55-1.0x oneDNN's, in its AVX-512 and its AVX2 builds alike (docs/performance.md,
+On a 2-core Zen 4 it takes 0.20-0.64x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
+8 rows) and 0.47-1.04x oneDNN's; its AVX2 build also beats MKL there (docs/performance.md,
 "Generation"). Each output row is computed from its own input row only, in a fixed order, so
 a row's result does not depend on the batch it is in, nor on the thread count.
 
@@ -22,8 +22,8 @@ from torch import Tensor
 from . import build, native
 
 # Rows up to which the loop takes the product: beside MKL, 16 (on a 2-core Zen 4 it takes
-# 0.57-0.83x MKL's time at 16 rows, 0.70-1.04x at 32); where oneDNN runs the others, 8 (at 16
-# it takes 1.16x oneDNN's time on SmolLM2's head). docs/performance.md, "Generation".
+# 0.50-0.83x MKL's time at 16 rows, up to 1.04x at 32); where oneDNN runs the others, 8 (at 16
+# it takes 1.05-1.16x oneDNN's time on SmolLM2's head). docs/performance.md, "Generation".
 MAX_ROWS = 16
 MAX_ROWS_BESIDE_ONEDNN = 8
 
