@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -86,15 +87,24 @@ def test_translate_reads_stdin(translate_run, capsys, monkeypatch):
                    "eval.beam_size: expected a value in [1, inf), got 0")
 
 
-def qkv_command(*argv, stdin=None) -> subprocess.CompletedProcess:
-    """``qkv ARGV`` in a subprocess, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "qkv.cli", *argv], input=stdin,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def command(capsys, monkeypatch, *argv, stdin=""):
+    """``qkv ARGV`` in this process with ``stdin`` as standard input: (exit status, stdout,
+    stderr), whether the command returns its status or exits with it."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def test_translate_refuses_or_flags_empty_and_unknown_input(translate_run):
+def test_translate_refuses_or_flags_empty_and_unknown_input(translate_run, capsys, monkeypatch):
     run_dir = str(translate_run)
+
+    def qkv_command(*argv, stdin=""):
+        return command(capsys, monkeypatch, *argv, stdin=stdin)
+
     empty = qkv_command("translate", run_dir, "")
     assert empty.returncode == 2 and empty.stdout == ""
     assert empty.stderr == "qkv: error: text 1 is empty; nothing to translate\n"
