@@ -6,6 +6,8 @@ import torch
 
 from qkv.models.pretrained import resolve
 
+from .. import hf_smollm2
+
 SENTENCES = ["Attention is all you need.", "The quick brown fox jumps over the lazy dog, twice.",
              "qkv"]
 
@@ -31,12 +33,7 @@ def test_minilm_hidden_states_match_sdpa():
 
 @pytest.mark.slow
 def test_smollm2_logits_and_greedy_generation_match_sdpa():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model, tokenizer = hf_smollm2.hf_model(), hf_smollm2.hf_tokenizer()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

