@@ -164,3 +164,18 @@ def test_a_gpt_generates_the_same_through_either_product(monkeypatch, small_gpt)
         got = model(idx)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
     assert torch.equal(model.generate(idx, 8, temperature=0), greedy)
+
+
+@needs_onednn
+@pytest.mark.parametrize("x_width, bias_width", [(15, None), (16, 7)])
+def test_mismatched_widths_get_f_linear_s_error_not_onednn_s(monkeypatch, x_width, bias_width):
+    monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
+    weight = torch.randn(8, 16)
+    bias = None if bias_width is None else torch.randn(bias_width)
+    x = torch.randn(20, x_width)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError) as got:
+            linear(x, weight, bias)
+        with pytest.raises(RuntimeError) as want:
+            F.linear(x, weight, bias)
+    assert str(got.value) == str(want.value)

@@ -48,14 +48,17 @@ def onednn_available() -> bool:
 
 
 def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether the product may leave ``F.linear``: plain float32 CPU tensors, no gradient,
-    no compiler, no autocast."""
+    """Whether the product may leave ``F.linear``: plain float32 CPU tensors of matching
+    widths, no gradient, no compiler, no autocast."""
     # A subclass (a fake tensor of a trace, a user's) keeps F.linear and its own dispatch.
     if not (type(x) is Tensor and x.device.type == "cpu"
             and x.dtype == weight.dtype == torch.float32
             and x.layout == weight.layout == torch.strided and weight.dim() == 2):
         return False
-    if bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1):
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
+        return False
+    # Mismatched widths go to F.linear, which names them (oneDNN says only that it failed).
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
@@ -66,7 +69,7 @@ def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop, or None where it does not
     take the product (more rows, an empty or non-contiguous operand, the loop not built)."""
-    rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    rows = x.numel() // max(x.shape[-1], 1)
     most = few_rows.MAX_ROWS_BESIDE_ONEDNN if onednn_available() else few_rows.MAX_ROWS
     if not (0 < rows <= most and x.shape[-1] > 0 and weight.shape[0] > 0
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())
