@@ -7,20 +7,18 @@ float32 state dict, the config and generation config, and the converted tokenize
 numbers and ids); the others load that folder in a few seconds. transformers refuses
 ``save_pretrained`` on a model loaded from GGUF, so the state dict is saved as it is. The
 folder is named by the GGUF file's size and time and transformers' version, and appears
-whole or not at all (written beside it, then renamed), so two test workers converting at once
+whole or not at all (``qkv.cache.publish_folder``), so two test workers converting at once
 cannot leave a partial copy.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from qkv.cache import cache_dir
+from qkv.cache import cache_dir, publish_folder
 from qkv.models.pretrained import resolve
 
 
@@ -39,22 +37,16 @@ def converted_folder() -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".partial-"))
-    try:
+
+    def save(staging: Path) -> None:
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # GGUF's, which the float32 copy has not
-        type(model.config).from_dict(config).save_pretrained(partial)
-        model.generation_config.save_pretrained(partial)
-        torch.save(model.state_dict(), partial / "state_dict.pt")
-        tokenizer.save_pretrained(partial)
-        partial.rename(folder)
-    except OSError:
-        if not folder.is_dir():  # not another worker's copy that came first
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return folder
+        type(model.config).from_dict(config).save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        torch.save(model.state_dict(), staging / "state_dict.pt")
+        tokenizer.save_pretrained(staging)
+
+    return publish_folder(folder, save)
 
 
 def hf_model():

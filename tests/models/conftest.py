@@ -74,24 +74,19 @@ def sentence_transformer(minilm_dir):
 # ---- SmolLM2-135M-Instruct (LLaMA, GGUF Q4_1) ----
 
 @pytest.fixture(scope="session")
-def smollm2_path():
-    return resolve("smollm2")
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_path):
+def smollm2():
     """(qkv GPT, qkv tokenizer)."""
     return load_pretrained("smollm2")
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
+def hf_smollm2():
     """transformers' LlamaForCausalLM, dequantized by transformers from the same GGUF file."""
     return hf_model()
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_path):
+def hf_smollm2_tokenizer():
     return hf_tokenizer()
 
 

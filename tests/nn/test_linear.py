@@ -1,7 +1,8 @@
 """qkv.nn.Linear: nn.Linear's numbers through oneDNN where that is faster, and F.linear
 wherever the oneDNN product does not apply (autograd, compile, autocast, other dtypes). The
 few-row loop that takes decoding's products first is tested in tests/core/test_few_rows.py;
-here it is off, so that each test sees the path it names."""
+here it is off, so that each test sees the path it names (the width check, which both fast
+paths share, turns it back on)."""
 
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import qkv.nn.linear as linear_module
+from qkv.engines.cpu import few_rows
 from qkv.nn.linear import Linear, linear
 
 from .conftest import assert_float32_linear
@@ -166,13 +168,23 @@ def test_a_gpt_generates_the_same_through_either_product(monkeypatch, small_gpt)
     assert torch.equal(model.generate(idx, 8, temperature=0), greedy)
 
 
-@needs_onednn
-@pytest.mark.parametrize("x_width, bias_width", [(15, None), (16, 7)])
-def test_mismatched_widths_get_f_linear_s_error_not_onednn_s(monkeypatch, x_width, bias_width):
-    monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
+@pytest.mark.parametrize("path", ["few rows", "oneDNN"])
+@pytest.mark.parametrize("x_width, bias_width", [(15, None), (17, 8), (16, 7), (16, 9)])
+def test_mismatched_widths_get_f_linear_s_error(monkeypatch, path, x_width, bias_width):
+    """Neither fast path takes operands whose widths disagree: oneDNN's error would say only
+    that a primitive failed, and the few-row loop would read past them."""
+    if path == "few rows":
+        monkeypatch.undo()  # the loop back on (the autouse fixture turned it off), beside MKL
+        if not few_rows.available():
+            pytest.skip("the few-row loop needs a C compiler with OpenMP")
+        monkeypatch.setattr(linear_module, "onednn_available", lambda: False)
+    elif not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN")
+    else:
+        monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
     weight = torch.randn(8, 16)
     bias = None if bias_width is None else torch.randn(bias_width)
-    x = torch.randn(20, x_width)
+    x = torch.randn(2 if path == "few rows" else 20, x_width)
     with torch.no_grad():
         with pytest.raises(RuntimeError) as got:
             linear(x, weight, bias)

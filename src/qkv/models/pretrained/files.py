@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from ...cache import cache_dir
+from ...cache import cache_dir, publish_folder
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -117,18 +116,13 @@ def _extract_once(archive: Path) -> Path:
         shutil.rmtree(aside, ignore_errors=True)
         print(f"qkv: the cached checkpoint {target} was damaged ({problem}); unpacking "
               f"{archive.name} again", file=sys.stderr)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".extract-", dir=target.parent))
-    try:
+
+    def unpack(staging: Path) -> None:
         with zipfile.ZipFile(archive) as zf:
             zf.extractall(staging)
         (staging / MANIFEST).write_text(json.dumps(_manifest(staging)))
-        os.replace(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not target.is_dir():  # another process may have won the race
-            raise
-    return target
+
+    return publish_folder(target, unpack)
 
 
 def resolve(name_or_path) -> Path:
