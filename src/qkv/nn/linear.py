@@ -69,16 +69,15 @@ def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop, or None where it does not
     take the product (more rows, an empty or non-contiguous operand, the loop not built)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    k = x.shape[-1]
     most = few_rows.MAX_ROWS_BESIDE_ONEDNN if onednn_available() else few_rows.MAX_ROWS
-    if not (0 < rows <= most and x.shape[-1] > 0 and weight.shape[0] > 0
+    if not (k > 0 and 0 < x.numel() <= most * k and weight.shape[0] > 0
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())
             and few_rows.available()):
         return None
-    flat = x.reshape(rows, x.shape[-1])
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    return few_rows.few_rows_linear(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
+        x = x.contiguous()
+    return few_rows.few_rows_linear(x, weight, bias)
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

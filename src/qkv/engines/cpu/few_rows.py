@@ -52,12 +52,14 @@ def available() -> bool:
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (rows, in) float32 with unit column stride @ weight (out, in)ᵀ contiguous float32
-    + bias (out,) contiguous float32 -> (rows, out), on torch's thread count; the caller
-    (``qkv.nn.linear``) checks the layouts, dtypes and that ``available()``."""
-    rows, k = x.shape
-    y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    _function()(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                None if bias is None else bias.data_ptr(), y.data_ptr(),
-                rows, k, weight.shape[0], torch.get_num_threads())
+    """x (..., in) float32 @ weight (out, in)ᵀ contiguous float32 + bias (out,) contiguous
+    float32 -> (..., out), on torch's thread count. x is contiguous, or 2-D with unit column
+    stride; the caller (``qkv.nn.linear``) checks the layouts, dtypes and that
+    ``available()``. Decoding makes 200-odd of these calls a token, each a few microseconds
+    of work, so nothing here reshapes or views."""
+    k, n = x.shape[-1], weight.shape[0]
+    y = x.new_empty(*x.shape[:-1], n)  # x's dtype, float32: the cheapest allocation
+    _function()(x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
+                None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, k, n,
+                torch.get_num_threads())
     return y
