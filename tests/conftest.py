@@ -29,28 +29,31 @@ def load_pretrained_once():
 
 
 # `make test` runs the files on pytest-xdist workers (--dist loadfile), handed out in
-# collection order. These go first, longest first (seconds on a 2-core machine, 2026-11), so
-# that no worker is left running one of them alone at the end; the rest keep their order.
+# collection order. These go first, longest first (seconds of a cold run, fresh Triton and
+# inductor caches, on a 2-core Zen 4, 2026-12; the browser files from a run with Chromium),
+# so that no worker is left running one of them alone at the end; the rest keep their order.
 LONG_FILES = (
-    "tests/distributed/test_fsdp.py",  # 200 (Zen 3, 2026-12)
-    "tests/core/test_triton_engine.py",  # 170: the whole interpreter matrix, one subprocess
-    "tests/core/test_triton_compile.py",  # 140 on a fresh clone (Triton's cache is cold), else 5
-    "tests/core/test_gradcheck.py",  # 100
-    "tests/distributed/test_context_parallel_weightings.py",  # 90
-    "tests/core/test_triton_weighting.py",  # 90: the weightings in the interpreter
-    "tests/core/test_native_targets.py",  # 80: the C kernels built for three x86 levels
-    "tests/test_chat_terminal.py",  # 70
-    "tests/integrations/test_transformers_compile_stable.py",  # 70
-    "tests/models/test_pretrained_llama.py",  # 60
-    "tests/distributed/test_context_parallel.py",  # 55
-    "tests/core/test_compile.py",  # 55
-    "tests/integrations/test_transformers_variants.py",  # 50
-    "tests/test_readme.py",  # 45: the README's commands, each loading a real checkpoint
-    "tests/core/test_fresh_processes.py",  # 45
+    "tests/core/test_triton_compile.py",  # 170: sm_90 builds with the bundled ptxas
+    "tests/core/test_triton_engine.py",  # 85: the whole interpreter matrix, one subprocess
+    "tests/distributed/test_fsdp.py",  # 80
+    "tests/core/test_gradcheck.py",  # 70
+    "tests/models/test_gpt.py",  # 55: inductor compiling a training step
     "tests/viz/test_notebook.py",  # 40: a real notebook kernel, MiniLM, Chromium
-    "tests/distributed/test_train.py",  # 40
+    "tests/core/test_native_targets.py",  # 40: the C kernels built for three x86 levels
+    "tests/distributed/test_context_parallel_weightings.py",  # 37
+    "tests/integrations/test_transformers_compile_stable.py",  # 37
+    "tests/integrations/test_transformer_lens_suite.py",  # 35
     "tests/viz/test_serve.py",  # 35: 8,192 tokens served, Chromium, the command
-    "tests/lab/test_lab.py",  # 35
+    "tests/core/test_compile.py",  # 35
+    "tests/distributed/test_train.py",  # 32
+    "tests/test_readme.py",  # 29: the README's commands, each loading a real checkpoint
+    "tests/distributed/test_context_parallel.py",  # 28
+    "tests/core/test_fresh_processes.py",  # 26
+    "tests/test_cli_models.py",  # 26
+    "tests/train/test_init.py",  # 24
+    "tests/models/test_pretrained_llama.py",  # 24
+    "tests/test_chat_terminal.py",  # 23
+    "tests/lab/test_lab.py",  # 17
 )
 
 
