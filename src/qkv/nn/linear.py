@@ -2,8 +2,8 @@
 x has a few rows (decoding), and in oneDNN on AMD CPUs with AVX-512 otherwise.
 
 A product of a few rows (up to ``few_rows.MAX_ROWS``) streams the weight once and is bound by
-memory bandwidth. qkv's loop (``qkv.engines.cpu.few_rows``) reads it at 1.5-5x MKL's rate and
-1-2x oneDNN's on a Zen 4 (1 to 8 rows), and its AVX2 build beats MKL there too. It is plain
+memory bandwidth. qkv's loop (``qkv.engines.cpu.few_rows``) reads it at 2.1-2.9x MKL's rate and
+1.3-2.6x oneDNN's on a Zen 4 (1 to 8 rows), and its AVX2 build beats MKL there too. It is plain
 vector code with no vendor's library under it, so it runs wherever it builds
 (``QKV_FEW_ROWS_LINEAR=0`` turns it off, to compare with MKL on a CPU not measured yet, such
 as Intel's).

@@ -3,7 +3,7 @@
  * With 1 to 16 rows a float32 linear layer reads each weight once and does one or a few
  * multiply-adds with it, so its time is the time to stream the weight from memory. BLAS
  * libraries tune for larger products: on a 2-core Zen 4, MKL's float32 products of 1 to 8
- * rows by SmolLM2's weights read them at 5-15 GB/s, and this loop at 14-31 GB/s
+ * rows by SmolLM2's weights read them at 5.5-14 GB/s, and this loop at 13-35 GB/s
  * (docs/performance.md, "Generation", few-row products).
  *
  * Each output is one dot product of a weight row with an input row, summed in LANES partial
