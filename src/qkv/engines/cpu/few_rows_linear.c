@@ -14,10 +14,10 @@
  *
  * A tile reads TILE weight rows side by side, and the hardware prefetcher alone fetches them
  * too late to keep the memory busy, so each load also prefetches the same place of the next
- * tile's rows (TILE x k floats on) into L2. A prefetch past the weight's end never faults. On a 2-core Zen 4 that
- * takes SmolLM2's products of a token from 19 to 14 ms at one row (24 to 30 GB/s), 15-22 %
- * less time at 2 to 8 rows, and 21-32 % less in the AVX2 build (docs/performance.md,
- * "Generation"). */
+ * tile's rows (TILE x k floats on) into L2. A prefetch past the weight's end never faults.
+ * On a 2-core Zen 4 that takes SmolLM2's products of a token from 19 to 14 ms at one row
+ * (24 to 30 GB/s), 15-22 % less time at 2 to 8 rows, and 21-32 % less in the AVX2 build
+ * (docs/performance.md, "Generation"). */
 #include <stdint.h>
 #include <string.h>
 
