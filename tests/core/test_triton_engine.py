@@ -9,7 +9,9 @@ Tracing and compile errors need no kernel launch and are tested in-process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -561,8 +563,51 @@ def _without_overflow_checks() -> None:
         builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
 
 
-if __name__ == "__main__":  # the interpreter subprocess
+def _language_patched_once_per_launch() -> None:
+    """Triton's interpreter patches triton.language (and its core) for each launch, and again
+    at every call of a @triton.jit helper inside it (``inspect.getmembers`` over the modules,
+    a sixth of its time here), keeping those patches until the process ends. Within one
+    launch, a helper that sees only modules already patched skips it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not all(hasattr(interpreter, name) for name in
+               ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return
+    patch, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    patched: list[set[int]] = []  # the language modules patched in each active launch
+
+    @functools.cache
+    def languages(fn) -> frozenset[int]:  # the modules _patch_lang patches for fn
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
+
+    def patch_lang(fn):
+        if patched and languages(fn) <= patched[-1]:
+            return interpreter._LangPatchScope()
+        if patched:
+            patched[-1] |= languages(fn)
+        return patch(fn)
+
+    def launch_once_patched(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = launch_once_patched
+
+
+def lighter_interpreter() -> None:
+    """The interpreter's work these small cases do not need, skipped (each subprocess)."""
     _without_overflow_checks()
+    _language_patched_once_per_launch()
+
+
+if __name__ == "__main__":  # the interpreter subprocess
+    lighter_interpreter()
     runs = [(case, run_case) for case in CASES]
     runs += [(f"compile_{case}", lambda c: run_compile_case(c[len("compile_"):]))
              for case in COMPILE_CASES]

@@ -26,7 +26,7 @@ from qkv.core.problem import build_problem
 from qkv.core.reference import expand_kv_heads, reference_attention
 from qkv.engines import triton as triton_engine
 
-from .test_triton_engine import _relative_error, _without_overflow_checks
+from .test_triton_engine import _relative_error, lighter_interpreter
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOLERANCE = 1e-5  # relative error of fp32 kernels vs float64, forward and gradients
@@ -248,7 +248,7 @@ def test_weightings_without_kernels_are_refused_naming_them():
 
 
 if __name__ == "__main__":  # the interpreter subprocess
-    _without_overflow_checks()
+    lighter_interpreter()
     runs = [(case, run_case) for case in CASES]
     runs += [(f"weights_{case}", lambda c: run_weights_case(c[len("weights_"):]))
              for case in WEIGHT_CASES]
