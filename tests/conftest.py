@@ -34,9 +34,8 @@ def load_pretrained_once():
 # so that no worker is left running one of them alone at the end; the rest keep their order.
 LONG_FILES = (
     "tests/core/test_triton_compile.py",  # 170: sm_90 builds with the bundled ptxas
-    "tests/core/test_triton_engine.py",  # 85: the whole interpreter matrix, one subprocess
+    "tests/core/test_triton_engine.py",  # 45: the whole interpreter matrix, one subprocess
     "tests/distributed/test_fsdp.py",  # 80
-    "tests/core/test_gradcheck.py",  # 70
     "tests/models/test_gpt.py",  # 55: inductor compiling a training step
     "tests/viz/test_notebook.py",  # 40: a real notebook kernel, MiniLM, Chromium
     "tests/core/test_native_targets.py",  # 40: the C kernels built for three x86 levels
