@@ -112,18 +112,19 @@ def test_other_products_leave_the_loop(monkeypatch, case):
     torch.testing.assert_close(y, F.linear(x, weight))
 
 
-def test_beside_onednn_it_takes_fewer_rows(monkeypatch):
+def test_beside_onednn_more_rows_go_to_onednn(monkeypatch):
     monkeypatch.setattr(linear_module, "onednn_available", lambda: True)
-    taken = []
+    taken, onednn = [], []
     real = few_rows.few_rows_linear
     monkeypatch.setattr(few_rows, "few_rows_linear",
                         lambda *a: taken.append(a[0].shape[0]) or real(*a))
-    monkeypatch.setattr(linear_module, "onednn_linear", lambda x, w, b: F.linear(x, w, b))
+    monkeypatch.setattr(linear_module, "onednn_linear",
+                        lambda x, w, b: onednn.append(x.shape[0]) or F.linear(x, w, b))
     weight = torch.randn(8, 16)
     with torch.no_grad():
-        for rows in (few_rows.MAX_ROWS_BESIDE_ONEDNN, few_rows.MAX_ROWS_BESIDE_ONEDNN + 1):
+        for rows in (few_rows.MAX_ROWS, few_rows.MAX_ROWS + 1):
             linear(torch.randn(rows, 16), weight)
-    assert taken == [few_rows.MAX_ROWS_BESIDE_ONEDNN]
+    assert taken == [few_rows.MAX_ROWS] and onednn == [few_rows.MAX_ROWS + 1]
 
 
 def test_a_gpt_decodes_the_same_with_the_loop_off(monkeypatch):

@@ -70,8 +70,7 @@ def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
     """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop, or None where it does not
     take the product (more rows, an empty or non-contiguous operand, the loop not built)."""
     k = x.shape[-1]
-    most = few_rows.MAX_ROWS_BESIDE_ONEDNN if onednn_available() else few_rows.MAX_ROWS
-    if not (k > 0 and 0 < x.numel() <= most * k and weight.shape[0] > 0
+    if not (k > 0 and 0 < x.numel() <= few_rows.MAX_ROWS * k and weight.shape[0] > 0
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())
             and few_rows.available()):
         return None

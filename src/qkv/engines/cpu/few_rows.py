@@ -1,7 +1,7 @@
 """The float32 product of a few rows by a linear layer's weight (``few_rows_linear.c``):
 decoding's products, which stream the weight once and are bound by memory bandwidth.
 
-On a 2-core Zen 4 it takes 0.34-0.48x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
+On a 2-core Zen 4 it takes 0.34-0.55x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
 8 rows) and 0.39-0.75x oneDNN's; its AVX2 build takes 0.29-0.71x MKL's there (docs/performance.md,
 "Generation"). Each output row is computed from its own input row only, in a fixed order, so
 a row's result does not depend on the batch it is in, nor on the thread count.
@@ -21,12 +21,11 @@ from torch import Tensor
 
 from . import build, native
 
-# Rows up to which the loop takes the product: beside MKL, 16 (on a 2-core Zen 4 it takes
-# 0.49-0.70x MKL's time at 16 rows); where oneDNN runs the others, 8 (at 16 it takes 0.54-0.97x
-# oneDNN's time, too close on the head, 0.93x, and on 576 -> 1536, 0.97x, for one run to move
-# the bound). docs/performance.md, "Generation".
+# Rows up to which the loop takes the product, beside MKL and oneDNN alike: on a 2-core Zen 4
+# at 16 rows it takes 0.49-0.70x MKL's time and, in two runs, 0.54-0.97x and 0.55-0.97x
+# oneDNN's on each of SmolLM2's weights; at 32 rows 0.67-0.92x MKL's but up to 1.23x oneDNN's
+# (docs/performance.md, "Generation").
 MAX_ROWS = 16
-MAX_ROWS_BESIDE_ONEDNN = 8
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
