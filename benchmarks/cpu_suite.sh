@@ -4,7 +4,7 @@
 # kind, whether the few-row products (decoding's) beat MKL there, and the targets they are
 # held to. The switches run both ways, whatever this CPU's default is.
 #
-#   benchmarks/cpu_suite.sh [STAGES]     # STAGES: attention,flash,linear,generate (default: all)
+#   benchmarks/cpu_suite.sh [STAGES]     # attention,flash,linear,generate,profile (default: all)
 #
 #   attention  attention_cpu.py --vs-sdpa: every variant and weighting, forward+backward,
 #              against SDPA at N=4096 (the L1, ALiBi, softcap and weighting targets)
@@ -16,14 +16,15 @@
 #              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR and
 #              QKV_FEW_ROWS_LINEAR all 0 (the products and attention transformers runs), with
 #              only the few-row loop on, then with all three on
+#   profile    decode_profile_cpu.py: where a batch-1 token's time goes, with this CPU's defaults
 #
 # Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
 # <machine>.json (benchmarks/results.py; the command recorded names the switches). On 2 cores
-# the four stages take about 9 minutes (Zen 4). Environment: PYTHON (default: .venv's, else
+# the five stages take about 9 minutes (Zen 4; the profile 12 s). Environment: PYTHON (default: .venv's, else
 # python3), ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
 set -uo pipefail
 
-stages=${1:-attention,flash,linear,generate}
+stages=${1:-attention,flash,linear,generate,profile}
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1
 if [ -n "${PYTHON:-}" ]; then
@@ -37,9 +38,9 @@ export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 for stage in ${stages//,/ }; do
     case $stage in
-        attention|flash|linear|generate) ;;
-        *) echo "cpu_suite.sh: unknown stage '$stage' (expected attention, flash, linear or" \
-                "generate)" >&2
+        attention|flash|linear|generate|profile) ;;
+        *) echo "cpu_suite.sh: unknown stage '$stage' (expected attention, flash, linear," \
+                "generate or profile)" >&2
            exit 2 ;;
     esac
 done
@@ -78,6 +79,8 @@ for stage in ${stages//,/ }; do
                     "$py" benchmarks/generate_cpu.py --batches 1,8 --new 32 \
                     --rounds "${ROUNDS:-4}" --systems "qkv fp32,HF fp32" --no-memory
             done ;;
+        profile)
+            run "$py" benchmarks/decode_profile_cpu.py ;;
     esac
 done
 exit $status
