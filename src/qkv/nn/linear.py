@@ -47,12 +47,13 @@ def onednn_available() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and amd_cpu()
 
 
-def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether the product may leave ``F.linear``: plain float32 CPU tensors of matching
-    widths, no gradient, no compiler, no autocast."""
+def float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None,
+                      weight_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the product may leave ``F.linear``: plain float32 CPU tensors (the weight in
+    ``weight_dtype``) of matching widths, no gradient, no compiler, no autocast."""
     # A subclass (a fake tensor of a trace, a user's) keeps F.linear and its own dispatch.
-    if not (type(x) is Tensor and x.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32
+    if not (type(x) is Tensor and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == weight_dtype
             and x.layout == weight.layout == torch.strided and weight.dim() == 2):
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != weight.shape[:1]):
@@ -66,9 +67,10 @@ def _float32_inference(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return not (torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu"))
 
 
-def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop, or None where it does not
-    take the product (more rows, an empty or non-contiguous operand, the loop not built)."""
+def few_rows_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop (a float32 or a bfloat16
+    weight; ``float32_inference`` holds), or None where it does not take the product (more
+    rows, an empty or non-contiguous operand, the loop not built)."""
     k = x.shape[-1]
     if not (k > 0 and 0 < x.numel() <= few_rows.MAX_ROWS * k and weight.shape[0] > 0
             and weight.is_contiguous() and (bias is None or bias.is_contiguous())
@@ -76,6 +78,8 @@ def _few_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
         return None
     if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
         x = x.contiguous()
+    if weight.dtype == torch.bfloat16:
+        return few_rows.few_rows_linear_bf16(x, weight, bias)
     return few_rows.few_rows_linear(x, weight, bias)
 
 
@@ -88,8 +92,8 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``: x (..., in) @ weight (out, in)ᵀ + bias (out,) -> (..., out), in the
     few-row loop or oneDNN where that is faster (module docstring), else in ``F.linear``."""
-    if _float32_inference(x, weight, bias):
-        y = _few_rows(x, weight, bias)
+    if float32_inference(x, weight, bias):
+        y = few_rows_product(x, weight, bias)
         if y is not None:
             return y
         if onednn_available():

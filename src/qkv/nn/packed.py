@@ -1,16 +1,19 @@
-"""Inference-only linear layers with pre-packed weights, for fast CPU inference (as gpt-fast
-does on GPU).
+"""Inference-only linear layers with bf16 or pre-packed weights, for fast CPU inference (as
+gpt-fast does on GPU).
 
 - bf16 weights: decoding one token reads every weight once; at batch 1 to 8 that is a
   memory-bound matrix-vector product, so halving the weight bytes (fp32 -> bf16) nearly
-  halves the time. On CPUs with oneDNN's bf16 the weight is also pre-packed into oneDNN's
-  blocked layout, which spares a reorder on every call. Activations stay float32 between
-  layers: each layer rounds its input to bf16, multiplies with float32 accumulation, and
-  returns float32.
-- float32 weights: the layer's own numbers (up to the order of float32 sums), with the
-  weight pre-packed for oneDNN on the CPUs where ``qkv.nn.linear`` takes oneDNN. On the
-  Zen 4 here, decoding SmolLM2 at batch 8 runs 1.2x faster than with the unpacked oneDNN
-  product (docs/performance.md, "Generation").
+  halves the time. Activations stay float32 between layers: each layer rounds its input to
+  bf16, multiplies with float32 accumulation, rounds the result to bf16 and adds its float32
+  bias.
+- float32 weights: the layer's own numbers (up to the order of float32 sums).
+
+Decoding's few rows (up to ``few_rows.MAX_ROWS``) run in qkv's own loop
+(``qkv.engines.cpu.few_rows``) on the weight as it is, wherever it builds: with bf16 weights
+on a 2-core Zen 4 SmolLM2 decodes 1.6-1.7x faster there than in oneDNN's bf16 product on its
+pre-packed weight (docs/performance.md, "Generation"). More rows (a prompt) go to oneDNN, or
+to ``F.linear``. Without the loop the weight is pre-packed into oneDNN's blocked layout where
+oneDNN runs the dtype's products, which spares a reorder on every call.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..engines.cpu import few_rows
 from .attention import MultiHeadAttention
-from .linear import linear, onednn_available, onednn_linear
+from .linear import few_rows_product, float32_inference, linear, onednn_available, onednn_linear
 
 # Rows up to which torch's own CPU bf16 product beats widening the weight to float32 (AVX2,
 # Zen 3, a 576 x 1536 layer: 8 rows 0.85 against 0.58 ms, 64 rows 6.9 against 1.7 ms; a
@@ -67,14 +71,24 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach().to(dtype)
         self.onednn = (_onednn_ok(weight.device) if dtype == torch.bfloat16
                        else weight.device.type == "cpu" and onednn_available())
+        # Decoding's few rows run in qkv's loop (``qkv.engines.cpu.few_rows``), which reads
+        # the weight as it is, in either dtype; where it builds, the weight stays unpacked
+        # and more rows (a prompt) go to oneDNN with it unpacked (docs/performance.md,
+        # "Generation").
+        self.few_row_loop = weight.device.type == "cpu" and few_rows.available()
+        self.packed = self.onednn and not self.few_row_loop
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT[dtype])
-                       if self.onednn else weight)
+                       if self.packed else weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         # Without oneDNN's bf16, torch's CPU bf16 product is fast only on a few rows: with
         # more (prefill, batched decoding) the weight is widened to float32 per call.
         self.widen = dtype == torch.bfloat16 and weight.device.type == "cpu" and not self.onednn
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.few_row_loop and float32_inference(x, self.weight, self.bias, self.dtype):
+            y = few_rows_product(x, self.weight, self.bias)
+            if y is not None:
+                return y
         rows = x.reshape(-1, self.in_features).to(self.dtype)
         if self.onednn:
             y = onednn_linear(rows, self.weight)
@@ -89,7 +103,7 @@ class PackedLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        packed = "oneDNN-packed " if self.onednn else ""
+        packed = "oneDNN-packed " if self.packed else ""
         weight = "bf16" if self.dtype == torch.bfloat16 else "float32"
         return f"in={self.in_features}, out={self.out_features}, {packed}{weight} weight"
 

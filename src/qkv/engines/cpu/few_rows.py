@@ -1,10 +1,13 @@
-"""The float32 product of a few rows by a linear layer's weight (``few_rows_linear.c``):
-decoding's products, which stream the weight once and are bound by memory bandwidth.
+"""The product of a few rows by a linear layer's float32 or bf16 weight
+(``few_rows_linear.c``): decoding's products, which stream the weight once and are bound by
+memory bandwidth.
 
 On a 2-core Zen 4 it takes 0.34-0.55x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
-8 rows) and 0.39-0.75x oneDNN's; its AVX2 build takes 0.29-0.71x MKL's there (docs/performance.md,
-"Generation"). Each output row is computed from its own input row only, in a fixed order, so
-a row's result does not depend on the batch it is in, nor on the thread count.
+8 rows) and 0.39-0.75x oneDNN's; its AVX2 build takes 0.29-0.71x MKL's there. With a bf16
+weight it takes 0.43-0.86x the time of oneDNN's bf16 product on a pre-packed weight at 1 to 16
+rows (docs/performance.md, "Generation"). Each output row is computed from its own input row
+only, in a fixed order, so a row's result does not depend on the batch it is in, nor on the
+thread count.
 
 Built like the other C sources (``native.optional_library``, with OpenMP: its threads are
 those of torch's team). ``QKV_FEW_ROWS_LINEAR=0`` turns it off for a process, to compare.
@@ -31,24 +34,25 @@ _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
-def _function():
-    """The C function, or None: off by ``QKV_FEW_ROWS_LINEAR=0`` (read once per process), or
-    without a C compiler or OpenMP (``native.optional_library``)."""
+def _library():
+    """The loaded library, or None: off by ``QKV_FEW_ROWS_LINEAR=0`` (read once per process),
+    or without a C compiler or OpenMP (``native.optional_library``)."""
     if build.forced_choice("QKV_FEW_ROWS_LINEAR") is False:
         return None
     lib = native.optional_library(Path(__file__).with_name("few_rows_linear.c"),
                                   "few_rows_linear", ("-fopenmp",))
     if lib is None:
         return None
-    function = lib.qkv_few_rows_linear_f32
-    function.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
-    function.restype = None
-    return function
+    args = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    lib.qkv_few_rows_linear_f32.argtypes = args
+    lib.qkv_few_rows_linear_bf16.argtypes = [*args, _PTR]
+    lib.qkv_few_rows_linear_f32.restype = lib.qkv_few_rows_linear_bf16.restype = None
+    return lib
 
 
 def available() -> bool:
     """Whether the few-row product runs in this process."""
-    return _function() is not None
+    return _library() is not None
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -59,7 +63,24 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     of work, so nothing here reshapes or views."""
     k, n = x.shape[-1], weight.shape[0]
     y = x.new_empty(*x.shape[:-1], n)  # x's dtype, float32: the cheapest allocation
-    _function()(x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
-                None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, k, n,
-                torch.get_num_threads())
+    _library().qkv_few_rows_linear_f32(
+        x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, k, n,
+        torch.get_num_threads())
+    return y
+
+
+def few_rows_linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``few_rows_linear`` with weight (out, in) contiguous bfloat16, as a bf16 layer with a
+    float32 bias computes it (``qkv.nn.packed``): x rounded to bf16, exact products summed in
+    float32, each output rounded to bf16, then + bias. Returns float32 (..., out): half the
+    weight bytes of the float32 loop, and no conversions around the call."""
+    k, n = x.shape[-1], weight.shape[0]
+    y = x.new_empty(*x.shape[:-1], n)
+    rows = x.numel() // k
+    scratch = x.new_empty(rows * k)  # x rounded to bf16, in float32
+    _library().qkv_few_rows_linear_bf16(
+        x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
+        torch.get_num_threads(), scratch.data_ptr())
     return y
