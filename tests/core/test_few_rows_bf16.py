@@ -97,6 +97,8 @@ def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count():
 
 
 def test_a_bf16_packed_layer_takes_the_loop_for_few_rows_only(monkeypatch):
+    # On a CPU without AVX512-BF16 the widened loop runs here: the same product.
+    monkeypatch.setattr(few_rows, "bf16_dot_products", lambda: True)
     taken = []
     real = few_rows.few_rows_linear_bf16
     monkeypatch.setattr(few_rows, "few_rows_linear_bf16",
@@ -112,11 +114,20 @@ def test_a_bf16_packed_layer_takes_the_loop_for_few_rows_only(monkeypatch):
     assert taken == [1, few_rows.MAX_ROWS]
 
 
-def test_without_the_loop_a_bf16_layer_is_packed_for_onednn(monkeypatch):
-    monkeypatch.setattr(few_rows, "available", lambda: False)
-    packed = PackedLinear(nn.Linear(96, 40))
-    assert not packed.few_row_loop
-    assert packed.packed == packed_module._onednn_ok(torch.device("cpu"))
+@pytest.mark.parametrize("built, dot_products, onednn_bf16, loop", [
+    (False, False, True, False), (False, False, False, False),
+    (True, True, True, True), (True, False, False, True),
+    # Widened, the loop loses to oneDNN's bf16 product from 4 rows on: oneDNN keeps them.
+    (True, False, True, False)])
+def test_a_bf16_layer_takes_the_loop_where_it_wins(monkeypatch, built, dot_products,
+                                                   onednn_bf16, loop):
+    if onednn_bf16 and not loop and not packed_module._onednn_ok(torch.device("cpu")):
+        pytest.skip("this CPU's oneDNN cannot pack a bf16 weight")
+    monkeypatch.setattr(few_rows, "available", lambda: built)
+    monkeypatch.setattr(few_rows, "bf16_dot_products", lambda: dot_products)
+    monkeypatch.setattr(packed_module, "_onednn_ok", lambda device: onednn_bf16)
+    packed = PackedLinear(nn.Linear(96, 40), torch.bfloat16)
+    assert packed.few_row_loop == loop and packed.packed == (onednn_bf16 and not loop)
 
 
 _AVX2 = """

@@ -9,8 +9,9 @@ gpt-fast does on GPU).
 - float32 weights: the layer's own numbers (up to the order of float32 sums).
 
 Decoding's few rows (up to ``few_rows.MAX_ROWS``) run in qkv's own loop
-(``qkv.engines.cpu.few_rows``) on the weight as it is, wherever it builds: with bf16 weights
-on a 2-core Zen 4 SmolLM2 decodes 1.6-1.7x faster there than in oneDNN's bf16 product on its
+(``qkv.engines.cpu.few_rows``) on the weight as it is, wherever it builds; bf16 weights there
+where the CPU has AVX512-BF16 dot products, or oneDNN has no bf16 products. With bf16 weights
+on a 2-core Zen 4 SmolLM2 decodes 1.6-1.7x faster in it than in oneDNN's bf16 product on its
 pre-packed weight (docs/performance.md, "Generation"). More rows (a prompt) go to oneDNN, or
 to ``F.linear``. Without the loop the weight is pre-packed into oneDNN's blocked layout where
 oneDNN runs the dtype's products, which spares a reorder on every call.
@@ -72,10 +73,13 @@ class PackedLinear(nn.Module):
         self.onednn = (_onednn_ok(weight.device) if dtype == torch.bfloat16
                        else weight.device.type == "cpu" and onednn_available())
         # Decoding's few rows run in qkv's loop (``qkv.engines.cpu.few_rows``), which reads
-        # the weight as it is, in either dtype; where it builds, the weight stays unpacked
-        # and more rows (a prompt) go to oneDNN with it unpacked (docs/performance.md,
-        # "Generation").
-        self.few_row_loop = weight.device.type == "cpu" and few_rows.available()
+        # the weight as it is; where it takes them, the weight stays unpacked and more rows
+        # (a prompt) go to oneDNN with it unpacked. A bf16 weight widened to float32 in the
+        # loop loses to oneDNN's bf16 product from 4 rows on (Zen 4), so the loop takes bf16
+        # weights only with dot products or where oneDNN has no bf16 products
+        # (docs/performance.md, "Generation").
+        self.few_row_loop = weight.device.type == "cpu" and few_rows.available() and (
+            dtype == torch.float32 or few_rows.bf16_dot_products() or not self.onednn)
         self.packed = self.onednn and not self.few_row_loop
         self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT[dtype])
                        if self.packed else weight)

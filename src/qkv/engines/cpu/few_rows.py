@@ -47,12 +47,20 @@ def _library():
     lib.qkv_few_rows_linear_f32.argtypes = args
     lib.qkv_few_rows_linear_bf16.argtypes = [*args, _PTR]
     lib.qkv_few_rows_linear_f32.restype = lib.qkv_few_rows_linear_bf16.restype = None
+    lib.qkv_few_rows_bf16_dot_products.argtypes = []
+    lib.qkv_few_rows_bf16_dot_products.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     """Whether the few-row product runs in this process."""
     return _library() is not None
+
+
+def bf16_dot_products() -> bool:
+    """Whether bf16 weights meet x in AVX512-BF16 dot products (the build's target has them),
+    rather than being widened to float32 first, which is compute-bound from 4 rows on."""
+    return available() and bool(_library().qkv_few_rows_bf16_dot_products())
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

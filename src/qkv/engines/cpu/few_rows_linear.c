@@ -216,3 +216,12 @@ void qkv_few_rows_linear_bf16(const float *x, int64_t xs, const uint16_t *w,
         for (int64_t j = 0; j < k; j++) xh[r * k + j] = x_to_bf16(x[r * xs + j]);
     product_bf16(xh, k, w, bias, y, rows, k, n, threads);
 }
+
+/* 1 where bf16 weights meet x in AVX512-BF16 dot products, 0 where they are widened. */
+int qkv_few_rows_bf16_dot_products(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
