@@ -11,7 +11,7 @@
 #   flash      attention_flash_cpu.py with QKV_FLASH=1: the flash engine's inference forward
 #              against SDPA (float32 and bf16 products), where it would run
 #   linear     linear_cpu.py: 1 to 32 rows by SmolLM2's weights in F.linear (MKL), oneDNN and
-#              qkv's few-row loop
+#              qkv's few-row loop, then 1 to 16 rows by the same weights in bf16
 #   generate   generate_cpu.py, SmolLM2 fp32 against transformers (time to first token of 1,024
 #              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR and
 #              QKV_FEW_ROWS_LINEAR all 0 (the products and attention transformers runs), with
@@ -20,7 +20,7 @@
 #
 # Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
 # <machine>.json (benchmarks/results.py; the command recorded names the switches). On 2 cores
-# the five stages take about 9 minutes (Zen 4; the profile 12 s). Environment: PYTHON (default: .venv's, else
+# the five stages take about 10 minutes (Zen 4; the bf16 products 1.5, the profile 12 s). Environment: PYTHON (default: .venv's, else
 # python3), ROUNDS (generate's rounds, default 4), REPEAT (attention's rounds, default 3).
 set -uo pipefail
 
@@ -71,7 +71,8 @@ for stage in ${stages//,/ }; do
         flash)
             run QKV_FLASH=1 "$py" benchmarks/attention_flash_cpu.py --rounds 5 ;;
         linear)
-            run "$py" benchmarks/linear_cpu.py --rounds 3 ;;
+            run "$py" benchmarks/linear_cpu.py --rounds 3
+            run "$py" benchmarks/linear_cpu.py --dtype bf16 --rows 1,2,4,8,16 --rounds 3 ;;
         generate)
             for switches in "0 0 0" "0 0 1" "1 1 1"; do
                 read -r flash onednn few <<<"$switches"

@@ -4,8 +4,8 @@ memory bandwidth.
 
 On a 2-core Zen 4 it takes 0.34-0.55x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
 8 rows) and 0.39-0.75x oneDNN's; its AVX2 build takes 0.29-0.71x MKL's there. With a bf16
-weight it takes 0.43-0.86x the time of oneDNN's bf16 product on a pre-packed weight at 1 to 16
-rows (docs/performance.md, "Generation"). Each output row is computed from its own input row
+weight it takes 0.37-0.98x the time of oneDNN's bf16 product on a pre-packed weight at 1 to 16
+rows, the head at 16 rows aside (docs/performance.md, "Generation"). Each output row is computed from its own input row
 only, in a fixed order, so a row's result does not depend on the batch it is in, nor on the
 thread count.
 
