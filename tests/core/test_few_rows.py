@@ -1,5 +1,5 @@
 """The few-row float32 product (qkv.engines.cpu.few_rows) against float64, and qkv.nn.linear's
-choice of it: decoding's products, 1 to 16 rows."""
+choice of it: decoding's products, 1 to 16 rows (its bf16 product: test_few_rows_bf16.py)."""
 
 import os
 import subprocess
@@ -33,11 +33,17 @@ def only_few_rows(monkeypatch):
     monkeypatch.setattr(linear_module, "F", SimpleNamespace(linear=_no_f_linear))
 
 
+# The products the loop takes: leading dims of up to MAX_ROWS rows, widths and thread counts
+# (the bf16 product's test draws the same).
+few_row_products = given(
+    lead=st.lists(st.integers(1, 4), min_size=0, max_size=2).filter(
+        lambda dims: torch.Size(dims).numel() <= few_rows.MAX_ROWS),
+    n_in=st.integers(1, 70), n_out=st.integers(1, 40), bias=st.booleans(),
+    strided=st.booleans(), threads=st.sampled_from([1, 2, 3]))
+
+
 @settings(max_examples=60, deadline=None)
-@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2).filter(
-           lambda dims: torch.Size(dims).numel() <= few_rows.MAX_ROWS),
-       n_in=st.integers(1, 70), n_out=st.integers(1, 40), bias=st.booleans(),
-       strided=st.booleans(), threads=st.sampled_from([1, 2, 3]))
+@few_row_products
 def test_the_loop_is_the_linear_map(lead, n_in, n_out, bias, strided, threads):
     # Widths around the vector lanes (8, 16) and output tiles (4, 8) leave ragged tails; a
     # strided x is a slice of wider rows; more threads than output tiles leaves some idle.
@@ -59,18 +65,21 @@ def test_the_loop_is_the_linear_map(lead, n_in, n_out, bias, strided, threads):
         assert_float32_linear(y, x, weight, b)
 
 
-def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(only_few_rows):
+@pytest.mark.parametrize("product, dtype", [("few_rows_linear", torch.float32),
+                                            ("few_rows_linear_bf16", torch.bfloat16)])
+def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count(only_few_rows, product,
+                                                                     dtype):
+    product = getattr(few_rows, product)
     g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(300, 200, generator=g), torch.randn(300, generator=g)
+    weight, bias = torch.randn(300, 200, generator=g).to(dtype), torch.randn(300, generator=g)
     x = torch.randn(few_rows.MAX_ROWS, 200, generator=g)
-    alone = torch.cat([few_rows.few_rows_linear(x[i:i + 1], weight, bias)
-                       for i in range(len(x))])
+    alone = torch.cat([product(x[i:i + 1], weight, bias) for i in range(len(x))])
     for rows in (2, 3, 7, few_rows.MAX_ROWS):
-        assert torch.equal(few_rows.few_rows_linear(x[:rows], weight, bias), alone[:rows])
+        assert torch.equal(product(x[:rows], weight, bias), alone[:rows])
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(few_rows.few_rows_linear(x, weight, bias), alone)
+        assert torch.equal(product(x, weight, bias), alone)
     finally:
         torch.set_num_threads(previous)
 

@@ -1,6 +1,7 @@
 """The few-row product with a bf16 weight (few_rows.few_rows_linear_bf16), as qkv.nn.packed's
 bf16 layers compute it: x rounded to bf16, float32 sums, each output rounded to bf16, then the
-float32 bias. Against float64, torch's own bf16 product, and the build without AVX512-BF16."""
+float32 bias. Against float64, torch's own bf16 product, and the build without AVX512-BF16
+(a row's independence of its batch and of the thread count: test_few_rows.py)."""
 
 import json
 import os
@@ -11,13 +12,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import settings
 from torch import nn
 
 import qkv.nn.packed as packed_module
 from qkv.engines.cpu import few_rows
 from qkv.nn.packed import PackedLinear
+
+from .test_few_rows import few_row_products
 
 pytestmark = pytest.mark.skipif(not few_rows.available(),
                                 reason="the few-row loop needs a C compiler with OpenMP")
@@ -36,10 +38,7 @@ def assert_bf16_product(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) 
 
 
 @settings(max_examples=60, deadline=None)
-@given(lead=st.lists(st.integers(1, 4), min_size=0, max_size=2).filter(
-           lambda dims: torch.Size(dims).numel() <= few_rows.MAX_ROWS),
-       n_in=st.integers(1, 70), n_out=st.integers(1, 40), bias=st.booleans(),
-       strided=st.booleans(), threads=st.sampled_from([1, 2, 3]))
+@few_row_products
 def test_the_loop_is_the_bf16_linear_map(lead, n_in, n_out, bias, strided, threads):
     # Widths around the 32 pairs of a dot-product vector and the 16 or 8 lanes of a widened
     # one leave ragged tails; a strided x is a slice of wider rows (2-D only, as the callers).
@@ -78,22 +77,6 @@ def test_non_finite_inputs_give_what_torch_s_bf16_product_gives():
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     finite = want.isfinite()
     assert ((got - want)[finite].abs() <= 2**-7 * want[finite].abs()).all()
-
-
-def test_a_row_is_the_same_alone_in_any_batch_and_on_any_thread_count():
-    g = torch.Generator().manual_seed(1)
-    weight, bias = torch.randn(300, 200, generator=g).to(BF16), torch.randn(300, generator=g)
-    x = torch.randn(few_rows.MAX_ROWS, 200, generator=g)
-    alone = torch.cat([few_rows.few_rows_linear_bf16(x[i:i + 1], weight, bias)
-                       for i in range(len(x))])
-    for rows in (2, 3, 7, few_rows.MAX_ROWS):
-        assert torch.equal(few_rows.few_rows_linear_bf16(x[:rows], weight, bias), alone[:rows])
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(few_rows.few_rows_linear_bf16(x, weight, bias), alone)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_a_bf16_packed_layer_takes_the_loop_for_few_rows_only(monkeypatch):
