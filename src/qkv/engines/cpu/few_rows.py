@@ -4,10 +4,10 @@ memory bandwidth.
 
 On a 2-core Zen 4 it takes 0.34-0.55x the time of MKL's ``F.linear`` (SmolLM2's weights, 1 to
 8 rows) and 0.39-0.75x oneDNN's; its AVX2 build takes 0.29-0.71x MKL's there. With a bf16
-weight it takes 0.37-0.98x the time of oneDNN's bf16 product on a pre-packed weight at 1 to 16
-rows, the head at 16 rows aside (docs/performance.md, "Generation"). Each output row is computed from its own input row
-only, in a fixed order, so a row's result does not depend on the batch it is in, nor on the
-thread count.
+weight it takes 0.37-0.98x the time of oneDNN's bf16 product on a pre-packed weight at 1 to
+16 rows, the head at 16 rows aside (docs/performance.md, "Generation"). Each output row is
+computed from its own input row only, in a fixed order, so a row's result does not depend on
+the batch it is in, nor on the thread count.
 
 Built like the other C sources (``native.optional_library``, with OpenMP: its threads are
 those of torch's team). ``QKV_FEW_ROWS_LINEAR=0`` turns it off for a process, to compare.
@@ -25,9 +25,9 @@ from torch import Tensor
 from . import build, native
 
 # Rows up to which the loop takes the product, beside MKL and oneDNN alike: on a 2-core Zen 4
-# at 16 rows it takes 0.49-0.70x MKL's time and, in two runs, 0.54-0.97x and 0.55-0.97x
-# oneDNN's on each of SmolLM2's weights; at 32 rows 0.67-0.92x MKL's but up to 1.23x oneDNN's
-# (docs/performance.md, "Generation").
+# at 16 rows it takes 0.49-0.70x MKL's time and, in two runs, 0.54-0.97x oneDNN's on each of
+# SmolLM2's weights; at 32 rows 0.67-0.92x MKL's but up to 1.23x oneDNN's (docs/performance.md,
+# "Generation").
 MAX_ROWS = 16
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -81,8 +81,9 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
 def few_rows_linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``few_rows_linear`` with weight (out, in) contiguous bfloat16, as a bf16 layer with a
     float32 bias computes it (``qkv.nn.packed``): x rounded to bf16, exact products summed in
-    float32, each output rounded to bf16, then + bias. Returns float32 (..., out): half the
-    weight bytes of the float32 loop, and no conversions around the call."""
+    float32 (denormals as zero where AVX512-BF16's dot products run them, as in oneDNN's),
+    each output rounded to bf16, then + bias. Returns float32 (..., out): half the weight
+    bytes of the float32 loop, and no conversions around the call."""
     k, n = x.shape[-1], weight.shape[0]
     y = x.new_empty(*x.shape[:-1], n)
     rows = x.numel() // k
