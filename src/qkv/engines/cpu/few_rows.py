@@ -44,9 +44,9 @@ def _library():
     if lib is None:
         return None
     args = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
-    lib.qkv_few_rows_linear_f32.argtypes = args
-    lib.qkv_few_rows_linear_bf16.argtypes = [*args, _PTR]
-    lib.qkv_few_rows_linear_f32.restype = lib.qkv_few_rows_linear_bf16.restype = None
+    lib.qkv_few_rows_linear_f32.argtypes = lib.qkv_few_rows_linear_bf16.argtypes = args
+    lib.qkv_few_rows_linear_f32.restype = None
+    lib.qkv_few_rows_linear_bf16.restype = ctypes.c_int
     lib.qkv_few_rows_bf16_dot_products.argtypes = []
     lib.qkv_few_rows_bf16_dot_products.restype = ctypes.c_int
     return lib
@@ -87,9 +87,9 @@ def few_rows_linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     k, n = x.shape[-1], weight.shape[0]
     y = x.new_empty(*x.shape[:-1], n)
     rows = x.numel() // k
-    scratch = x.new_empty(rows * k)  # x rounded to bf16, in float32
-    _library().qkv_few_rows_linear_bf16(
-        x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
-        torch.get_num_threads(), scratch.data_ptr())
+    if _library().qkv_few_rows_linear_bf16(
+            x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
+            None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
+            torch.get_num_threads()):
+        raise MemoryError(f"few_rows_linear_bf16: no memory for x's {rows} x {k} bf16 copy")
     return y

@@ -20,6 +20,7 @@
  * (24 to 30 GB/s), 15-22 % less time at 2 to 8 rows, and 21-32 % less in the AVX2 build
  * (docs/performance.md, "Generation"). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -205,16 +206,19 @@ void qkv_few_rows_linear_f32(const float *x, int64_t xs, const float *w, const f
     product_f32(x, xs, w, bias, y, rows, k, n, threads);
 }
 
-/* The same with w (n, k) in bf16, as a bf16 linear layer computes it: x rounded to bf16
- * (into `scratch`, room for rows x k floats), products in float32, each sum rounded to bf16,
- * then the float32 bias. */
-void qkv_few_rows_linear_bf16(const float *x, int64_t xs, const uint16_t *w,
-                              const float *bias, float *y, int64_t rows, int64_t k, int64_t n,
-                              int64_t threads, float *scratch) {
-    x_bf16 *xh = (x_bf16 *)scratch;
+/* The same with w (n, k) in bf16, as a bf16 linear layer computes it: x rounded to bf16 (a
+ * copy of rows x k values, allocated here: no tensor around the call), products in float32,
+ * each sum rounded to bf16, then the float32 bias. Returns 0, or -1 when the copy cannot be
+ * allocated (nothing written). */
+int qkv_few_rows_linear_bf16(const float *x, int64_t xs, const uint16_t *w, const float *bias,
+                             float *y, int64_t rows, int64_t k, int64_t n, int64_t threads) {
+    x_bf16 *xh = malloc((size_t)(rows * k) * sizeof *xh);
+    if (xh == NULL) return -1;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < k; j++) xh[r * k + j] = x_to_bf16(x[r * xs + j]);
     product_bf16(xh, k, w, bias, y, rows, k, n, threads);
+    free(xh);
+    return 0;
 }
 
 /* 1 where bf16 weights meet x in AVX512-BF16 dot products, 0 where they are widened. */
