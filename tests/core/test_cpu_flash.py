@@ -2,6 +2,7 @@
 AVX-512 FMA): parity with float64 (for bf16 products, on the same bf16-rounded inputs), the
 rows and layouts it must handle, and when the dispatcher takes it."""
 
+import os
 import platform
 
 import pytest
@@ -14,10 +15,40 @@ from qkv import engines
 from qkv.core.problem import build_problem
 from qkv.engines.cpu import build, cpu_flash, native
 
-needs_bf16 = pytest.mark.skipif(not cpu_flash.available("bf16"),
+
+def _kernel_here(products: str) -> bool:
+    """Whether the kernel with ``products`` runs on this machine once the choice of vendor is
+    forced (``QKV_FLASH=1``): its parity tests run on every CPU with the instructions, Intel's
+    too, so the kernel is known right there before it is measured there."""
+    forced = os.environ.get("QKV_FLASH")
+    os.environ["QKV_FLASH"] = "1"
+    cpu_flash._library.cache_clear()
+    try:
+        return cpu_flash.available(products)
+    finally:
+        if forced is None:
+            del os.environ["QKV_FLASH"]
+        else:
+            os.environ["QKV_FLASH"] = forced
+        cpu_flash._library.cache_clear()
+
+
+needs_bf16 = pytest.mark.skipif(not _kernel_here("bf16"),
                                 reason="no bf16 kernel here (the flash engine's refusal says why)")
-needs_fp32 = pytest.mark.skipif(not cpu_flash.available("fp32"),
+needs_fp32 = pytest.mark.skipif(not _kernel_here("fp32"),
                                 reason="no fp32 kernel here (the flash engine's refusal says why)")
+
+
+@pytest.fixture(autouse=True)
+def any_vendor(monkeypatch):
+    """Each test runs with the vendor's choice forced on (``QKV_FLASH=1``), unless it sets
+    its own; ``cpu_flash._library`` is decided again before and after it, so no other test
+    file sees the forced choice."""
+    monkeypatch.setenv("QKV_FLASH", "1")
+    library = cpu_flash._library  # a test may replace it
+    library.cache_clear()
+    yield
+    library.cache_clear()
 PRODUCTS = [pytest.param("bf16", marks=needs_bf16), pytest.param("fp32", marks=needs_fp32)]
 
 
@@ -170,18 +201,11 @@ def test_forcing_it_where_it_cannot_run_says_why(monkeypatch):
                           backend="flash")
 
 
-@pytest.fixture
-def fresh_library():
-    """``cpu_flash._library`` decided again in the test, and after it."""
-    cpu_flash._library.cache_clear()
-    yield
-    cpu_flash._library.cache_clear()
-
-
-def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch, fresh_library):
+def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch):
     """Measured on AMD only: elsewhere every call it could take says so, whatever else is
     wrong with it, and the dispatcher goes on to SDPA."""
     monkeypatch.setattr(build, "amd_cpu", lambda: False)
+    monkeypatch.delenv("QKV_FLASH", raising=False)
     q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.float32)
     with torch.no_grad():
         for call in ({}, {"mask": qkv.causal()}, {"fp32_precision": "bf16"}):
@@ -191,7 +215,7 @@ def test_on_other_cpus_than_amd_the_reason_comes_first(monkeypatch, fresh_librar
         assert _engine(*(t.bfloat16() for t in (q, k, v)), mask=qkv.causal()) == "sdpa"
 
 
-def test_qkv_flash_forces_the_choice_of_vendor(monkeypatch, fresh_library):
+def test_qkv_flash_forces_the_choice_of_vendor(monkeypatch):
     """QKV_FLASH=0 turns the engine off on any CPU, QKV_FLASH=1 lets a CPU of another vendor
     run it (to measure it there), and any other value is refused with the variable's name."""
     q, k, v = _inputs(1, 2, 2, 128, 128, 16, 16, torch.float32)
@@ -220,7 +244,7 @@ def test_qkv_flash_forces_the_choice_of_vendor(monkeypatch, fresh_library):
     torch.float32), reason="builds x86 targets with the C compiler")
 @pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v4"])
 def test_a_build_target_without_the_instructions_says_so(monkeypatch, tmp_path,
-                                                          fresh_library, target):
+                                                          target):
     """QKV_MARCH=x86-64-v3 has no AVX-512, x86-64-v4 no AVX512-BF16: the engine refuses
     those products with the target's name (on an AMD CPU; the build alone decides)."""
     if build.missing_features(target):
