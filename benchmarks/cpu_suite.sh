@@ -13,9 +13,9 @@
 #   linear     linear_cpu.py: 1 to 32 rows by SmolLM2's weights in F.linear (MKL), oneDNN and
 #              qkv's few-row loop, then 1 to 16 rows by the same weights in bf16
 #   generate   generate_cpu.py, SmolLM2 fp32 against transformers (time to first token of 1,024
-#              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR and
-#              QKV_FEW_ROWS_LINEAR all 0 (the products and attention transformers runs), with
-#              only the few-row loop on, then with all three on
+#              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR,
+#              QKV_FEW_ROWS_LINEAR and QKV_ROW_OPS all 0 (the operations transformers runs),
+#              with only the few-row loop and row operations on, then with all four on
 #   profile    decode_profile_cpu.py: where a batch-1 token's time goes, with this CPU's defaults
 #
 # Each benchmark prints its table and adds its rows to benchmarks/results/<name>-<date>-
@@ -77,7 +77,7 @@ for stage in ${stages//,/ }; do
             for switches in "0 0 0" "0 0 1" "1 1 1"; do
                 read -r flash onednn few <<<"$switches"
                 run QKV_FLASH=$flash QKV_ONEDNN_LINEAR=$onednn QKV_FEW_ROWS_LINEAR=$few \
-                    "$py" benchmarks/generate_cpu.py --batches 1,8 --new 32 \
+                    QKV_ROW_OPS=$few "$py" benchmarks/generate_cpu.py --batches 1,8 --new 32 \
                     --rounds "${ROUNDS:-4}" --systems "qkv fp32,HF fp32" --no-memory
             done ;;
         profile)

@@ -123,8 +123,8 @@ def _commit() -> str | None:
 
 # The environment variables that change which code runs: a command that set them is not the
 # same measurement without them.
-DISPATCH_VARIABLES = ("QKV_FLASH", "QKV_ONEDNN_LINEAR", "QKV_FEW_ROWS_LINEAR", "QKV_NATIVE",
-                      "QKV_MARCH")
+DISPATCH_VARIABLES = ("QKV_FLASH", "QKV_ONEDNN_LINEAR", "QKV_FEW_ROWS_LINEAR", "QKV_ROW_OPS",
+                      "QKV_NATIVE", "QKV_MARCH")
 
 
 def _command(name: str) -> str:

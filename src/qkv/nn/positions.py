@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..core import ScoreMod, alibi, relative_bias
 from ..core.scores import alibi_slopes
+from ..engines.cpu import row_ops
 from ..limits import check_limits, limited
 
 POSITION_KINDS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
@@ -94,6 +95,10 @@ class RotaryEmbedding(nn.Module):
         """x (B, H, N, D), positions (N,) or (B, N), or their ``rotation`` -> x rotated, same
         shape and dtype."""
         rotation = positions if isinstance(positions, Rotation) else self.rotation(positions)
+        # Decoding's few positions in one C call, not nine operations (qkv.engines.cpu.row_ops).
+        rotated = row_ops.rotate(x, rotation.cos, rotation.sin)
+        if rotated is not None:
+            return rotated
         xf = x.float()
         half = xf.shape[-1] // 2
         out = xf * rotation.cos
