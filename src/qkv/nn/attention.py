@@ -10,7 +10,7 @@ from ..core.weighting import Weighting, as_weighting
 from ..distributed.context import active as active_context_parallel
 from ..engines.api import attention
 from .forget_gate import forget_scores, gate_dtype
-from .linear import Linear
+from .linear import Linear, shared_input
 from .positions import RotaryEmbedding, last_positions
 
 
@@ -181,16 +181,15 @@ class MultiHeadAttention(nn.Module):
         self._check_width("query", query, self.d_model)
         self._check_width("key", key, self.kdim)
         self._check_width("value", value, self.vdim)
-        q = _split_heads(self.q_proj(query), self.n_head)
         if self.is_cross and cache is not None and cache.length > 0:
+            q = _split_heads(self.q_proj(query), self.n_head)
             k, v = cache.cached()
         else:
             if self.is_cross and key is None:
                 raise ValueError("cross-attention needs key (the memory) on its first call")
             key = query if key is None else key
             value = key if value is None else value
-            k = _split_heads(self.k_proj(key), self.n_kv_head)
-            v = _split_heads(self.v_proj(value), self.n_kv_head)
+            q, k, v = self._project(query, key, value)
             if self.rope is not None:
                 if positions is None:
                     start = 0 if cache is None else cache.length
@@ -228,6 +227,18 @@ class MultiHeadAttention(nn.Module):
             out, weights = self.attend(q, k, v, **kwargs)
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         return (out, weights) if return_weights else out
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, ...]:
+        """q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) from their projections, in
+        one few-row call where they share an input (``qkv.nn.linear.shared_input``)."""
+        if key is query and value is key:
+            q, k, v = shared_input(query, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q = self.q_proj(query)
+            k, v = (shared_input(key, (self.k_proj, self.v_proj)) if value is key
+                    else (self.k_proj(key), self.v_proj(value)))
+        return (_split_heads(q, self.n_head), _split_heads(k, self.n_kv_head),
+                _split_heads(v, self.n_kv_head))
 
     @property
     def observed(self) -> bool:

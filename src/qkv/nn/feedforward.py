@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .linear import Linear
+from .linear import Linear, shared_input
 
 # The activation of each plain MLP kind, built once per layer by ``feed_forward``.
 MLP_ACTIVATIONS = {
@@ -51,7 +51,7 @@ class GatedMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = shared_input(x, (self.gate_proj, self.up_proj))  # one few-row call
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(self.dropout(self.activation(gate) * up))
         # Without autograd nothing keeps the gate's values, so its buffer takes the product:

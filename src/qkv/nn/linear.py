@@ -29,6 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from ..engines.cpu import few_rows
 from ..engines.cpu.build import amd_cpu, forced_choice
@@ -71,10 +72,7 @@ def few_rows_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor |
     """x (..., in) @ weight (out, in)ᵀ + bias in the few-row loop (a float32 or a bfloat16
     weight; ``float32_inference`` holds), or None where it does not take the product (more
     rows, an empty or non-contiguous operand, the loop not built)."""
-    k = x.shape[-1]
-    if not (k > 0 and 0 < x.numel() <= few_rows.MAX_ROWS * k and weight.shape[0] > 0
-            and weight.is_contiguous() and (bias is None or bias.is_contiguous())
-            and few_rows.available()):
+    if not (_few_row_shape(x, weight, bias) and few_rows.available()):
         return None
     if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
         x = x.contiguous()
@@ -101,9 +99,59 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def _few_row_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``few_rows_product`` takes x by weight (given ``float32_inference``)."""
+    k = x.shape[-1]
+    return (k > 0 and 0 < x.numel() <= few_rows.MAX_ROWS * k and weight.shape[0] > 0
+            and weight.is_contiguous() and (bias is None or bias.is_contiguous()))
+
+
+def shared_input(x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
+    """[layer(x) for layer in layers], for 2 or 3 linear layers of the same input x (...,
+    in): attention's q, k and v projections, a gated MLP's gate and up. Where the few-row loop
+    takes each of them (``few_row_operands``), they run in one call of it, which saves each
+    layer's dispatch and start of the thread team (docs/performance.md, "Generation"); the
+    outputs are the same as each layer's own. A layer with hooks, or any other case, runs its
+    own call (and its hooks)."""
+    operands = _few_row_group(x, layers)
+    if operands is None:
+        return [layer(x) for layer in layers]
+    if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
+        x = x.contiguous()
+    weights, biases = zip(*operands, strict=True)
+    return few_rows.few_rows_linears(x, weights, biases)
+
+
+def _few_row_group(x: Tensor, layers) -> list | None:
+    """Each layer's (weight, bias) for one few-row call, or None where any layer runs its own
+    call: torch hooks on it (or on every module), no ``few_row_operands``, a product the loop
+    does not take, or weights of different dtypes."""
+    # Hooks on every module (torch.nn.modules.module.register_module_forward_hook) run only
+    # in a module's own call; a trace keeps each layer's own call (``float32_inference``).
+    if (torch.compiler.is_compiling() or torch_module._global_forward_hooks
+            or torch_module._global_forward_pre_hooks or not few_rows.available()):
+        return None
+    operands = []
+    for layer in layers:
+        if layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+        found = getattr(layer, "few_row_operands", None)
+        found = None if found is None else found(x)
+        if found is None or not _few_row_shape(x, *found):
+            return None
+        operands.append(found)
+    dtypes = {weight.dtype for weight, _ in operands}
+    return operands if len(dtypes) == 1 else None
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (the same parameters, state dict and initialization) computing through
     ``linear``. x (..., in_features) -> (..., out_features)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+    def few_row_operands(self, x: Tensor) -> tuple[Tensor, Tensor | None] | None:
+        """(weight, bias) where x's product may leave ``F.linear`` (``float32_inference``),
+        for ``shared_input``; else None."""
+        return (self.weight, self.bias) if float32_inference(x, self.weight, self.bias) else None

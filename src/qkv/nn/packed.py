@@ -106,6 +106,13 @@ class PackedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def few_row_operands(self, x: Tensor) -> tuple[Tensor, Tensor | None] | None:
+        """(weight, bias) where x's product may run in the few-row loop, for
+        ``qkv.nn.linear.shared_input``; else None."""
+        if self.few_row_loop and float32_inference(x, self.weight, self.bias, self.dtype):
+            return self.weight, self.bias
+        return None
+
     def extra_repr(self) -> str:
         packed = "oneDNN-packed " if self.packed else ""
         weight = "bf16" if self.dtype == torch.bfloat16 else "float32"

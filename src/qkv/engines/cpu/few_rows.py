@@ -31,6 +31,7 @@ from . import build, native
 MAX_ROWS = 16
 
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_UNUSED_PART = (None, None, None, 0)  # (weight, bias, y, n) of a product the call leaves out
 
 
 @functools.cache
@@ -43,10 +44,10 @@ def _library():
                                   "few_rows_linear", ("-fopenmp",))
     if lib is None:
         return None
-    args = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    # x, its row stride, rows, k, threads, count, then (weight, bias, y, n) for 3 products.
+    args = [_PTR, _I64, _I64, _I64, _I64, _I64] + [_PTR, _PTR, _PTR, _I64] * 3
     lib.qkv_few_rows_linear_f32.argtypes = lib.qkv_few_rows_linear_bf16.argtypes = args
-    lib.qkv_few_rows_linear_f32.restype = None
-    lib.qkv_few_rows_linear_bf16.restype = ctypes.c_int
+    lib.qkv_few_rows_linear_f32.restype = lib.qkv_few_rows_linear_bf16.restype = ctypes.c_int
     lib.qkv_few_rows_bf16_dot_products.argtypes = []
     lib.qkv_few_rows_bf16_dot_products.restype = ctypes.c_int
     return lib
@@ -69,13 +70,7 @@ def few_rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     stride; the caller (``qkv.nn.linear``) checks the layouts, dtypes and that
     ``available()``. Decoding makes 200-odd of these calls a token, each a few microseconds
     of work, so nothing here reshapes or views."""
-    k, n = x.shape[-1], weight.shape[0]
-    y = x.new_empty(*x.shape[:-1], n)  # x's dtype, float32: the cheapest allocation
-    _library().qkv_few_rows_linear_f32(
-        x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), x.numel() // k, k, n,
-        torch.get_num_threads())
-    return y
+    return few_rows_linears(x, (weight,), (bias,))[0]
 
 
 def few_rows_linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -84,12 +79,28 @@ def few_rows_linear_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None) 
     float32 (denormals as zero where AVX512-BF16's dot products run them, as in oneDNN's),
     each output rounded to bf16, then + bias. Returns float32 (..., out): half the weight
     bytes of the float32 loop, and no conversions around the call."""
-    k, n = x.shape[-1], weight.shape[0]
-    y = x.new_empty(*x.shape[:-1], n)
-    rows = x.numel() // k
-    if _library().qkv_few_rows_linear_bf16(
-            x.data_ptr(), x.stride(0) if x.dim() == 2 else k, weight.data_ptr(),
-            None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, n,
-            torch.get_num_threads()):
+    return few_rows_linears(x, (weight,), (bias,))[0]
+
+
+def few_rows_linears(x: Tensor, weights: tuple[Tensor, ...],
+                     biases: tuple[Tensor | None, ...]) -> list[Tensor]:
+    """[x @ w_iᵀ + b_i] for 1 to 3 weights of the same dtype (float32 or bfloat16, each
+    contiguous (out_i, in)) by the same x, in one call and one start of the thread team:
+    attention's q, k and v projections, a gated MLP's gate and up. Each output is what
+    ``few_rows_linear`` (or ``few_rows_linear_bf16``) gives it alone; layouts as there."""
+    k = x.shape[-1]
+    rows, lead = x.numel() // k, x.shape[:-1]
+    ys = [x.new_empty(*lead, w.shape[0]) for w in weights]
+    parts = []
+    for w, b, y in zip(weights, biases, ys, strict=True):
+        parts += (w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), w.shape[0])
+    parts += _UNUSED_PART * (3 - len(weights))
+    bf16 = weights[0].dtype == torch.bfloat16
+    product = _library().qkv_few_rows_linear_bf16 if bf16 else _library().qkv_few_rows_linear_f32
+    status = product(x.data_ptr(), x.stride(0) if x.dim() == 2 else k, rows, k,
+                     torch.get_num_threads(), len(weights), *parts)
+    if status == -1:
         raise MemoryError(f"few_rows_linear_bf16: no memory for x's {rows} x {k} bf16 copy")
-    return y
+    if status:
+        raise ValueError(f"few_rows_linears takes 1 to 3 weights; got {len(weights)}")
+    return ys

@@ -173,50 +173,84 @@ DEFINE_TILE(tile_bf16_2, 2, uint16_t, load_lanes_bf16, bf16_to_f32, round_to_bf1
 #define x_to_bf16 round_to_bf16
 #endif
 
-/* The outputs of `rows` rows of x (XTYPE) split over `threads` threads of OpenMP's team,
- * each taking a contiguous range of output tiles; TILE_1 and TILE_2 take one and two rows. */
-#define DEFINE_PRODUCT(NAME, XTYPE, WEIGHT, TILE_1, TILE_2)                                \
-    static void NAME(const XTYPE *x, int64_t xs, const WEIGHT *w, const float *bias,      \
-                     float *y, int64_t rows, int64_t k, int64_t n, int64_t threads) {     \
-        const int64_t tiles = (n + TILE - 1) / TILE;                                       \
+/* One product of a group that shares x: its weight (n, k) contiguous (WEIGHT), bias (n,) or
+ * NULL, and output y (rows, n). */
+typedef struct {
+    const void *w;
+    const float *bias;
+    float *y;
+    int64_t n;
+} product_part;
+
+/* The outputs of `rows` rows of x (XTYPE) by each of `count` parts, their output tiles taken
+ * in order as one range and split over `threads` threads of OpenMP's team, each thread a
+ * contiguous part of it: one team's start for all of a group. TILE_1 and TILE_2 take one and
+ * two rows. A part's tiles start at its output 0, so each output is what the part alone gives. */
+#define DEFINE_PRODUCTS(NAME, XTYPE, WEIGHT, TILE_1, TILE_2)                               \
+    static void NAME(const XTYPE *x, int64_t xs, const product_part *parts, int64_t count, \
+                     int64_t rows, int64_t k, int64_t threads) {                          \
+        int64_t tiles = 0;                                                                 \
+        for (int64_t p = 0; p < count; p++) tiles += (parts[p].n + TILE - 1) / TILE;       \
         if (threads > tiles) threads = tiles;                                              \
         if (threads < 1) threads = 1;                                                      \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
         for (int64_t part = 0; part < threads; part++) {                                   \
-            const int64_t first = tiles * part / threads * TILE;                           \
-            int64_t end = tiles * (part + 1) / threads * TILE;                             \
-            if (end > n) end = n;                                                          \
-            for (int64_t o = first; o < end; o += TILE) {                                  \
-                const int64_t count = end - o < TILE ? end - o : TILE;                     \
+            const int64_t first = tiles * part / threads, end = tiles * (part + 1) / threads; \
+            int64_t p = 0, before = 0; /* the part of tile `first`, and its first tile */  \
+            while ((parts[p].n + TILE - 1) / TILE <= first - before)                       \
+                before += (parts[p++].n + TILE - 1) / TILE;                                \
+            for (int64_t t = first; t < end; t++) {                                        \
+                while (t - before == (parts[p].n + TILE - 1) / TILE)                       \
+                    before += (parts[p++].n + TILE - 1) / TILE;                            \
+                const WEIGHT *w = parts[p].w;                                              \
+                const int64_t n = parts[p].n, o = (t - before) * TILE;                     \
+                const int64_t left = n - o < TILE ? n - o : TILE;                          \
+                float *y = parts[p].y;                                                     \
                 int64_t r = 0;                                                             \
                 for (; r + 2 <= rows; r += 2)                                              \
-                    TILE_2(x + r * xs, xs, w, bias, k, y + r * n, n, o, count);            \
-                if (r < rows) TILE_1(x + r * xs, xs, w, bias, k, y + r * n, n, o, count);  \
+                    TILE_2(x + r * xs, xs, w, parts[p].bias, k, y + r * n, n, o, left);    \
+                if (r < rows)                                                              \
+                    TILE_1(x + r * xs, xs, w, parts[p].bias, k, y + r * n, n, o, left);    \
             }                                                                              \
         }                                                                                  \
     }
 
-DEFINE_PRODUCT(product_f32, float, float, tile_f32_1, tile_f32_2)
-DEFINE_PRODUCT(product_bf16, x_bf16, uint16_t, tile_bf16_1, tile_bf16_2)
+DEFINE_PRODUCTS(products_f32, float, float, tile_f32_1, tile_f32_2)
+DEFINE_PRODUCTS(products_bf16, x_bf16, uint16_t, tile_bf16_1, tile_bf16_2)
 
-/* y (rows, n) = x (rows, k; row stride xs, unit column stride) @ w (n, k)ᵀ + bias (n,) or
- * NULL, on `threads` threads. */
-void qkv_few_rows_linear_f32(const float *x, int64_t xs, const float *w, const float *bias,
-                             float *y, int64_t rows, int64_t k, int64_t n, int64_t threads) {
-    product_f32(x, xs, w, bias, y, rows, k, n, threads);
+/* The parts of a call: `count` of 1 to 3 (w, bias, y, n) quadruples, the unused ones NULL. */
+#define PARTS(count)                                                                       \
+    const product_part parts[3] = {{w0, b0, y0, n0}, {w1, b1, y1, n1}, {w2, b2, y2, n2}};  \
+    if (count < 1 || count > 3) return -2;
+
+/* y_i (rows, n_i) = x (rows, k; row stride xs, unit column stride) @ w_i (n_i, k)ᵀ + b_i (n_i,)
+ * or NULL, for i < count (1 to 3 products of the same x: attention's q, k and v, or a gated
+ * MLP's gate and up), on `threads` threads. Returns 0, or -2 for a count out of range. */
+int qkv_few_rows_linear_f32(const float *x, int64_t xs, int64_t rows, int64_t k,
+                            int64_t threads, int64_t count,
+                            const float *w0, const float *b0, float *y0, int64_t n0,
+                            const float *w1, const float *b1, float *y1, int64_t n1,
+                            const float *w2, const float *b2, float *y2, int64_t n2) {
+    PARTS(count)
+    products_f32(x, xs, parts, count, rows, k, threads);
+    return 0;
 }
 
-/* The same with w (n, k) in bf16, as a bf16 linear layer computes it: x rounded to bf16 (a
- * copy of rows x k values, allocated here: no tensor around the call), products in float32,
- * each sum rounded to bf16, then the float32 bias. Returns 0, or -1 when the copy cannot be
- * allocated (nothing written). */
-int qkv_few_rows_linear_bf16(const float *x, int64_t xs, const uint16_t *w, const float *bias,
-                             float *y, int64_t rows, int64_t k, int64_t n, int64_t threads) {
+/* The same with each w_i (n_i, k) in bf16, as a bf16 linear layer computes it: x rounded to
+ * bf16 once (a copy of rows x k values, allocated here: no tensor around the call), products
+ * in float32, each sum rounded to bf16, then the float32 bias. Returns 0, -1 when the copy
+ * cannot be allocated (nothing written), or -2 for a count out of range. */
+int qkv_few_rows_linear_bf16(const float *x, int64_t xs, int64_t rows, int64_t k,
+                             int64_t threads, int64_t count,
+                             const uint16_t *w0, const float *b0, float *y0, int64_t n0,
+                             const uint16_t *w1, const float *b1, float *y1, int64_t n1,
+                             const uint16_t *w2, const float *b2, float *y2, int64_t n2) {
+    PARTS(count)
     x_bf16 *xh = malloc((size_t)(rows * k) * sizeof *xh);
     if (xh == NULL) return -1;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < k; j++) xh[r * k + j] = x_to_bf16(x[r * xs + j]);
-    product_bf16(xh, k, w, bias, y, rows, k, n, threads);
+    products_bf16(xh, k, parts, count, rows, k, threads);
     free(xh);
     return 0;
 }

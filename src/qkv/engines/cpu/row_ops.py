@@ -3,8 +3,8 @@ decoding's small operations between its products, which torch runs as seven and 
 operations.
 
 On a 2-core Zen 4, SmolLM2 decodes a median 1.13x faster at batch 1 with them and 1.05x at
-batch 8 (docs/performance.md, "Generation"). Each row is computed from its own input alone, in a fixed order, so a row's
-result does not depend on the batch it is in.
+batch 8 (docs/performance.md, "Generation"). Each row is computed from its own input alone,
+in a fixed order, so a row's result does not depend on the batch it is in.
 
 Built like the other C sources (``native.optional_library``); without a compiler the
 callers (``qkv.nn.norms``, ``qkv.nn.positions``) keep torch's operations.
