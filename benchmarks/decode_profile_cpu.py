@@ -27,32 +27,41 @@ import torch.nn.functional as F
 from results import write_results  # beside this script
 
 
-def token_parts() -> dict[str, tuple[object, str]]:
-    """part -> (the owner, the attribute timed)."""
+def token_parts() -> dict[str, list[tuple[object, str]]]:
+    """part -> the (owner, attribute) pairs timed; a call inside another of the same part
+    (a layer's own call from ``shared_input``) counts once, as the outer one."""
     import qkv.nn.attention
+    import qkv.nn.feedforward
     import qkv.nn.linear
     import qkv.nn.norms
     import qkv.nn.positions
 
-    return {"products (qkv.nn.Linear)": (qkv.nn.linear.Linear, "forward"),
-            "attention calls (qkv.attention)": (qkv.nn.attention, "attention"),
-            "RMSNorm": (qkv.nn.norms.RMSNorm, "forward"),
-            "rotary positions": (qkv.nn.positions.RotaryEmbedding, "forward")}
+    return {"products (qkv.nn.Linear)": [(qkv.nn.linear.Linear, "forward"),
+                                         (qkv.nn.attention, "shared_input"),
+                                         (qkv.nn.feedforward, "shared_input")],
+            "attention calls (qkv.attention)": [(qkv.nn.attention, "attention")],
+            "RMSNorm": [(qkv.nn.norms.RMSNorm, "forward")],
+            "rotary positions": [(qkv.nn.positions.RotaryEmbedding, "forward")]}
 
 
 def clocked(parts, spent: Counter, calls: Counter) -> None:
-    for name, (owner, attribute) in parts.items():
-        original = getattr(owner, attribute)
+    depth = Counter()
+    for name, sites in parts.items():
+        for owner, attribute in sites:
+            original = getattr(owner, attribute)
 
-        def timed(*args, _original=original, _name=name, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_name] += time.perf_counter() - start
-                calls[_name] += 1
+            def timed(*args, _original=original, _name=name, **kwargs):
+                depth[_name] += 1
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    depth[_name] -= 1
+                    if not depth[_name]:
+                        spent[_name] += time.perf_counter() - start
+                        calls[_name] += 1
 
-        setattr(owner, attribute, timed)
+            setattr(owner, attribute, timed)
 
 
 def token_report(args) -> list[dict]:
