@@ -34,8 +34,8 @@ def add_model_option(p: argparse.ArgumentParser, required: bool = False) -> None
 def add_weights_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: weight-only bf16 linear layers, half the weight bytes: faster "
-                        "decoding on CPU (SmolLM2 on a 2-core Zen 4: 1.2x fp32's rate at batch "
-                        "1, 1.5x at batch 8), and bf16 attention products for the prompt on "
+                        "decoding on CPU (SmolLM2 on a 2-core Zen 4: 1.4x fp32's rate at batch "
+                        "1, 1.6x at batch 8), and bf16 attention products for the prompt on "
                         "AMD CPUs with AVX512-BF16; logits within about 2e-2 relative (default "
                         "fp32: exact)")
 
