@@ -155,14 +155,19 @@ def test_the_module_runs_the_loop_in_inference(only_few_rows):
         assert_float32_linear(layer(x), x, layer.weight, layer.bias)
 
 
-@pytest.mark.parametrize("value", ["0", "yes"])
-def test_the_switch_turns_it_off_or_is_refused_by_name(value):
-    # Read once per process: a fresh one for each value.
-    code = ("from qkv.engines.cpu import few_rows\n"
-            "try:\n    print(few_rows.available())\n"
+def assert_switch(variable: str, module: str, on: str, value: str) -> None:
+    """In a fresh process (a switch is read once per process), ``variable=value`` turns the C
+    code of ``qkv.engines.cpu.<module>`` off (expression ``on`` prints False) for "0", and is
+    refused by name for any other value than 0 or 1."""
+    code = (f"from qkv.engines.cpu import {module}\n"
+            f"try:\n    print({on})\n"
             "except ValueError as err:\n    print(err)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "QKV_FEW_ROWS_LINEAR": value},
-                          check=True)
-    want = "False" if value == "0" else "QKV_FEW_ROWS_LINEAR must be 0, 1 or unset; got 'yes'"
+                          env={**os.environ, variable: value}, check=True)
+    want = "False" if value == "0" else f"{variable} must be 0, 1 or unset; got {value!r}"
     assert done.stdout.strip() == want
+
+
+@pytest.mark.parametrize("value", ["0", "yes"])
+def test_the_switch_turns_it_off_or_is_refused_by_name(value):
+    assert_switch("QKV_FEW_ROWS_LINEAR", "few_rows", "few_rows.available()", value)

@@ -1,10 +1,6 @@
 """RMSNorm and RoPE's rotation of a few rows in C (qkv.engines.cpu.row_ops) against float64,
 and the modules' choice of them: decoding's small operations, 1 to 16 rows."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +12,7 @@ from qkv.nn.norms import RMSNorm
 from qkv.nn.positions import RotaryEmbedding, Rotation, last_positions
 
 from ..nn.conftest import llama_shaped_gpt
+from .test_few_rows import assert_switch
 
 pytestmark = pytest.mark.skipif(row_ops._library() is None,
                                 reason="the row operations need a C compiler")
@@ -198,10 +195,4 @@ def test_a_gpt_decodes_the_same_with_them_off(monkeypatch):
 
 @pytest.mark.parametrize("value", ["0", "yes"])
 def test_the_switch_turns_them_off_or_is_refused_by_name(value):
-    code = ("from qkv.engines.cpu import row_ops\n"
-            "try:\n    print(row_ops._library() is not None)\n"
-            "except ValueError as err:\n    print(err)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "QKV_ROW_OPS": value}, check=True)
-    want = "False" if value == "0" else "QKV_ROW_OPS must be 0, 1 or unset; got 'yes'"
-    assert done.stdout.strip() == want
+    assert_switch("QKV_ROW_OPS", "row_ops", "row_ops._library() is not None", value)
