@@ -44,10 +44,9 @@ def _library():
                                   "few_rows_linear", ("-fopenmp",))
     if lib is None:
         return None
-    # x, its row stride, rows, k, threads, count, then (weight, bias, y, n) for 3 products.
-    args = [_PTR, _I64, _I64, _I64, _I64, _I64] + [_PTR, _PTR, _PTR, _I64] * 3
-    lib.qkv_few_rows_linear_f32.argtypes = lib.qkv_few_rows_linear_bf16.argtypes = args
-    lib.qkv_few_rows_linear_f32.restype = lib.qkv_few_rows_linear_bf16.restype = ctypes.c_int
+    # x, its row stride, rows, k, threads, bf16, count, then (weight, bias, y, n) three times.
+    lib.qkv_few_rows_linear.argtypes = [_PTR] + [_I64] * 6 + [_PTR, _PTR, _PTR, _I64] * 3
+    lib.qkv_few_rows_linear.restype = ctypes.c_int
     lib.qkv_few_rows_bf16_dot_products.argtypes = []
     lib.qkv_few_rows_bf16_dot_products.restype = ctypes.c_int
     return lib
@@ -95,10 +94,9 @@ def few_rows_linears(x: Tensor, weights: tuple[Tensor, ...],
     for w, b, y in zip(weights, biases, ys, strict=True):
         parts += (w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), w.shape[0])
     parts += _UNUSED_PART * (3 - len(weights))
-    bf16 = weights[0].dtype == torch.bfloat16
-    product = _library().qkv_few_rows_linear_bf16 if bf16 else _library().qkv_few_rows_linear_f32
-    status = product(x.data_ptr(), x.stride(0) if x.dim() == 2 else k, rows, k,
-                     torch.get_num_threads(), len(weights), *parts)
+    status = _library().qkv_few_rows_linear(
+        x.data_ptr(), x.stride(0) if x.dim() == 2 else k, rows, k, torch.get_num_threads(),
+        weights[0].dtype == torch.bfloat16, len(weights), *parts)
     if status == -1:
         raise MemoryError(f"few_rows_linear_bf16: no memory for x's {rows} x {k} bf16 copy")
     if status:

@@ -218,34 +218,24 @@ typedef struct {
 DEFINE_PRODUCTS(products_f32, float, float, tile_f32_1, tile_f32_2)
 DEFINE_PRODUCTS(products_bf16, x_bf16, uint16_t, tile_bf16_1, tile_bf16_2)
 
-/* The parts of a call: `count` of 1 to 3 (w, bias, y, n) quadruples, the unused ones NULL. */
-#define PARTS(count)                                                                       \
-    const product_part parts[3] = {{w0, b0, y0, n0}, {w1, b1, y1, n1}, {w2, b2, y2, n2}};  \
-    if (count < 1 || count > 3) return -2;
-
 /* y_i (rows, n_i) = x (rows, k; row stride xs, unit column stride) @ w_i (n_i, k)ᵀ + b_i (n_i,)
  * or NULL, for i < count (1 to 3 products of the same x: attention's q, k and v, or a gated
- * MLP's gate and up), on `threads` threads. Returns 0, or -2 for a count out of range. */
-int qkv_few_rows_linear_f32(const float *x, int64_t xs, int64_t rows, int64_t k,
-                            int64_t threads, int64_t count,
-                            const float *w0, const float *b0, float *y0, int64_t n0,
-                            const float *w1, const float *b1, float *y1, int64_t n1,
-                            const float *w2, const float *b2, float *y2, int64_t n2) {
-    PARTS(count)
-    products_f32(x, xs, parts, count, rows, k, threads);
-    return 0;
-}
-
-/* The same with each w_i (n_i, k) in bf16, as a bf16 linear layer computes it: x rounded to
- * bf16 once (a copy of rows x k values, allocated here: no tensor around the call), products
- * in float32, each sum rounded to bf16, then the float32 bias. Returns 0, -1 when the copy
- * cannot be allocated (nothing written), or -2 for a count out of range. */
-int qkv_few_rows_linear_bf16(const float *x, int64_t xs, int64_t rows, int64_t k,
-                             int64_t threads, int64_t count,
-                             const uint16_t *w0, const float *b0, float *y0, int64_t n0,
-                             const uint16_t *w1, const float *b1, float *y1, int64_t n1,
-                             const uint16_t *w2, const float *b2, float *y2, int64_t n2) {
-    PARTS(count)
+ * MLP's gate and up), on `threads` threads; the unused parts NULL. Each w_i is float32, or
+ * with `bf16` bf16 as a bf16 linear layer computes it: x rounded to bf16 once (a copy of rows
+ * x k values, allocated here: no tensor around the call), products in float32, each sum
+ * rounded to bf16, then the float32 bias. Returns 0, -1 when the bf16 copy cannot be
+ * allocated (nothing written), or -2 for a count out of range. */
+int qkv_few_rows_linear(const float *x, int64_t xs, int64_t rows, int64_t k, int64_t threads,
+                        int64_t bf16, int64_t count,
+                        const void *w0, const float *b0, float *y0, int64_t n0,
+                        const void *w1, const float *b1, float *y1, int64_t n1,
+                        const void *w2, const float *b2, float *y2, int64_t n2) {
+    if (count < 1 || count > 3) return -2;
+    const product_part parts[3] = {{w0, b0, y0, n0}, {w1, b1, y1, n1}, {w2, b2, y2, n2}};
+    if (!bf16) {
+        products_f32(x, xs, parts, count, rows, k, threads);
+        return 0;
+    }
     x_bf16 *xh = malloc((size_t)(rows * k) * sizeof *xh);
     if (xh == NULL) return -1;
     for (int64_t r = 0; r < rows; r++)
