@@ -74,8 +74,7 @@ def few_rows_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor |
     rows, an empty or non-contiguous operand, the loop not built)."""
     if not (_few_row_shape(x, weight, bias) and few_rows.available()):
         return None
-    if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
-        x = x.contiguous()
+    x = _rows_readable(x)
     if weight.dtype == torch.bfloat16:
         return few_rows.few_rows_linear_bf16(x, weight, bias)
     return few_rows.few_rows_linear(x, weight, bias)
@@ -99,6 +98,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+def _rows_readable(x: Tensor) -> Tensor:
+    """x as the few-row loop reads it: contiguous, or 2-D with unit column stride."""
+    return x if x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1) else x.contiguous()
+
+
 def _few_row_shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether ``few_rows_product`` takes x by weight (given ``float32_inference``)."""
     k = x.shape[-1]
@@ -116,10 +120,8 @@ def shared_input(x: Tensor, layers: tuple[nn.Module, ...]) -> list[Tensor]:
     operands = _few_row_group(x, layers)
     if operands is None:
         return [layer(x) for layer in layers]
-    if not (x.is_contiguous() or (x.dim() == 2 and x.stride(1) == 1)):
-        x = x.contiguous()
     weights, biases = zip(*operands, strict=True)
-    return few_rows.few_rows_linears(x, weights, biases)
+    return few_rows.few_rows_linears(_rows_readable(x), weights, biases)
 
 
 def _few_row_group(x: Tensor, layers) -> list | None:

@@ -89,7 +89,7 @@ class PackedLinear(nn.Module):
         self.widen = dtype == torch.bfloat16 and weight.device.type == "cpu" and not self.onednn
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.few_row_loop and float32_inference(x, self.weight, self.bias, self.dtype):
+        if self.few_row_operands(x) is not None:
             y = few_rows_product(x, self.weight, self.bias)
             if y is not None:
                 return y

@@ -173,6 +173,9 @@ DEFINE_TILE(tile_bf16_2, 2, uint16_t, load_lanes_bf16, bf16_to_f32, round_to_bf1
 #define x_to_bf16 round_to_bf16
 #endif
 
+/* The output tiles of n outputs. */
+static inline int64_t tiles_of(int64_t n) { return (n + TILE - 1) / TILE; }
+
 /* One product of a group that shares x: its weight (n, k) contiguous (WEIGHT), bias (n,) or
  * NULL, and output y (rows, n). */
 typedef struct {
@@ -190,18 +193,18 @@ typedef struct {
     static void NAME(const XTYPE *x, int64_t xs, const product_part *parts, int64_t count, \
                      int64_t rows, int64_t k, int64_t threads) {                          \
         int64_t tiles = 0;                                                                 \
-        for (int64_t p = 0; p < count; p++) tiles += (parts[p].n + TILE - 1) / TILE;       \
+        for (int64_t p = 0; p < count; p++) tiles += tiles_of(parts[p].n);                 \
         if (threads > tiles) threads = tiles;                                              \
         if (threads < 1) threads = 1;                                                      \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                 \
         for (int64_t part = 0; part < threads; part++) {                                   \
             const int64_t first = tiles * part / threads, end = tiles * (part + 1) / threads; \
             int64_t p = 0, before = 0; /* the part of tile `first`, and its first tile */  \
-            while ((parts[p].n + TILE - 1) / TILE <= first - before)                       \
-                before += (parts[p++].n + TILE - 1) / TILE;                                \
+            while (tiles_of(parts[p].n) <= first - before)                                 \
+                before += tiles_of(parts[p++].n);                                          \
             for (int64_t t = first; t < end; t++) {                                        \
-                while (t - before == (parts[p].n + TILE - 1) / TILE)                       \
-                    before += (parts[p++].n + TILE - 1) / TILE;                            \
+                while (t - before == tiles_of(parts[p].n))                                 \
+                    before += tiles_of(parts[p++].n);                                      \
                 const WEIGHT *w = parts[p].w;                                              \
                 const int64_t n = parts[p].n, o = (t - before) * TILE;                     \
                 const int64_t left = n - o < TILE ? n - o : TILE;                          \
