@@ -40,6 +40,11 @@ from results import write_results  # beside this script
 WINDOW, SOFTCAP, DOC_LEN, GRAPH_DEGREE, GRAPH_SPAN = 512, 20.0, 1024, 32, 512
 VARIANTS = ["dot", "causal", "alibi", "window", "softcap", "segments", "cosine", "cosine_causal",
             "l2", "l2_causal", "l1", "l1_causal", "user", "graph"]
+# The weightings other than softmax (qkv.weighting), each on dot scores, stick-breaking causal;
+# asked for by name (gpu_suite.sh's weightings stage). FlexAttention cannot express them, so
+# their baseline is the Triton softmax at the same shape (the dot or causal row) and SDPA's.
+WEIGHTINGS = ["sigmoid", "softpick", "stick_breaking", "relu", "identity", "elementwise"]
+SMOKE_VARIANTS = ["dot", "causal", "alibi", "l1", "user", "sigmoid", "stick_breaking"]
 
 
 @dataclass
@@ -51,6 +56,7 @@ class Variant:
     flex: Callable | None = None
     sdpa: dict = field(default_factory=dict)  # backend name -> callable
     dispatched: bool = False  # also time qkv.attention's own choice ("qkv auto")
+    naive: bool = True  # also time the reference (the weightings' rows need only the kernels)
 
 
 def _flex_compiled():
@@ -174,6 +180,12 @@ def make_variant(name: str, n: int, d: int, heads: int, device) -> Variant:
         weight = torch.linspace(0.5, 1.5, d, device=device)
         similarity = qkv.Similarity(lambda a, b: -weight * (a - b).abs(), name="weighted_l1")
         return Variant({"similarity": similarity}, n * n)
+    if name in WEIGHTINGS:
+        causal = name == "stick_breaking"  # it breaks the stick over the keys before a query
+        weighting = (qkv.weighting.elementwise(lambda s: s * torch.sigmoid(s))
+                     if name == "elementwise" else name)
+        return Variant({"weighting": weighting, "mask": qkv.causal() if causal else None},
+                       causal_pairs if causal else n * n, naive=False)
     if name == "graph":
         edges = _local_graph(n, device)
         mask = qkv.graph(edges, num_nodes=n)
@@ -191,7 +203,8 @@ def qkv_triton(q, k, v, **kwargs):
         return qkv.attention(q, k, v, backend="triton", **kwargs)
     problem = build_problem(q, k, v, mask=kwargs.get("mask"), score_mod=kwargs.get("score_mod"),
                             similarity=kwargs.get("similarity", "dot"), scale=None, metric=None,
-                            dropout_p=0.0, return_weights=False)
+                            dropout_p=0.0, return_weights=False,
+                            weighting=kwargs.get("weighting", "softmax"))
     return triton_engine.plan(problem, on_cpu=True)().out
 
 
@@ -202,7 +215,9 @@ def implementations(v: Variant) -> dict[str, Callable]:
     impls.update({f"sdpa {name}": fn for name, fn in v.sdpa.items()})
     if v.flex is not None and _FLEX is not None:
         impls["flex (compiled)"] = v.flex
-    impls["naive"] = lambda q, k, v_: qkv.attention(q, k, v_, backend="reference", **v.kwargs)
+    if v.naive:
+        impls["naive"] = lambda q, k, v_: qkv.attention(q, k, v_, backend="reference",
+                                                        **v.kwargs)
     return impls
 
 
@@ -438,6 +453,7 @@ def targets(rows: list[Row], peak: float | None) -> list[str]:
     for name, base in (("cosine", "dot"), ("l2", "dot")):
         rel = ratio(get(name, "qkv triton"), get(base, "qkv triton"))
         lines.append(verdict(rel, 0.85, f"{name} speed relative to dot (fwd+bwd)"))
+    lines += weighting_targets(get, ratio, verdict)
     for name in ("l1", "user"):
         ours, naive = get(name, "qkv triton"), get(name, "naive")
         lines.append(verdict(ratio(ours, naive), 5.0, f"{name} fwd+bwd speed vs naive"))
@@ -448,12 +464,33 @@ def targets(rows: list[Row], peak: float | None) -> list[str]:
     return lines
 
 
+def weighting_targets(get, ratio, verdict) -> list[str]:
+    """Each weighting's fwd+bwd TFLOP/s as a multiple of the Triton softmax's at the same shape
+    (same count of allowed pairs, so the ratio of times): >= 0.8; sigmoid >= 1.0 (FlashSigmoid's
+    claim), forward and fwd+bwd. SDPA's flash softmax beside it, for scale."""
+    lines = []
+    for name in WEIGHTINGS:
+        base = "causal" if name == "stick_breaking" else "dot"
+        ours, softmax = get(name, "qkv triton"), get(base, "qkv triton")
+        lines.append(verdict(ratio(ours, softmax), 1.0 if name == "sigmoid" else 0.8,
+                             f"{name} fwd+bwd TFLOP/s vs the Triton softmax ({base})"))
+        if name == "sigmoid":
+            lines.append(verdict(ratio(ours, softmax, "fwd_ms"), 1.0,
+                                 f"{name} forward TFLOP/s vs the Triton softmax ({base})"))
+        sdpa = ratio(ours, get(base, "sdpa flash"))
+        if sdpa is not None:
+            lines.append(f"- {name} fwd+bwd speed vs SDPA flash ({base}): {sdpa:.2f}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--tokens", type=int, default=16384, help="B·N")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS + WEIGHTINGS,
+                        help="default: " + " ".join(VARIANTS) + " (with --smoke: "
+                             + " ".join(SMOKE_VARIANTS) + ")")
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--no-check", action="store_true",
@@ -469,7 +506,7 @@ def main() -> None:
     if args.smoke:
         global REPS, MIN_SECONDS
         args.d, args.n, args.tokens, args.heads, REPS, MIN_SECONDS = [16], [64], 64, 2, 1, 0.0
-        args.variants = ["dot", "causal", "alibi", "l1", "user"]
+    args.variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
     global _FLEX
     _FLEX = None if args.no_flex or args.smoke else _flex_compiled()
     import triton

@@ -4,6 +4,9 @@
 #   benchmarks/gpu_suite.sh tests OUT_DIR   # the CUDA test module vs float64 (fp32, bf16, fp16)
 #   benchmarks/gpu_suite.sh d128 OUT_DIR    # attention_gpu.py at D=128 (the issue's targets)
 #   benchmarks/gpu_suite.sh d64 OUT_DIR     # attention_gpu.py at D=64
+#   benchmarks/gpu_suite.sh weightings OUT_DIR
+#                                           # attention_gpu.py at D=128, N=8k: each weighting
+#                                           # beside the Triton softmax (dot, causal) and SDPA
 #   benchmarks/gpu_suite.sh tiles OUT_DIR   # triton_tiling.py: candidate tile shapes, D=128, 64,
 #                                           # beside FlexAttention (its kernel source kept) and
 #                                           # a bare FA-2 forward
@@ -28,8 +31,8 @@
 # TESTS_TIMEOUT / BENCH_BUDGET (seconds; defaults fit a 10-minute call).
 set -uo pipefail
 
-stages=${1:?usage: gpu_suite.sh tests|d128|d64|tiles|profile|ab[,...] OUT_DIR}
-out=${2:?usage: gpu_suite.sh tests|d128|d64|tiles|profile|ab[,...] OUT_DIR}
+stages=${1:?usage: gpu_suite.sh tests|d128|d64|weightings|tiles|profile|ab[,...] OUT_DIR}
+out=${2:?usage: gpu_suite.sh tests|d128|d64|weightings|tiles|profile|ab[,...] OUT_DIR}
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -92,6 +95,17 @@ run_bench() {  # $1 = head dim
     return "${PIPESTATUS[0]}"
 }
 
+run_weightings() {
+    local args=(--d 128 --n 8192 --no-flex)
+    if [ "$gpu" = 0 ]; then
+        args=(--smoke)
+    fi
+    "$py" benchmarks/attention_gpu.py "${args[@]}" --variants dot causal sigmoid softpick \
+        stick_breaking relu identity elementwise --budget-s "${BENCH_BUDGET:-420}" 2>&1 \
+        | tee "$out/bench_weightings.md"
+    return "${PIPESTATUS[0]}"
+}
+
 run_tiles() {
     if [ "$gpu" = 0 ]; then
         echo "tiles: needs a GPU (CUDA events); skipped"
@@ -145,10 +159,12 @@ for stage in "${wanted[@]}"; do
         tests) run_tests || status=1 ;;
         d128) run_bench 128 || status=1 ;;
         d64) run_bench 64 || status=1 ;;
+        weightings) run_weightings || status=1 ;;
         tiles) run_tiles || status=1 ;;
         ab) run_ab || status=1 ;;
         profile) run_profile || status=1 ;;
-        *) echo "unknown stage '$stage': expected tests, d128, d64, tiles, profile or ab" >&2; exit 2 ;;
+        *) echo "unknown stage '$stage': expected tests, d128, d64, weightings, tiles, profile" \
+                "or ab" >&2; exit 2 ;;
     esac
 done
 exit "$status"

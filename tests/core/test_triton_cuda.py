@@ -1,9 +1,10 @@
 """The Triton engine on a real CUDA GPU, against the float64 reference on CPU.
 
 The interpreter matrix of test_triton_engine.py (every similarity, mask and modifier, user
-terms, odd sizes, D = 40, grouped heads, Nq != Nk) runs here compiled, in fp32, bf16 and fp16,
-plus problems large enough for many of the GPU's tiles, the dispatcher's choices on CUDA and
-the compiled path. CI has no GPU, so the whole module skips there.
+terms, odd sizes, D = 40, grouped heads, Nq != Nk) and test_triton_weighting.py's weightings
+run here compiled, in fp32, bf16 and fp16, plus problems large enough for many of the GPU's
+tiles (the weightings' among them), the dispatcher's choices on CUDA and the compiled path.
+CI has no GPU, so the whole module skips there.
 
 Low-precision runs are compared with a float64 reference on the same rounded inputs, so
 their error is the kernels' own: bf16 keeps 8 significant bits (2^-9 ≈ 2e-3 per rounding),
@@ -27,6 +28,7 @@ from qkv.core.problem import build_problem
 from qkv.core.reference import reference_attention
 
 from ..versions import ONE_GRAPH
+from . import test_triton_weighting as weighting_cases
 from .test_triton_engine import (
     CASES,
     REGISTRY_GRAD_TOLERANCE,
@@ -86,6 +88,25 @@ def test_matrix_matches_float64_forward_and_gradients(name, dtype):
     assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("name", list(weighting_cases.CASES))
+def test_weightings_match_float64_forward_and_gradients(name, dtype):
+    """test_triton_weighting.py's cases (sigmoid, relu, identity, a user's function,
+    softpick, stick-breaking) compiled."""
+    result = weighting_cases.run_case(name, "cuda", DTYPES[dtype])
+    RESULTS[f"weighting_{name}/{dtype}"] = result
+    if dtype == "fp32":
+        out_tolerance = weighting_cases.TOLERANCE
+        grad_tolerance = weighting_cases._grad_tolerance(name)
+    else:
+        out_tolerance, grad_tolerance = LOW_PRECISION[dtype]
+    assert result["out"] < out_tolerance, result
+    for error, scalar in zip(result["grads"], result["scalar"], strict=True):
+        factor = SCALAR_FACTOR if scalar and dtype != "fp32" else 1.0
+        assert error < grad_tolerance * factor, result
+    assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+
+
 @pytest.mark.parametrize("name", list(WEIGHT_CASES))
 def test_weights_from_saved_lse(name):
     result = run_weights_case(name, "cuda")
@@ -120,20 +141,27 @@ def test_lse_and_sinks():
 USER_WEIGHT = torch.linspace(0.5, 1.5, 64)
 USER = qkv.Similarity(lambda q, k: -USER_WEIGHT * (q - k).abs(), name="cuda_user")
 # Many tiles, ragged ends, Nq != Nk, grouped heads, D = 40 (padded), 64 and 128:
-# (similarity, mask, score_mod, (B, H, Hkv, Nq, Nk, D))
+# (similarity, mask, score_mod, weighting, (B, H, Hkv, Nq, Nk, D))
 LARGE = {
-    "dot_causal_alibi_d128": ("dot", "causal", "alibi", (2, 4, 2, 1000, 1000, 128)),
-    "dot_window_softcap_kv_cache": ("dot", "sliding", "softcap", (1, 4, 4, 777, 1000, 64)),
-    "dot_segments_d40": ("dot", "segments", None, (1, 2, 1, 1000, 1000, 40)),
-    "cosine_d40": ("cosine", None, None, (1, 2, 1, 1000, 1000, 40)),
-    "l2_causal_d128": ("l2", "causal", None, (1, 4, 2, 1000, 1000, 128)),
-    "l1_padding": ("l1", "padding", None, (2, 2, 1, 600, 1000, 64)),
-    "user_causal": (USER, "causal", None, (1, 2, 2, 1000, 1000, 64)),
+    "dot_causal_alibi_d128": ("dot", "causal", "alibi", "softmax", (2, 4, 2, 1000, 1000, 128)),
+    "dot_window_softcap_kv_cache": ("dot", "sliding", "softcap", "softmax",
+                                    (1, 4, 4, 777, 1000, 64)),
+    "dot_segments_d40": ("dot", "segments", None, "softmax", (1, 2, 1, 1000, 1000, 40)),
+    "cosine_d40": ("cosine", None, None, "softmax", (1, 2, 1, 1000, 1000, 40)),
+    "l2_causal_d128": ("l2", "causal", None, "softmax", (1, 4, 2, 1000, 1000, 128)),
+    "l1_padding": ("l1", "padding", None, "softmax", (2, 2, 1, 600, 1000, 64)),
+    "user_causal": (USER, "causal", None, "softmax", (1, 2, 2, 1000, 1000, 64)),
+    "sigmoid_causal_d128": ("dot", "causal", None, "sigmoid", (2, 4, 2, 1000, 1000, 128)),
+    "softpick_padding": ("dot", "padding", None, "softpick", (2, 2, 1, 600, 1000, 64)),
+    "stick_breaking_causal_kv_cache": ("dot", "causal", None, "stick_breaking",
+                                       (1, 4, 2, 777, 1000, 64)),
+    "relu_window_alibi": ("dot", "sliding", "alibi", "relu", (1, 4, 4, 1000, 1000, 64)),
+    "identity_d40": ("dot", None, None, "identity", (1, 2, 1, 1000, 1000, 40)),
 }
 
 
 def _large_problem(name: str, dtype, device):
-    sim, mask_name, mod, (b, h, hkv, nq, nk, d) = LARGE[name]
+    sim, mask_name, mod, weighting, (b, h, hkv, nq, nk, d) = LARGE[name]
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(*s, generator=g).to(torch.bfloat16).to(device=device, dtype=dtype)
                .requires_grad_() for s in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, d)))
@@ -142,7 +170,8 @@ def _large_problem(name: str, dtype, device):
             "segments": qkv.segments(ids.to(device)),
             "padding": qkv.padding(torch.tensor([nk - 37, 512], device=device))}[mask_name]
     score_mod = {None: None, "alibi": qkv.alibi(h), "softcap": qkv.softcap(20.0)}[mod]
-    problem = build_problem(q, k, v, mask=mask, score_mod=score_mod, similarity=sim)
+    problem = build_problem(q, k, v, mask=mask, score_mod=score_mod, similarity=sim,
+                            weighting=weighting)
     dout = torch.randn(b, h, nq, d, generator=g).to(torch.bfloat16).to(device=device, dtype=dtype)
     return problem, [q, k, v], dout
 

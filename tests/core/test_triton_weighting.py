@@ -60,8 +60,8 @@ def _weighting(name: str, leaves: dict):
     }[name]()
 
 
-def _mask(name: str | None, batch: int, nk: int):
-    lengths = torch.tensor([nk - 5, 9][:batch])
+def _mask(name: str | None, batch: int, nk: int, device="cpu"):
+    lengths = torch.tensor([nk - 5, 9][:batch], device=device)
     return {
         None: lambda: None,
         "causal": qkv.causal,
@@ -100,20 +100,27 @@ DROPOUT_CASES = ("sigmoid_learnable_bias_l2_padding", "stick_causal_gqa_kv_cache
 
 
 def build_case(name: str, dtype: torch.dtype, dropout_p: float = 0.0,
-               return_weights: bool = False):
-    """The case's problem in ``dtype`` (values drawn in float32), its differentiable inputs
-    and an upstream gradient."""
+               return_weights: bool = False, device="cpu",
+               values_in: torch.dtype | None = None):
+    """The case's problem in ``dtype`` on ``device`` (values drawn in float32), its
+    differentiable inputs and an upstream gradient. ``values_in`` rounds every drawn value
+    through that dtype first, so that a float64 reference sees exactly the values a bf16 or
+    fp16 run gets."""
     weighting, mask, similarity, score_mod, names, (b, h, hkv, nq, nk, d, dv) = CASES[name]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return t.to(values_in or dtype).to(device=device, dtype=dtype)
+
+    q, k, v = (place(torch.randn(*shape, generator=g)).requires_grad_()
                for shape in ((b, h, nq, d), (b, hkv, nk, d), (b, hkv, nk, dv)))
-    leaves = {n: _LEAVES[n](h).to(dtype).requires_grad_() for n in names}
+    leaves = {n: place(_LEAVES[n](h)).requires_grad_() for n in names}
     problem = build_problem(
-        q, k, v, mask=_mask(mask, b, nk), similarity=similarity,
+        q, k, v, mask=_mask(mask, b, nk, device), similarity=similarity,
         score_mod=qkv.alibi(slopes=leaves["slopes"]) if score_mod == "alibi" else None,
         weighting=_weighting(weighting, leaves), dropout_p=dropout_p,
         return_weights=return_weights)
-    grad_out = torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)).to(dtype)
+    grad_out = place(torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)))
     return problem, [q, k, v, *leaves.values()], grad_out
 
 
@@ -123,17 +130,23 @@ def _run_triton(problem):
     return runner()
 
 
-def run_case(name: str) -> dict:
-    problem, inputs, grad_out = build_case(name, torch.float32)
+def run_case(name: str, device="cpu", dtype=torch.float32) -> dict:
+    """Errors of output and every gradient vs float64 (in the interpreter subprocess, or on
+    CUDA by test_triton_cuda.py, where bf16 and fp16 runs meet a reference on their rounded
+    values)."""
+    problem, inputs, grad_out = build_case(name, dtype, device=device)
     out = _run_triton(problem).out
     grads = torch.autograd.grad(out, inputs, grad_out)
-    ref_problem, ref_inputs, _ = build_case(name, torch.float64)
+    ref_problem, ref_inputs, _ = build_case(name, torch.float64, values_in=dtype)
     ref = reference_attention(ref_problem)[0]
-    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double().cpu())
+    out, grads = out.cpu(), [t.cpu() for t in grads]
     empty = ref.abs().amax(-1) == 0
     return {
         "out": _relative_error(out, ref),
         "grads": [_relative_error(a, r) for a, r in zip(grads, ref_grads, strict=True)],
+        # A learnable bias, gain or slope sums its gradient over every pair of its head.
+        "scalar": [i >= 3 for i in range(len(inputs))],
         "empty_rows": int(empty.sum()),
         "all_rows": empty.numel(),
         "empty_rows_exact": bool((out[empty] == 0).all() and (grads[0][empty] == 0).all()),
