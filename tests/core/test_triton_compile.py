@@ -37,7 +37,7 @@ class _Recorder:
 
 def _record_launches(monkeypatch, problem):
     from qkv.engines import triton as triton_engine
-    from qkv.engines.triton import backward, function, kernels
+    from qkv.engines.triton import backward, function, kernels, weighted, weighted_backward
 
     choose = function.choose_tiling
     monkeypatch.setattr(function, "choose_tiling",
@@ -45,9 +45,11 @@ def _record_launches(monkeypatch, problem):
     recorders = {}
     for module, name in ((kernels, "fwd_kernel"), (backward, "bwd_kv_kernel"),
                          (backward, "bwd_q_kernel"), (kernels, "weights_kernel"),
-                         (kernels, "row_dots_kernel")):
-        recorders[name] = _Recorder(getattr(module, name))
-        monkeypatch.setattr(module, name, recorders[name])
+                         (kernels, "row_dots_kernel"), (weighted, "fwd_kernel"),
+                         (weighted, "weights_kernel"), (weighted_backward, "bwd_kv_kernel"),
+                         (weighted_backward, "bwd_q_kernel")):
+        recorders[module.__name__, name] = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[module.__name__, name])
     runner = triton_engine.plan(problem, on_cpu=True)
     assert not isinstance(runner, str), runner
     if problem.return_weights:
@@ -83,12 +85,13 @@ def _compile(kernel, args, kwargs):
     return triton.compile(source, target=target, options=options.__dict__)
 
 
-def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p):
+def _problem(similarity, mask, score_mod, dtype, d, weights, dropout_p, weighting="softmax"):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 200, d, generator=g).to(dtype).requires_grad_(not weights)
                for h in (4, 2, 2))
     return build_problem(q, k, v, mask=mask, score_mod=score_mod, similarity=similarity,
-                         scale=None, metric=None, dropout_p=dropout_p, return_weights=weights)
+                         scale=None, metric=None, dropout_p=dropout_p, return_weights=weights,
+                         weighting=weighting)
 
 
 @pytest.mark.slow
@@ -128,6 +131,57 @@ def test_kernels_compile_for_sm90(
         assert compiled.asm["cubin"], kernel.fn.__name__
         # Else the launch fails on the GPU (out of resources), not here.
         assert compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK, kernel.fn.__name__
+
+
+def _weighting(name: str):
+    return {"sigmoid_bias": lambda: qkv.weighting.sigmoid(torch.linspace(-3.0, 0.0, 4)
+                                                         .requires_grad_()),
+            "user_gain": lambda: qkv.weighting.elementwise(
+                lambda s: torch.tanh(s) * torch.tensor(1.5, requires_grad=True)),
+            "stick_self": lambda: qkv.weighting.stick_breaking(include_self=True)}.get(
+        name, lambda: name)()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("weighting", "mask", "dtype", "d", "weights", "dropout_p"),
+    [
+        ("sigmoid_bias", "causal_padding", torch.bfloat16, 128, False, 0.1),
+        ("identity", None, torch.float16, 40, True, 0.0),
+        ("user_gain", "causal_padding", torch.bfloat16, 64, False, 0.0),
+        ("softpick", "causal_padding", torch.bfloat16, 128, False, 0.0),
+        ("stick_self", "causal", torch.bfloat16, 128, False, 0.1),
+        ("stick_breaking", "causal", torch.float16, 64, True, 0.0),
+    ],
+    ids=["sigmoid-learned-bias-bf16-d128-causal-padding-dropout", "identity-fp16-d40-weights",
+         "user-learned-gain-bf16-d64-causal-padding", "softpick-bf16-d128-causal-padding",
+         "stick-include-self-bf16-d128-dropout", "stick-fp16-d64-weights"],
+)
+def test_weighting_kernels_compile_for_sm90(monkeypatch, weighting, mask, dtype, d, weights,
+                                            dropout_p):
+    """The kernels of ``weighted.py`` and ``weighted_backward.py`` (every weighting but
+    softmax), as launched: stick-breaking's backward runs by query tiles only. float32 takes
+    softmax's tilings, which the cases above compile; its loops (products on CUDA cores)
+    are the slowest to compile."""
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    masks = {None: None, "causal": qkv.causal(),
+             "causal_padding": qkv.causal() & qkv.padding(torch.tensor([200, 150]))}
+    problem = _problem("dot", masks[mask], None, dtype, d, weights, dropout_p,
+                       _weighting(weighting))
+    launches = _record_launches(monkeypatch, problem)
+    stick = weighting.startswith("stick")
+    # In the recorders' order: the backward's delta (row dots) first, then weighted.py's.
+    expected = ["fwd_kernel", "weights_kernel"] if weights else [
+        "row_dots_kernel", "fwd_kernel", *([] if stick else ["bwd_kv_kernel"]), "bwd_q_kernel"]
+    assert [kernel.fn.__name__ for kernel, _, _ in launches] == expected
+    for kernel, args, kwargs in launches:
+        if kernel.fn.__name__ != "row_dots_kernel":
+            assert kernel.fn.__module__.endswith(("weighted", "weighted_backward")), kernel.fn
+        compiled = _compile(kernel, args, kwargs)
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        assert compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK, (
+            kernel.fn.__name__, compiled.metadata.shared)
 
 
 def _sass(compiled) -> str:
@@ -178,14 +232,20 @@ LOOP_CEILINGS = {
     "3.6": {"dot": {"fwd_kernel": 385, "bwd_kv_kernel": 789, "bwd_q_kernel": 330},
             "alibi": {"fwd_kernel": 514, "bwd_kv_kernel": 843, "bwd_q_kernel": 717}},
     "3.9": {"dot": {"fwd_kernel": 405, "bwd_kv_kernel": 572, "bwd_q_kernel": 367},
-            "alibi": {"fwd_kernel": 550, "bwd_kv_kernel": 770, "bwd_q_kernel": 722}},
+            "alibi": {"fwd_kernel": 550, "bwd_kv_kernel": 770, "bwd_q_kernel": 722},
+            # weighted.py's kernels (stick-breaking's have one loop: nothing is counted)
+            "sigmoid": {"fwd_kernel": 445, "bwd_kv_kernel": 730, "bwd_q_kernel": 624},
+            "softpick": {"fwd_kernel": 793, "bwd_kv_kernel": 1302, "bwd_q_kernel": 623}},
 }
+WEIGHTED_LOOPS = ("sigmoid", "softpick")
 
 
-def full_tile_loops(monkeypatch, score_mod) -> dict[str, int]:
+def full_tile_loops(monkeypatch, score_mod, weighting="softmax") -> dict[str, int]:
     """Instructions of the counted full-tile loop of the forward, dK/dV and dQ kernels for
-    dot attention (bf16, D = 128, causal) with ``score_mod``, compiled as launched."""
-    problem = _problem("dot", qkv.causal(), score_mod, torch.bfloat16, 128, False, 0.0)
+    dot attention (bf16, D = 128, causal) with ``score_mod`` and ``weighting``, compiled as
+    launched."""
+    problem = _problem("dot", qkv.causal(), score_mod, torch.bfloat16, 128, False, 0.0,
+                       weighting)
     counts = {}
     for kernel, args, kwargs in _record_launches(monkeypatch, problem):
         if kernel.fn.__name__ == "row_dots_kernel":
@@ -197,17 +257,18 @@ def full_tile_loops(monkeypatch, score_mod) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mod", ["dot", "alibi"])
+@pytest.mark.parametrize("mod", ["dot", "alibi", *WEIGHTED_LOOPS])
 def test_full_tile_loops_take_no_more_instructions(monkeypatch, mod):
     import triton
 
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     version = ".".join(triton.__version__.split(".")[:2])
-    if version not in LOOP_CEILINGS:
-        pytest.skip(f"no instruction counts recorded for Triton {version}")
+    if mod not in LOOP_CEILINGS.get(version, {}):
+        pytest.skip(f"no instruction counts recorded for {mod} with Triton {version}")
     score_mod = qkv.alibi(slopes=torch.rand(4, requires_grad=True)) if mod == "alibi" else None
-    counts = full_tile_loops(monkeypatch, score_mod)
+    counts = full_tile_loops(monkeypatch, score_mod,
+                             mod if mod in WEIGHTED_LOOPS else "softmax")
     print(f"Triton {version}, {mod}: {counts}")
     ceilings = LOOP_CEILINGS[version][mod]
     assert all(counts[name] <= ceilings[name] for name in ceilings), (counts, ceilings)

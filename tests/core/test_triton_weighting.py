@@ -88,12 +88,16 @@ CASES = {
                                           (1, 4, 2, 40, 24, 16, 8)),
     "softpick_cosine_padding": ("softpick", "padding", "cosine", None, (),
                                 (2, 2, 1, 24, 40, 8, 8)),
+    "softpick_scores_near_0": ("softpick", "causal", "dot", None, (), (1, 2, 1, 24, 40, 16, 8)),
     "stick_causal_gqa_kv_cache": ("stick", "causal", "dot", None, (), (1, 4, 2, 24, 40, 16, 8)),
     "stick_self_window": ("stick_self", "window", "dot", None, (), (1, 2, 1, 64, 64, 16, 8)),
     "stick_l2_causal_padding_alibi": ("stick", "causal_padding", "l2", "alibi", ("slopes",),
                                       (2, 2, 1, 40, 40, 8, 8)),
     "stick_decode_one_query": ("stick", None, "dot", None, (), (1, 2, 1, 1, 37, 16, 16)),
 }
+# Scores of a few 1e-3 (q·k of D = 16 unit normals, scaled), where e^s - e^0 keeps 4 of
+# float32's 7 digits: e^s - 1 from its series below |s| = 1/4 keeps them all.
+SCALES = {"softpick_scores_near_0": 5e-4}
 WEIGHT_CASES = ("sigmoid_causal_gqa_kv_cache", "softpick_causal_rows_without_keys",
                 "stick_self_window")
 DROPOUT_CASES = ("sigmoid_learnable_bias_l2_padding", "stick_causal_gqa_kv_cache")
@@ -118,6 +122,7 @@ def build_case(name: str, dtype: torch.dtype, dropout_p: float = 0.0,
     problem = build_problem(
         q, k, v, mask=_mask(mask, b, nk, device), similarity=similarity,
         score_mod=qkv.alibi(slopes=leaves["slopes"]) if score_mod == "alibi" else None,
+        scale=SCALES.get(name),
         weighting=_weighting(weighting, leaves), dropout_p=dropout_p,
         return_weights=return_weights)
     grad_out = place(torch.randn(b, h, nq, dv, generator=torch.Generator().manual_seed(9)))

@@ -48,6 +48,14 @@ def _tanh(x):
 
 
 @triton.jit
+def _sigmoid(x):
+    # 1 / (1 + exp(-x)) by exp2 and a division without IEEE rounding (2 ulp), as _tanh: 0 and 1
+    # exactly at the ends (exp2 gives inf or 0); tl.sigmoid's rounded division and exp's range
+    # handling take most of an elementwise weighting's instructions.
+    return tl.fdiv(1.0, 1.0 + tl.exp2(-1.4426950408889634 * x))
+
+
+@triton.jit
 def _floordiv(a, b):
     # Floor division whatever the backend's integer division rounds to: operands made >= 0.
     n = tl.where(b < 0, -a, a)

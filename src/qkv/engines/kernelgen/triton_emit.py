@@ -22,7 +22,7 @@ def _info(k: int) -> str:
 
 
 _TL_UNARY = {"exp": "tl.exp", "log": "tl.log", "sqrt": "tl.sqrt", "sin": "tl.sin", "cos": "tl.cos",
-             "sigmoid": "tl.sigmoid", "tanh": "_tanh"}
+             "sigmoid": "_sigmoid", "tanh": "_tanh"}
 
 
 def _literal(value) -> str:
