@@ -1,8 +1,9 @@
 """The Triton engine on a real CUDA GPU, against the float64 reference on CPU.
 
 The interpreter matrix of test_triton_engine.py (every similarity, mask and modifier, user
-terms, odd sizes, D = 40, grouped heads, Nq != Nk) and test_triton_weighting.py's weightings
-run here compiled, in fp32, bf16 and fp16, plus problems large enough for many of the GPU's
+terms, odd sizes, D = 40, grouped heads, Nq != Nk) runs here compiled, in fp32, bf16 and fp16,
+and test_triton_weighting.py's weightings in bf16 (one case per kind in all three), plus
+problems large enough for many of the GPU's
 tiles (the weightings' among them), the dispatcher's choices on CUDA and the compiled path.
 CI has no GPU, so the whole module skips there.
 
@@ -88,8 +89,15 @@ def test_matrix_matches_float64_forward_and_gradients(name, dtype):
     assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("name", list(weighting_cases.CASES))
+# Every weighting case in bf16; one per kernel kind in fp32 and fp16 too (each dtype is a
+# compile of its own, and the tests stage has minutes).
+WEIGHTING_RUNS = [(name, "bf16") for name in weighting_cases.CASES] + [
+    (name, dtype) for name in ("sigmoid_learnable_bias_l2_padding",
+                               "softpick_causal_rows_without_keys", "stick_causal_gqa_kv_cache")
+    for dtype in ("fp32", "fp16")]
+
+
+@pytest.mark.parametrize(("name", "dtype"), WEIGHTING_RUNS)
 def test_weightings_match_float64_forward_and_gradients(name, dtype):
     """test_triton_weighting.py's cases (sigmoid, relu, identity, a user's function,
     softpick, stick-breaking) compiled."""
