@@ -3,9 +3,9 @@
 The interpreter matrix of test_triton_engine.py (every similarity, mask and modifier, user
 terms, odd sizes, D = 40, grouped heads, Nq != Nk) runs here compiled, in fp32, bf16 and fp16,
 and test_triton_weighting.py's weightings in bf16 (one case per kind in all three), plus
-problems large enough for many of the GPU's
-tiles (the weightings' among them), the dispatcher's choices on CUDA and the compiled path.
-CI has no GPU, so the whole module skips there.
+problems large enough for many of the GPU's tiles (the weightings' among them), the
+dispatcher's choices on CUDA and the compiled path. CI has no GPU, so the whole module skips
+there.
 
 Low-precision runs are compared with a float64 reference on the same rounded inputs, so
 their error is the kernels' own: bf16 keeps 8 significant bits (2^-9 ≈ 2e-3 per rounding),
