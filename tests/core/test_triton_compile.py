@@ -230,7 +230,9 @@ def innermost_loops(sass: str) -> list[int]:
 # it; what one score costs on the GPU's tensor-core path.
 LOOP_CEILINGS = {
     "3.6": {"dot": {"fwd_kernel": 385, "bwd_kv_kernel": 789, "bwd_q_kernel": 330},
-            "alibi": {"fwd_kernel": 514, "bwd_kv_kernel": 843, "bwd_q_kernel": 717}},
+            "alibi": {"fwd_kernel": 514, "bwd_kv_kernel": 843, "bwd_q_kernel": 717},
+            "sigmoid": {"fwd_kernel": 424, "bwd_kv_kernel": 680, "bwd_q_kernel": 587},
+            "softpick": {"fwd_kernel": 774, "bwd_kv_kernel": 1567, "bwd_q_kernel": 586}},
     "3.9": {"dot": {"fwd_kernel": 405, "bwd_kv_kernel": 572, "bwd_q_kernel": 367},
             "alibi": {"fwd_kernel": 550, "bwd_kv_kernel": 770, "bwd_q_kernel": 722},
             # weighted.py's kernels (stick-breaking's have one loop: nothing is counted)
