@@ -11,7 +11,8 @@
 #   flash      attention_flash_cpu.py with QKV_FLASH=1: the flash engine's inference forward
 #              against SDPA (float32 and bf16 products), where it would run
 #   linear     linear_cpu.py: 1 to 32 rows by SmolLM2's weights in F.linear (MKL), oneDNN and
-#              qkv's few-row loop, then 1 to 16 rows by the same weights in bf16
+#              qkv's few-row loop, then 1,024 rows (a prompt's products: whether oneDNN's
+#              pay there), then 1 to 16 rows by the same weights in bf16
 #   generate   generate_cpu.py, SmolLM2 fp32 against transformers (time to first token of 1,024
 #              tokens, decoding at batch 1 and 8): with QKV_FLASH, QKV_ONEDNN_LINEAR,
 #              QKV_FEW_ROWS_LINEAR and QKV_ROW_OPS all 0 (the operations transformers runs),
@@ -72,6 +73,7 @@ for stage in ${stages//,/ }; do
             run QKV_FLASH=1 "$py" benchmarks/attention_flash_cpu.py --rounds 5 ;;
         linear)
             run "$py" benchmarks/linear_cpu.py --rounds 3
+            run "$py" benchmarks/linear_cpu.py --rows 1024 --rounds 3
             run "$py" benchmarks/linear_cpu.py --dtype bf16 --rows 1,2,4,8,16 --rounds 3 ;;
         generate)
             for switches in "0 0 0" "0 0 1" "1 1 1"; do
