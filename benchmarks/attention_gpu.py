@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv
+from qkv.core.masks.rules import CausalMask, SlidingWindowMask
 from qkv.core.problem import build_problem
 from qkv.engines import triton as triton_engine
 from results import write_results  # beside this script
@@ -57,6 +58,13 @@ class Variant:
     sdpa: dict = field(default_factory=dict)  # backend name -> callable
     dispatched: bool = False  # also time qkv.attention's own choice ("qkv auto")
     naive: bool = True  # also time the reference (the weightings' rows need only the kernels)
+
+    @property
+    def causal(self) -> bool:
+        """Whether no query sees a later key (the results' ``causal`` column)."""
+        mask = self.kwargs.get("mask")
+        return isinstance(mask, CausalMask) or (isinstance(mask, SlidingWindowMask)
+                                                and mask.right == 0)
 
 
 def _flex_compiled():
@@ -260,6 +268,7 @@ class Row:
     heads: int
     variant: str
     impl: str
+    causal: bool = False
     fwd_ms: float | None = None
     fwdbwd_ms: float | None = None
     flops_fwd: float = 0.0
@@ -282,7 +291,8 @@ class Row:
             return None if x is None else round(x, digits)
 
         return {"d": self.d, "n": self.n, "batch": self.batch, "heads": self.heads,
-                "variant": self.variant, "impl": self.impl, "fwd_ms": r(self.fwd_ms),
+                "variant": self.variant, "impl": self.impl, "causal": self.causal,
+                "fwd_ms": r(self.fwd_ms),
                 "fwd_bwd_ms": r(self.fwdbwd_ms), "fwd_tflops": r(self.tflops("fwd"), 1),
                 "bwd_tflops": r(self.tflops("bwd"), 1),
                 "fwd_bwd_tflops": r(self.tflops("both"), 1), "peak_gb": r(self.peak_gb),
@@ -374,7 +384,7 @@ def run_timings(args, device, deadline: float) -> tuple[list[Row], list[str]]:
                 if time.monotonic() > deadline:
                     skipped.append(f"D={d} N={n} {name} {impl}")
                     continue
-                row = Row(d, n, batch, heads, name, impl, flops_fwd=flops)
+                row = Row(d, n, batch, heads, name, impl, variant.causal, flops_fwd=flops)
                 try:
                     row.fwd_ms, row.fwdbwd_ms, row.peak_gb = time_impl(fn, q, k, v, grad_out)
                 except torch.cuda.OutOfMemoryError:

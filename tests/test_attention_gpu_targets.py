@@ -54,3 +54,20 @@ def test_weighting_rows_run_only_the_kernels_and_name_their_weighting(gpu_benchm
         assert (variant.kwargs["mask"] is not None) == causal, name
         assert variant.allowed == (64 * 65 // 2 if causal else 64 * 64), name
     assert gpu.make_variant("sigmoid", 64, 16, 2, "cpu").kwargs["weighting"] == "sigmoid"
+
+
+def test_a_row_records_the_fields_the_results_file_promises(gpu_benchmark):
+    """benchmarks/results' gpu rows: variant, impl, causal, d, n, fwd_ms, fwd_bwd_ms,
+    fwd_tflops and fwd_bwd_tflops (issue 46's shape), causal read from the variant's mask."""
+    gpu = gpu_benchmark
+    causal = {name: gpu.make_variant(name, 64, 16, 2, "cpu").causal
+              for name in ("dot", "causal", "window", "segments", "l1_causal", "stick_breaking",
+                           "sigmoid")}
+    assert causal == {"dot": False, "causal": True, "window": True, "segments": False,
+                      "l1_causal": True, "stick_breaking": True, "sigmoid": False}
+    record = gpu.Row(128, 8192, 2, 16, "causal", "qkv triton", True, fwd_ms=2.0, fwdbwd_ms=8.0,
+                     flops_fwd=1e12).record()
+    assert {"variant", "impl", "causal", "d", "n", "fwd_ms", "fwd_bwd_ms", "fwd_tflops",
+            "fwd_bwd_tflops"} <= set(record)
+    assert (record["causal"], record["fwd_tflops"], record["fwd_bwd_tflops"]) == (True, 500.0,
+                                                                                 437.5)
