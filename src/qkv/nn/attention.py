@@ -10,6 +10,7 @@ from ..core.weighting import Weighting, as_weighting
 from ..distributed.context import active as active_context_parallel
 from ..engines.api import attention
 from .forget_gate import forget_scores, gate_dtype
+from .heads import merge_heads, split_heads
 from .linear import Linear, shared_input
 from .positions import RotaryEmbedding, last_positions
 
@@ -58,12 +59,6 @@ class KVCache:
         self.k = self.k.index_select(0, index)
         self.v = self.v.index_select(0, index)
         self.gates = self.gates.index_select(0, index)
-
-
-def _split_heads(x: Tensor, heads: int) -> Tensor:
-    """(B, N, heads * D) -> (B, heads, N, D)."""
-    b, n, _ = x.shape
-    return x.view(b, n, heads, -1).transpose(1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -182,7 +177,7 @@ class MultiHeadAttention(nn.Module):
         self._check_width("key", key, self.kdim)
         self._check_width("value", value, self.vdim)
         if self.is_cross and cache is not None and cache.length > 0:
-            q = _split_heads(self.q_proj(query), self.n_head)
+            q = split_heads(self.q_proj(query), self.n_head)
             k, v = cache.cached()
         else:
             if self.is_cross and key is None:
@@ -225,7 +220,7 @@ class MultiHeadAttention(nn.Module):
             out, weights = split.attention(q, k, v, **kwargs), None
         else:
             out, weights = self.attend(q, k, v, **kwargs)
-        out = self.out_proj(out.transpose(1, 2).flatten(2))
+        out = self.out_proj(merge_heads(out))
         return (out, weights) if return_weights else out
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, ...]:
@@ -237,8 +232,8 @@ class MultiHeadAttention(nn.Module):
             q = self.q_proj(query)
             k, v = (shared_input(key, (self.k_proj, self.v_proj)) if value is key
                     else (self.k_proj(key), self.v_proj(value)))
-        return (_split_heads(q, self.n_head), _split_heads(k, self.n_kv_head),
-                _split_heads(v, self.n_kv_head))
+        return (split_heads(q, self.n_head), split_heads(k, self.n_kv_head),
+                split_heads(v, self.n_kv_head))
 
     @property
     def observed(self) -> bool:

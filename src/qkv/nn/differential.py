@@ -19,6 +19,7 @@ from ..core.weighting import as_weighting
 from ..engines.api import attention
 from .attention import KVCache
 from .forget_gate import check_no_forget_gate
+from .heads import merge_heads, split_heads
 from .linear import Linear
 from .norms import RMSNorm
 from .positions import RotaryEmbedding, Rotation
@@ -58,12 +59,6 @@ def every_other_frequency(rotation: Rotation) -> Rotation:
         half = x.shape[-1] // 2
         return torch.cat((x[..., :half:2], x[..., half::2]), dim=-1)
     return Rotation(halve(rotation.cos), halve(rotation.sin))
-
-
-def _split_heads(x: Tensor, heads: int) -> Tensor:
-    """(B, N, heads * D) -> (B, heads, N, D)."""
-    b, n, _ = x.shape
-    return x.view(b, n, heads, -1).transpose(1, 2)
 
 
 class DifferentialAttention(nn.Module):
@@ -161,16 +156,16 @@ class DifferentialAttention(nn.Module):
         A_2h − λ A_2h+1 (B, H, N, Nk)) with ``return_weights``."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (B, N, {self.d_model}); got {tuple(x.shape)}")
-        q = _split_heads(self.q_proj(x), 2 * self.n_head)
+        q = split_heads(self.q_proj(x), 2 * self.n_head)
         if self.is_cross and cache is not None and cache.length > 0:
             k, v = cache.cached()
         else:
             if self.is_cross and memory is None:
                 raise ValueError("cross-attention needs memory on its first call")
             source = memory if self.is_cross else x
-            k = _split_heads(self.k_proj(source), 2 * self.n_kv_head)
+            k = split_heads(self.k_proj(source), 2 * self.n_kv_head)
             # Key heads 2j and 2j+1 both read value head j.
-            v = _split_heads(self.v_proj(source), self.n_kv_head).repeat_interleave(2, dim=1)
+            v = split_heads(self.v_proj(source), self.n_kv_head).repeat_interleave(2, dim=1)
             if self.rope is not None:
                 if positions is None:
                     start = 0 if cache is None else cache.length
@@ -186,7 +181,7 @@ class DifferentialAttention(nn.Module):
         lam = self.lambda_full().to(out.dtype)
         out = out[:, 0::2] - lam * out[:, 1::2]                        # (B, H, N, 2·head_dim)
         out = self.subln(out) * (1 - self.lambda_init)
-        out = self.out_proj(out.transpose(1, 2).flatten(2))
+        out = self.out_proj(merge_heads(out))
         if not return_weights:
             return out
         return out, weights[:, 0::2] - lam.to(weights.dtype) * weights[:, 1::2]

@@ -32,6 +32,7 @@ from ..core.masks import (
 )
 from ..core.weighting import as_weighting
 from .forget_gate import check_no_forget_gate
+from .heads import merge_heads, split_heads
 from .linear import Linear
 from .positions import RotaryEmbedding
 
@@ -100,11 +101,6 @@ def causal_and_key_mask(mask, batch: int, key_positions: Tensor, kind: str):
         allowed = part.mask_mod(b, zero, zero, key_positions.view(1, 1, 1, -1), 0)
         keep = keep & torch.as_tensor(allowed).expand(batch, 1, 1, n).reshape(batch, n)
     return causal, keep
-
-
-def split_heads(x: Tensor, heads: int) -> Tensor:
-    """(B, N, heads * D) -> (B, heads, N, D)."""
-    return x.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
 
 
 def performer_feature_count(head_dim: int) -> int:
@@ -207,7 +203,7 @@ class LinearAttention(nn.Module):
             out = self._cross(q, memory, mask, cache)
         else:
             out = self._self(x, q, mask, positions, cache)
-        return self.out_proj(out.transpose(1, 2).flatten(2))
+        return self.out_proj(merge_heads(out))
 
     def _cross(self, q, memory, mask, cache):
         if cache is not None and cache.state is not None:

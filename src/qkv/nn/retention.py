@@ -17,13 +17,9 @@ from torch import Tensor, nn
 from ..core.linear import check_positive_int, no_weights_error
 from ..core.retention import NO_WEIGHTS_HINT, retention, retention_decays
 from .forget_gate import check_no_forget_gate
+from .heads import split_heads
 from .linear import Linear
-from .linear_attention import (
-    StateCache,
-    causal_and_key_mask,
-    check_softmax_weighting,
-    split_heads,
-)
+from .linear_attention import StateCache, causal_and_key_mask, check_softmax_weighting
 from .positions import RotaryEmbedding
 
 
