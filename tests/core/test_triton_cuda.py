@@ -75,18 +75,23 @@ def _tolerances(name: str, dtype: str) -> tuple[float, float]:
     return LOW_PRECISION[dtype]
 
 
+def _assert_within(result: dict, dtype: str, out_tolerance: float, grad_tolerance: float):
+    """A case's errors under its bounds (a learnable scalar's gradient gets SCALAR_FACTOR in
+    low precision), and exact zeros on rows with no allowed key."""
+    assert result["out"] < out_tolerance, result
+    for error, scalar in zip(result["grads"], result["scalar"], strict=True):
+        factor = SCALAR_FACTOR if scalar and dtype != "fp32" else 1.0
+        assert error < grad_tolerance * factor, result
+    assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(CASES))
 def test_matrix_matches_float64_forward_and_gradients(name, dtype):
     result = run_case(name, "cuda", DTYPES[dtype])
     RESULTS[f"{name}/{dtype}"] = result
     assert "error" not in result, result["error"]
-    out_tolerance, grad_tolerance = _tolerances(name, dtype)
-    assert result["out"] < out_tolerance, result
-    for error, scalar in zip(result["grads"], result["scalar"], strict=True):
-        factor = SCALAR_FACTOR if scalar and dtype != "fp32" else 1.0
-        assert error < grad_tolerance * factor, result
-    assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+    _assert_within(result, dtype, *_tolerances(name, dtype))
 
 
 # Every weighting case in bf16; one per kernel kind in fp32 and fp16 too (each dtype is a
@@ -103,16 +108,9 @@ def test_weightings_match_float64_forward_and_gradients(name, dtype):
     softpick, stick-breaking) compiled."""
     result = weighting_cases.run_case(name, "cuda", DTYPES[dtype])
     RESULTS[f"weighting_{name}/{dtype}"] = result
-    if dtype == "fp32":
-        out_tolerance = weighting_cases.TOLERANCE
-        grad_tolerance = weighting_cases._grad_tolerance(name)
-    else:
-        out_tolerance, grad_tolerance = LOW_PRECISION[dtype]
-    assert result["out"] < out_tolerance, result
-    for error, scalar in zip(result["grads"], result["scalar"], strict=True):
-        factor = SCALAR_FACTOR if scalar and dtype != "fp32" else 1.0
-        assert error < grad_tolerance * factor, result
-    assert result["empty_rows_exact"], "rows with no allowed key must give exact zeros"
+    tolerances = ((weighting_cases.TOLERANCE, weighting_cases._grad_tolerance(name))
+                  if dtype == "fp32" else LOW_PRECISION[dtype])
+    _assert_within(result, dtype, *tolerances)
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_CASES))
