@@ -18,6 +18,8 @@ import torch
 import qkv
 from qkv.core.problem import build_problem
 
+from . import test_triton_weighting as weighting_cases
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
@@ -134,12 +136,9 @@ def test_kernels_compile_for_sm90(
 
 
 def _weighting(name: str):
-    return {"sigmoid_bias": lambda: qkv.weighting.sigmoid(torch.linspace(-3.0, 0.0, 4)
-                                                         .requires_grad_()),
-            "user_gain": lambda: qkv.weighting.elementwise(
-                lambda s: torch.tanh(s) * torch.tensor(1.5, requires_grad=True)),
-            "stick_self": lambda: qkv.weighting.stick_breaking(include_self=True)}.get(
-        name, lambda: name)()
+    """test_triton_weighting.py's weighting ``name``, its learnable tensors made for 4 heads."""
+    leaves = {n: make(4).requires_grad_() for n, make in weighting_cases._LEAVES.items()}
+    return weighting_cases._weighting(name, leaves)
 
 
 @pytest.mark.slow
@@ -148,10 +147,10 @@ def _weighting(name: str):
     [
         ("sigmoid_bias", "causal_padding", torch.bfloat16, 128, False, 0.1),
         ("identity", None, torch.float16, 40, True, 0.0),
-        ("user_gain", "causal_padding", torch.bfloat16, 64, False, 0.0),
+        ("elementwise", "causal_padding", torch.bfloat16, 64, False, 0.0),
         ("softpick", "causal_padding", torch.bfloat16, 128, False, 0.0),
         ("stick_self", "causal", torch.bfloat16, 128, False, 0.1),
-        ("stick_breaking", "causal", torch.float16, 64, True, 0.0),
+        ("stick", "causal", torch.float16, 64, True, 0.0),
     ],
     ids=["sigmoid-learned-bias-bf16-d128-causal-padding-dropout", "identity-fp16-d40-weights",
          "user-learned-gain-bf16-d64-causal-padding", "softpick-bf16-d128-causal-padding",
