@@ -45,6 +45,7 @@ VARIANTS = ["dot", "causal", "alibi", "window", "softcap", "segments", "cosine",
 # asked for by name (gpu_suite.sh's weightings stage). FlexAttention cannot express them, so
 # their baseline is the Triton softmax at the same shape (the dot or causal row) and SDPA's.
 WEIGHTINGS = ["sigmoid", "softpick", "stick_breaking", "relu", "identity", "elementwise"]
+CAUSAL_WEIGHTINGS = ("stick_breaking",)  # it breaks the stick over the keys before a query
 SMOKE_VARIANTS = ["dot", "causal", "alibi", "l1", "user", "sigmoid", "stick_breaking"]
 
 
@@ -189,7 +190,7 @@ def make_variant(name: str, n: int, d: int, heads: int, device) -> Variant:
         similarity = qkv.Similarity(lambda a, b: -weight * (a - b).abs(), name="weighted_l1")
         return Variant({"similarity": similarity}, n * n)
     if name in WEIGHTINGS:
-        causal = name == "stick_breaking"  # it breaks the stick over the keys before a query
+        causal = name in CAUSAL_WEIGHTINGS
         weighting = (qkv.weighting.elementwise(lambda s: s * torch.sigmoid(s))
                      if name == "elementwise" else name)
         return Variant({"weighting": weighting, "mask": qkv.causal() if causal else None},
@@ -480,7 +481,7 @@ def weighting_targets(get, ratio, verdict) -> list[str]:
     claim), forward and fwd+bwd. SDPA's flash softmax beside it, for scale."""
     lines = []
     for name in WEIGHTINGS:
-        base = "causal" if name == "stick_breaking" else "dot"
+        base = "causal" if name in CAUSAL_WEIGHTINGS else "dot"
         ours, softmax = get(name, "qkv triton"), get(base, "qkv triton")
         lines.append(verdict(ratio(ours, softmax), 1.0 if name == "sigmoid" else 0.8,
                              f"{name} fwd+bwd TFLOP/s vs the Triton softmax ({base})"))
@@ -498,9 +499,13 @@ def main() -> None:
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--tokens", type=int, default=16384, help="B·N")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS + WEIGHTINGS,
+    chosen = parser.add_mutually_exclusive_group()
+    chosen.add_argument("--variants", nargs="+", choices=VARIANTS + WEIGHTINGS,
                         help="default: " + " ".join(VARIANTS) + " (with --smoke: "
                              + " ".join(SMOKE_VARIANTS) + ")")
+    chosen.add_argument("--weightings", action="store_true",
+                        help="each weighting beside the Triton softmax it is held to: "
+                             + " ".join(["dot", "causal", *WEIGHTINGS]))
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--no-flex", action="store_true")
     parser.add_argument("--no-check", action="store_true",
@@ -516,6 +521,8 @@ def main() -> None:
     if args.smoke:
         global REPS, MIN_SECONDS
         args.d, args.n, args.tokens, args.heads, REPS, MIN_SECONDS = [16], [64], 64, 2, 1, 0.0
+    if args.weightings:
+        args.variants = ["dot", "causal", *WEIGHTINGS]
     args.variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
     global _FLEX
     _FLEX = None if args.no_flex or args.smoke else _flex_compiled()

@@ -100,9 +100,8 @@ run_weightings() {
     if [ "$gpu" = 0 ]; then
         args=(--smoke)
     fi
-    "$py" benchmarks/attention_gpu.py "${args[@]}" --variants dot causal sigmoid softpick \
-        stick_breaking relu identity elementwise --budget-s "${BENCH_BUDGET:-420}" 2>&1 \
-        | tee "$out/bench_weightings.md"
+    "$py" benchmarks/attention_gpu.py "${args[@]}" --weightings \
+        --budget-s "${BENCH_BUDGET:-420}" 2>&1 | tee "$out/bench_weightings.md"
     return "${PIPESTATUS[0]}"
 }
 
